@@ -1,0 +1,190 @@
+"""Draft-model proposer: a small causal LM drafts a chain, or a dynamic tree (EAGLE-2 style).
+
+The draft model keeps its own KV cache per session. Before drafting, the cache is
+synchronised with the committed tokens: the longest prefix it already holds (the
+drafted tokens the target accepted stay) is kept, the rest is fed in the same
+forward that produces the first draft distribution, so catching up costs no
+extra forward pass.
+
+Chain: k forwards, each token the draft's argmax (greedy) or a sample from the
+warped draft distribution q, which is shipped with the tree for lossless
+verification.
+
+Tree: level by level, the ``expand_width`` highest-scoring frontier nodes (score =
+cumulative draft log-probability) are run in one forward with a tree mask and
+each proposes its ``branching`` most likely children; at the end the
+``max_nodes`` best nodes overall form the tree (ancestor-closed, since a child
+never scores above its parent). Children are deterministic top-k picks, i.e.
+point masses for lossless sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from drafter_service.proposer import Budget, DraftSessionState, register
+from specmesh.model_runner import KVCache, ModelRunner
+from specmesh.sampling import warp_probs
+from specmesh.tree import TokenTree
+
+
+@dataclass
+class _DraftCache:
+    cache: KVCache
+    cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds, in order
+
+
+def _sync(runner: ModelRunner, dc: _DraftCache, committed: list[int]) -> torch.Tensor:
+    """Bring the draft cache to ``committed``; return the logits after its last token, [vocab]."""
+    common = 0
+    limit = min(len(dc.cached), len(committed) - 1)  # always re-feed at least the last committed token
+    while common < limit and dc.cached[common] == committed[common]:
+        common += 1
+    dc.cache.truncate(common)
+    logits = runner.forward(dc.cache, committed[common:], range(common, len(committed)))[-1]
+    dc.cached = list(committed)
+    return logits
+
+
+def _log_q(logits: torch.Tensor, state: DraftSessionState) -> torch.Tensor:
+    """Draft log-probabilities used for ranking: warped like the target's when sampling. [..., vocab]"""
+    sp = state.sampling
+    if sp.greedy:
+        return torch.log_softmax(logits.double(), dim=-1)
+    return torch.log(warp_probs(logits, sp.temperature, sp.top_k, sp.top_p))
+
+
+@dataclass
+class DraftModelProposer:
+    runner: ModelRunner
+    tree: bool = False  # False: chain; True: dynamic tree
+    branching: int = 4  # children proposed per expanded node (tree)
+    expand_width: int = 4  # frontier nodes expanded per level (tree)
+    name: str = "draft_model"
+
+    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
+        if budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions:
+            return TokenTree.empty()
+        dc = state.scratch.get(self.name)
+        if dc is None:
+            dc = state.scratch[self.name] = _DraftCache(self.runner.new_cache())
+        logits = _sync(self.runner, dc, state.tokens)
+        if self.tree:
+            return self._tree(dc, logits, state, budget)
+        return self._chain(dc, logits, state, budget)
+
+    def release(self, state: DraftSessionState) -> None:
+        state.scratch.pop(self.name, None)
+
+    # ----------------------------------------------------------------- chain
+    def _chain(self, dc: _DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
+        sp = state.sampling
+        length = min(budget.max_nodes, budget.max_depth)
+        tokens: list[int] = []
+        probs: list[float] = []
+        dists: list[tuple[np.ndarray, np.ndarray]] = []
+        for step in range(length):
+            if sp.greedy:
+                x = int(logits.argmax())  # host sync
+                probs.append(float(torch.softmax(logits.double(), -1)[x]))
+            else:
+                q = warp_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+                x = int(torch.multinomial(q, 1, generator=state.generator))
+                ids = torch.nonzero(q).flatten()
+                dists.append((ids.numpy(), q[ids].numpy()))
+                probs.append(float(q[x]))
+            tokens.append(x)
+            if step == length - 1 or budget.expired():
+                break
+            pos = len(dc.cached)
+            logits = self.runner.forward(dc.cache, [x], [pos])[-1]
+            dc.cached.append(x)
+        tree = TokenTree.chain(tokens, probs, self.name)
+        if dists:
+            ids, vals = zip(*dists)
+            sizes = [len(i) for i in ids]
+            tree = TokenTree(
+                tree.tokens, tree.parents, tree.draft_probs, tree.sources,
+                q_cu=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                q_ids=np.concatenate(ids).astype(np.int64),
+                q_probs=np.concatenate(vals).astype(np.float64),
+            )
+        return tree
+
+    # ------------------------------------------------------------------ tree
+    def _tree(self, dc: _DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
+        base = len(dc.cached)  # committed length; drafted nodes go after it in the cache
+        # Candidate arrays, indexed by candidate id.
+        cand_token: list[int] = []
+        cand_parent: list[int] = []
+        cand_depth: list[int] = []
+        cand_score: list[float] = []
+        cand_logq: list[float] = []
+        fed_offset: dict[int, int] = {}  # candidate id -> its offset after `base` in the draft cache
+        fed_parent: list[int] = []  # per fed offset: offset of its parent (-1 = root)
+
+        def add_children(parent: int, log_q: torch.Tensor, parent_score: float, depth: int) -> list[int]:
+            k = min(self.branching, budget.max_nodes)
+            top = torch.topk(log_q, k)
+            ids = []
+            for lq, tok in zip(top.values.tolist(), top.indices.tolist()):
+                if lq == float("-inf"):
+                    break
+                cand_token.append(tok)
+                cand_parent.append(parent)
+                cand_depth.append(depth)
+                cand_score.append(parent_score + lq)
+                cand_logq.append(lq)
+                ids.append(len(cand_token) - 1)
+            return ids
+
+        frontier = add_children(-1, _log_q(logits, state), 0.0, 0)
+        for depth in range(1, budget.max_depth):
+            if not frontier or budget.expired():
+                break
+            expand = sorted(frontier, key=lambda c: -cand_score[c])[: self.expand_width]
+            first = len(fed_parent)
+            for c in expand:
+                fed_offset[c] = len(fed_parent)
+                fed_parent.append(fed_offset[cand_parent[c]] if cand_parent[c] >= 0 else -1)
+            num_fed = len(fed_parent)
+            # attend: committed prefix + each new node's fed ancestors + itself
+            anc = np.zeros((num_fed, num_fed), dtype=bool)
+            for off, par in enumerate(fed_parent):
+                if par >= 0:
+                    anc[off] = anc[par]
+                anc[off, off] = True
+            attend = torch.cat(
+                [torch.ones(len(expand), base, dtype=torch.bool), torch.from_numpy(anc[first:num_fed])], dim=1
+            )
+            step_logits = self.runner.forward(
+                dc.cache, [cand_token[c] for c in expand], [base + cand_depth[c] for c in expand], attend
+            )
+            log_q = _log_q(step_logits, state)
+            frontier = []
+            for row, c in enumerate(expand):
+                frontier += add_children(c, log_q[row], cand_score[c], depth)
+        dc.cache.truncate(base)  # drop the drafted nodes; accepted ones are re-fed with the next sync
+        # Best max_nodes candidates; a parent outranks its children (ties broken by depth).
+        order = sorted(range(len(cand_token)), key=lambda c: (-cand_score[c], cand_depth[c], c))
+        chosen = sorted(order[: budget.max_nodes], key=lambda c: (cand_depth[c], c))
+        new_index = {c: i for i, c in enumerate(chosen)}
+        return TokenTree(
+            np.asarray([cand_token[c] for c in chosen], np.int64),
+            np.asarray([new_index[cand_parent[c]] if cand_parent[c] >= 0 else -1 for c in chosen], np.int64),
+            np.exp(np.asarray([cand_logq[c] for c in chosen], np.float64)),
+            (self.name,) * len(chosen),
+        )
+
+
+@register("draft_model")
+def _chain(draft_runner: ModelRunner, **_: object) -> DraftModelProposer:
+    return DraftModelProposer(draft_runner, tree=False, name="draft_model")
+
+
+@register("draft_model_tree")
+def _tree(draft_runner: ModelRunner, branching: int = 4, expand_width: int = 4, **_: object) -> DraftModelProposer:
+    return DraftModelProposer(draft_runner, tree=True, branching=branching, expand_width=expand_width, name="draft_model_tree")

@@ -1,0 +1,51 @@
+"""The Drafter interface the orchestrator talks to, and its in-process implementation.
+
+A drafter session receives context deltas (tokens committed since the last call)
+and answers with a candidate tree within the budget. The in-process drafter keeps
+one DraftSessionState per session and delegates to a Proposer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from drafter_service.proposer import Budget, DraftSessionState, Proposer
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+
+
+class Drafter(Protocol):
+    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None: ...
+
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget) -> TokenTree: ...
+
+    def close(self, session_id: str) -> None: ...
+
+
+class LocalDrafter:
+    """Drafter running one proposer in this process."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self._sessions: dict[str, DraftSessionState] = {}
+
+    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator()
+            # draft randomness must be independent of the verifier's
+            generator.manual_seed((sampling.seed + 0x5DEECE66D) if sampling.seed is not None else torch.seed())
+        self._sessions[session_id] = DraftSessionState(session_id, list(prompt), sampling, generator)
+
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget) -> TokenTree:
+        state = self._sessions[session_id]
+        state.tokens.extend(new_tokens)
+        return self.proposer.propose(state, budget)
+
+    def close(self, session_id: str) -> None:
+        state = self._sessions.pop(session_id, None)
+        if state is not None:
+            self.proposer.release(state)

@@ -1,0 +1,90 @@
+"""Prompt lookup: continue the context's suffix the way it continued earlier in the context.
+
+The longest suffix n-gram (max_ngram down to min_ngram) that occurred before is
+looked up; what followed each occurrence (most recent first) becomes a path of
+the tree. One match gives a chain; several distinct continuations give a tree
+that shares common prefixes. Deterministic, so nodes carry point-mass draft
+distributions (lossless under sampling too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from drafter_service.proposer import Budget, DraftSessionState, register
+from specmesh.tree import TokenTree, TreeBuilder
+
+
+def ngram_continuations(
+    tokens: np.ndarray,  # [num_tokens] int64, the committed context
+    min_ngram: int,
+    max_ngram: int,
+    max_len: int,
+    max_matches: int,
+) -> list[np.ndarray]:
+    """Continuations of earlier occurrences of the context's suffix, best first.
+
+    Longer matched n-grams come first; within one n, the most recent occurrence first.
+    Duplicate continuations are dropped. Each continuation has 1..max_len tokens.
+    """
+    num_tokens = tokens.shape[0]
+    found: list[np.ndarray] = []
+    seen: set[bytes] = set()
+    for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
+        suffix = tokens[num_tokens - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: num_tokens - 1], n)  # [num_tokens - n, n]
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        for start in starts[::-1]:
+            cont = tokens[start + n : start + n + max_len]
+            key = cont.tobytes()
+            if cont.size == 0 or key in seen:
+                continue
+            seen.add(key)
+            found.append(cont)
+            if len(found) >= max_matches:
+                return found
+    return found
+
+
+def continuations_tree(continuations: list[np.ndarray], budget: Budget, source: str) -> TokenTree:
+    """Merge continuations (best first) into one tree within the budget."""
+    builder = TreeBuilder()
+    for cont in continuations:
+        if len(builder) >= budget.max_nodes:
+            break
+        builder.add_path(cont[: budget.max_depth].tolist(), source, max_nodes=budget.max_nodes)
+    return builder.build()
+
+
+@dataclass
+class PromptLookupProposer:
+    min_ngram: int = 1
+    max_ngram: int = 4
+    max_matches: int = 1  # 1 = chain; more = multi-match tree
+    name: str = "prompt_lookup"
+
+    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
+        if budget.is_zero:
+            return TokenTree.empty()
+        tokens = np.asarray(state.tokens, dtype=np.int64)
+        conts = ngram_continuations(tokens, self.min_ngram, self.max_ngram, budget.max_depth, self.max_matches)
+        return continuations_tree(conts, budget, self.name)
+
+    def release(self, state: DraftSessionState) -> None:
+        pass
+
+
+@register("prompt_lookup")
+def _chain(**opts) -> PromptLookupProposer:
+    return PromptLookupProposer(max_matches=1, **_opts(opts))
+
+
+@register("prompt_lookup_tree")
+def _tree(**opts) -> PromptLookupProposer:
+    return PromptLookupProposer(max_matches=opts.pop("max_matches", 8), name="prompt_lookup_tree", **_opts(opts))
+
+
+def _opts(opts: dict) -> dict:
+    return {k: opts[k] for k in ("min_ngram", "max_ngram") if k in opts}

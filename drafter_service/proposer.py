@@ -1,0 +1,85 @@
+"""Proposer interface, draft budgets, per-session drafter state and the proposer registry.
+
+A proposer turns a session's committed tokens into a candidate TokenTree within a
+budget. Proposers keep any per-session state (a draft model's KV cache, ...) in
+``DraftSessionState.scratch`` under their own name, so one proposer object serves
+every session and the drafter shell owns session lifetimes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_nodes: int  # nodes in the tree (not counting the root)
+    max_depth: int  # longest root-to-leaf path
+    deadline: float | None = None  # time.monotonic() by which the tree must be ready
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0 or self.max_depth < 0:
+            raise ValueError("budget sizes must be >= 0")
+
+    @property
+    def is_zero(self) -> bool:
+        return self.max_nodes == 0 or self.max_depth == 0
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+@dataclass
+class DraftSessionState:
+    session_id: str
+    tokens: list[int]  # every committed token: prompt + generated
+    sampling: SamplingParams
+    generator: torch.Generator | None = None  # for sampled drafts
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-proposer state
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree: ...
+
+    def release(self, state: DraftSessionState) -> None: ...
+
+
+# ------------------------------------------------------------------ registry
+ProposerFactory = Callable[..., Proposer]
+_REGISTRY: dict[str, ProposerFactory] = {}
+
+
+def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    def wrap(factory: ProposerFactory) -> ProposerFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def proposer_names() -> list[str]:
+    _import_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_proposer(name: str, **resources: Any) -> Proposer:
+    """Build a registered proposer. ``resources`` may hold ``draft_runner`` and proposer options."""
+    _import_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown proposer {name!r}; choose from {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**resources)
+
+
+def _import_builtin() -> None:
+    # Importing the modules runs their @register lines.
+    from drafter_service import draft_model, prompt_lookup  # noqa: F401

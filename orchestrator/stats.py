@@ -1,0 +1,94 @@
+"""Per-step and per-request speculation statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_proposed: int  # tree nodes sent to the verifier
+    tree_depth: int
+    num_accepted: int  # draft tokens accepted (the bonus token not included)
+    accepted_sources: tuple[str, ...]  # proposer of each accepted node
+    proposed_sources: tuple[str, ...]  # proposer of each proposed node
+    draft_seconds: float
+    verify_seconds: float
+    draft_error: str = ""  # why the drafter's tree was not used, if it was not
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+    num_generated: int = 0
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification step (accepted + bonus)."""
+        if not self.steps:
+            return 0.0
+        return sum(s.num_accepted + 1 for s in self.steps) / len(self.steps)
+
+    @property
+    def target_forwards_per_token(self) -> float:
+        return (1 + self.num_steps) / max(self.num_generated, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def acceptance_per_position(self) -> list[float]:
+        """Entry d: fraction of steps whose tree reached depth d+1 that accepted at least d+1 tokens."""
+        return [a / r if r else 0.0 for a, r in zip(*self.position_counts())]
+
+    def position_counts(self) -> tuple[list[int], list[int]]:
+        """(accepted, reached) per depth position, for pooling across requests."""
+        depth = max((s.tree_depth for s in self.steps), default=0)
+        reached = [sum(1 for s in self.steps if s.tree_depth > d) for d in range(depth)]
+        accepted = [sum(1 for s in self.steps if s.num_accepted > d) for d in range(depth)]
+        return accepted, reached
+
+    def per_source(self) -> dict[str, dict[str, int]]:
+        proposed: Counter[str] = Counter()
+        accepted: Counter[str] = Counter()
+        for s in self.steps:
+            proposed.update(s.proposed_sources)
+            accepted.update(s.accepted_sources)
+        return {k: {"proposed": proposed[k], "accepted": accepted[k]} for k in sorted(proposed)}
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(s.draft_seconds for s in self.steps)
+
+    @property
+    def verify_seconds(self) -> float:
+        return sum(s.verify_seconds for s in self.steps)
+
+    @property
+    def num_draft_errors(self) -> int:
+        return sum(1 for s in self.steps if s.draft_error)
+
+    def summary(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.num_generated,
+            "steps": self.num_steps,
+            "tau": self.tau,
+            "tokens_per_second": self.tokens_per_second,
+            "total_seconds": self.total_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "target_forwards_per_token": self.target_forwards_per_token,
+            "acceptance_per_position": self.acceptance_per_position(),
+            "per_source": self.per_source(),
+            "draft_errors": self.num_draft_errors,
+        }

@@ -1,0 +1,61 @@
+"""Stop conditions: max_new_tokens, EOS / stop token ids, stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from specmesh.sampling import SamplingParams
+
+
+class StopChecker:
+    """Feeds newly committed tokens; says which of them to emit and whether generation ends.
+
+    Stop strings need ``decode`` (token ids -> text). When a stop string appears,
+    generation ends after the token that completed it and ``text_limit`` says where
+    the returned text must be cut.
+    """
+
+    def __init__(self, sampling: SamplingParams, eos_token_ids: Sequence[int], decode: Callable[[list[int]], str] | None):
+        self.max_new_tokens = sampling.max_new_tokens
+        self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        self.stop_strings = sampling.stop
+        if self.stop_strings and decode is None:
+            raise ValueError("stop strings need a tokenizer to decode with")
+        self.decode = decode
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.text_limit: int | None = None
+
+    def push(self, tokens: Sequence[int]) -> list[int]:
+        """Append ``tokens``; return the ones to emit (stops early if a condition fires)."""
+        emitted: list[int] = []
+        for tok in tokens:
+            if self.finish_reason is not None:
+                break
+            self.generated.append(int(tok))
+            emitted.append(int(tok))
+            if tok in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.generated) >= self.max_new_tokens:
+                self.finish_reason = "length"
+        if self.stop_strings and emitted and self.finish_reason != "stop":
+            self._check_strings(len(emitted))
+        return emitted
+
+    def _check_strings(self, num_new: int) -> None:
+        text = self.decode(self.generated)
+        longest = max(len(s) for s in self.stop_strings)
+        # only text that the new tokens can have touched needs a search
+        tail_start = max(0, len(self.decode(self.generated[:-num_new])) - longest)
+        hits = [i for i in (text.find(s, tail_start) for s in self.stop_strings) if i >= 0]
+        if hits:
+            self.finish_reason = "stop"
+            self.text_limit = min(hits)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.generated)

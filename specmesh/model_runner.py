@@ -1,0 +1,130 @@
+"""Run a Hugging Face causal LM over token trees on top of a per-session KV cache.
+
+One ``ModelRunner`` per model (weights shared by all sessions), one ``KVCache`` per
+session. ``forward`` appends the new tokens' keys/values to the cache and returns
+their logits; ``KVCache.keep`` compacts the cache to the accepted path after a
+tree step. The tree structure reaches the model as an explicit 4-D additive
+attention mask plus explicit position ids, which every transformers 5 decoder
+honours (a 4-D mask is used as given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+
+class KVCache:
+    """The keys/values of one session: a transformers ``DynamicCache`` plus the operations we need."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.hf_cache = DynamicCache(config=model.config)
+        self.length = 0  # number of token positions held
+
+    def _layers(self):
+        return [layer for layer in self.hf_cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+
+    def truncate(self, length: int) -> None:
+        """Drop every position from ``length`` on."""
+        if length >= self.length:
+            return
+        for layer in self._layers():
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+        self.length = length
+
+    def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
+        """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending)."""
+        offsets = list(keep_offsets)
+        if offsets == list(range(len(offsets))):  # a contiguous prefix: slicing, no copy
+            self.truncate(prefix_len + len(offsets))
+            return
+        index = torch.cat([torch.arange(prefix_len), prefix_len + torch.tensor(offsets, dtype=torch.long)])
+        for layer in self._layers():
+            layer.keys = layer.keys.index_select(2, index)
+            layer.values = layer.values.index_select(2, index)
+        self.length = prefix_len + len(offsets)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+
+
+class ModelRunner:
+    """Stateless forward passes of one model over any session's cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        cfg = model.config
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else ()
+        eos = (eos,) if isinstance(eos, int) else tuple(eos)
+        vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else cfg.vocab_size
+        self.info = ModelInfo(
+            vocab_size=int(vocab),
+            max_positions=int(getattr(cfg, "max_position_embeddings", 1 << 30) or 1 << 30),
+            eos_token_ids=eos,
+        )
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.model)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: Sequence[int] | torch.Tensor,  # [num_new]
+        position_ids: Sequence[int] | torch.Tensor,  # [num_new]
+        attend: torch.Tensor | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
+    ) -> torch.Tensor:
+        """Append ``input_ids`` to ``cache`` and return their logits, [num_new, vocab] float32."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        num_new = ids.shape[1]
+        mask = None
+        if attend is not None:
+            assert attend.shape == (num_new, cache.length + num_new), (attend.shape, cache.length, num_new)
+            mask = torch.zeros(attend.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~attend.to(self.device), torch.finfo(self.dtype).min)
+            mask = mask[None, None]  # [1, 1, num_new, total]
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=cache.hf_cache,
+            use_cache=True,
+        )
+        cache.length += num_new
+        return out.logits[0].float()
+
+
+def tree_attend_mask(prefix_len: int, ancestor_mask: torch.Tensor) -> torch.Tensor:
+    """Mask for new tokens arranged as a tree on top of ``prefix_len`` cached positions.
+
+    ancestor_mask: [num_new, num_new] bool (row i: i and its ancestors among the new tokens).
+    Returns [num_new, prefix_len + num_new] bool: every new token sees the whole prefix.
+    """
+    num_new = ancestor_mask.shape[0]
+    return torch.cat([torch.ones(num_new, prefix_len, dtype=torch.bool), ancestor_mask], dim=1)
+
+
+# ------------------------------------------------------------------- loading
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+    """Load any local Hugging Face causal LM directory (never touches the network)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path):
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

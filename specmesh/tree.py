@@ -1,0 +1,227 @@
+"""TokenTree: the candidate tree a drafter proposes and a verifier checks.
+
+Flat arrays, node 0 first. ``parents[i] == -1`` means node i is a child of the
+last committed token (the tree's implicit root); otherwise ``parents[i] < i``,
+which makes cycles impossible by construction and lets every derived quantity
+be computed in one forward pass over the nodes.
+
+Draft distributions (needed only for lossless sampling) are stored sparse, in
+CSR form: node i's token was drawn from the distribution
+``q_ids[q_cu[i]:q_cu[i+1]] -> q_probs[...]``, *conditioned on the siblings that
+come before it* (so i.i.d. sampling repeats one q, sampling without replacement
+renormalises, and a deterministic pick is a point mass). A tree without
+distributions (``q_cu is None``) means every node is a deterministic pick: the
+verifier then uses the point-mass rule, which keeps the target distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+
+class InvalidTreeError(ValueError):
+    """A tree breaks the TokenTree contract (bad parent, id out of vocab, NaN...)."""
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTree:
+    tokens: np.ndarray  # [num_nodes] int64
+    parents: np.ndarray  # [num_nodes] int64, -1 = child of the last committed token
+    draft_probs: np.ndarray  # [num_nodes] float64, q(token_i | path to parent, earlier siblings)
+    sources: tuple[str, ...] = ()  # [num_nodes] proposer name per node
+    q_cu: np.ndarray | None = None  # [num_nodes + 1] int64 CSR offsets into q_ids/q_probs
+    q_ids: np.ndarray | None = None  # [nnz] int64
+    q_probs: np.ndarray | None = None  # [nnz] float64
+
+    # ------------------------------------------------------------------ build
+    @staticmethod
+    def empty() -> TokenTree:
+        return TokenTree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64), ())
+
+    @staticmethod
+    def chain(tokens: Sequence[int], draft_probs: Sequence[float] | None = None, source: str = "") -> TokenTree:
+        n = len(tokens)
+        probs = np.ones(n) if draft_probs is None else np.asarray(draft_probs, np.float64)
+        return TokenTree(
+            np.asarray(tokens, np.int64).reshape(n),
+            np.arange(-1, n - 1, dtype=np.int64),
+            probs.reshape(n),
+            (source,) * n,
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    @property
+    def has_draft_dists(self) -> bool:
+        return self.q_cu is not None
+
+    # ---------------------------------------------------------------- derived
+    @cached_property
+    def depth(self) -> np.ndarray:
+        """[num_nodes] int64; children of the root have depth 0."""
+        depth = np.zeros(self.num_nodes, np.int64)
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 0 if p < 0 else depth[p] + 1
+        return depth
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max()) + 1 if self.num_nodes else 0
+
+    @cached_property
+    def ancestor_mask(self) -> np.ndarray:
+        """[num_nodes, num_nodes] bool; mask[i, j] = j is i or an ancestor of i."""
+        n = self.num_nodes
+        mask = np.zeros((n, n), dtype=bool)
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def position_ids(self, prefix_len: int) -> np.ndarray:
+        """[num_nodes]; ``prefix_len`` counts every committed token, including the last one."""
+        return prefix_len + self.depth
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """children[0] = root's children; children[i + 1] = node i's children, in index order."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
+
+    def children_of(self, node: int) -> list[int]:
+        """Children of ``node`` (-1 = the root)."""
+        return self.children[node + 1]
+
+    @cached_property
+    def leaves(self) -> list[int]:
+        return [i for i in range(self.num_nodes) if not self.children[i + 1]]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+    def paths(self) -> list[list[int]]:
+        """Every root-to-leaf path, as node indices."""
+        return [self.path_to(leaf) for leaf in self.leaves]
+
+    def draft_dist(self, node: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, probs) of the distribution node's token was drawn from; a point mass if none shipped."""
+        if self.q_cu is None:
+            return self.tokens[node : node + 1], np.ones(1)
+        lo, hi = int(self.q_cu[node]), int(self.q_cu[node + 1])
+        return self.q_ids[lo:hi], self.q_probs[lo:hi]
+
+    # ------------------------------------------------------------- validation
+    def validate(self, vocab_size: int, max_nodes: int | None = None, max_depth: int | None = None) -> TokenTree:
+        """Raise InvalidTreeError unless the tree keeps the contract; returns self."""
+        n = self.num_nodes
+        for name in ("tokens", "parents", "draft_probs"):
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.shape[0] != n:
+                raise InvalidTreeError(f"{name} must be a 1-D array of length num_nodes={n}")
+        if self.sources and len(self.sources) != n:
+            raise InvalidTreeError(f"sources has {len(self.sources)} entries for {n} nodes")
+        if max_nodes is not None and n > max_nodes:
+            raise InvalidTreeError(f"tree has {n} nodes, more than the limit {max_nodes}")
+        if n == 0:
+            return self
+        idx = np.arange(n)
+        bad = (self.parents < -1) | (self.parents >= idx)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidTreeError(f"node {i} has parent {int(self.parents[i])}; parents[i] must be in [-1, i)")
+        out = (self.tokens < 0) | (self.tokens >= vocab_size)
+        if out.any():
+            i = int(np.flatnonzero(out)[0])
+            raise InvalidTreeError(f"node {i} has token id {int(self.tokens[i])} outside the vocabulary [0, {vocab_size})")
+        if not np.isfinite(self.draft_probs).all() or (self.draft_probs < 0).any() or (self.draft_probs > 1 + 1e-6).any():
+            raise InvalidTreeError("draft_probs must be finite probabilities in [0, 1]")
+        if max_depth is not None and self.max_depth > max_depth:
+            raise InvalidTreeError(f"tree depth {self.max_depth} exceeds the limit {max_depth}")
+        if self.q_cu is not None:
+            self._validate_dists(vocab_size)
+        return self
+
+    def _validate_dists(self, vocab_size: int) -> None:
+        n = self.num_nodes
+        q_cu, q_ids, q_probs = self.q_cu, self.q_ids, self.q_probs
+        if q_ids is None or q_probs is None or q_cu.shape != (n + 1,) or q_ids.shape != q_probs.shape:
+            raise InvalidTreeError("draft distributions need q_cu [num_nodes+1] and equal-length q_ids, q_probs")
+        if q_cu[0] != 0 or q_cu[-1] != q_ids.shape[0] or (np.diff(q_cu) < 1).any():
+            raise InvalidTreeError("q_cu must start at 0, end at nnz and give every node a non-empty distribution")
+        if ((q_ids < 0) | (q_ids >= vocab_size)).any():
+            raise InvalidTreeError("draft distribution names a token id outside the vocabulary")
+        if not np.isfinite(q_probs).all() or (q_probs < 0).any():
+            raise InvalidTreeError("draft distribution probabilities must be finite and non-negative")
+        sums = np.add.reduceat(q_probs, q_cu[:-1])
+        if (np.abs(sums - 1.0) > 1e-3).any():
+            raise InvalidTreeError("every draft distribution must sum to 1")
+        for i in range(n):
+            ids, probs = self.draft_dist(i)
+            hit = probs[ids == self.tokens[i]]
+            if hit.size != 1 or hit[0] <= 0:
+                raise InvalidTreeError(f"node {i}'s token must appear once, with positive probability, in its draft distribution")
+
+
+class TreeBuilder:
+    """Grows a tree node by node, merging duplicate (parent, token) children."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.probs: list[float] = []
+        self.sources: list[str] = []
+        self._index: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def find(self, parent: int, token: int) -> int | None:
+        return self._index.get((parent, token))
+
+    def add(self, parent: int, token: int, prob: float = 1.0, source: str = "") -> int:
+        """Add a child of ``parent`` (-1 = root) unless it exists; return its index."""
+        key = (parent, int(token))
+        found = self._index.get(key)
+        if found is not None:
+            return found
+        self._index[key] = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.probs.append(float(prob))
+        self.sources.append(source)
+        return len(self.tokens) - 1
+
+    def add_path(self, tokens: Sequence[int], source: str = "", parent: int = -1, max_nodes: int | None = None) -> int:
+        """Add a chain below ``parent``, sharing existing prefixes; stops at ``max_nodes``. Returns the last node."""
+        node = parent
+        for tok in tokens:
+            existing = self.find(node, int(tok))
+            if existing is None and max_nodes is not None and len(self) >= max_nodes:
+                break
+            node = existing if existing is not None else self.add(node, int(tok), 1.0, source)
+        return node
+
+    def build(self) -> TokenTree:
+        return TokenTree(
+            np.asarray(self.tokens, np.int64),
+            np.asarray(self.parents, np.int64),
+            np.asarray(self.probs, np.float64),
+            tuple(self.sources),
+        )
