@@ -15,10 +15,23 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import make_proposer
 from orchestrator.engine import Engine
 from orchestrator.policy import StaticPolicy
+from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner, load_model, load_tokenizer
 from verifier_service.verifier import LocalVerifier
 
 NEEDS_DRAFT_MODEL = {"draft_model", "draft_model_tree"}
+
+# (max_nodes, max_depth) per proposer, tuned with `specmesh bench` on the stdlib-code pair.
+DEFAULT_BUDGETS: dict[str, tuple[int, int]] = {
+    "draft_model": (4, 4),
+    "draft_model_tree": (16, 6),
+    "prompt_lookup": (8, 8),
+    "prompt_lookup_tree": (32, 10),
+}
+
+
+def default_budget(proposer: str | None) -> tuple[int, int]:
+    return DEFAULT_BUDGETS.get(proposer or "", (8, 8))
 
 
 @dataclass
@@ -30,26 +43,36 @@ class EmbeddedStack:
     tokenizer: object
 
     @classmethod
-    def load(cls, target: str | Path, draft: str | Path | None = None, dtype: torch.dtype = torch.float32) -> EmbeddedStack:
+    def load(
+        cls,
+        target: str | Path,
+        draft: str | Path | None = None,
+        dtype: torch.dtype = torch.float32,
+        draft_dtype: torch.dtype | None = None,
+        runner: str = "auto",
+    ) -> EmbeddedStack:
+        """Load the target (and draft) from local directories; ``runner``: auto | fast | hf."""
         tokenizer = load_tokenizer(target)
-        target_runner = ModelRunner(load_model(target, dtype))
+        target_runner = make_runner(load_model(target, dtype), runner)
         draft_runner = None
         if draft is not None:
-            draft_runner = ModelRunner(load_model(draft, dtype))
+            draft_runner = make_runner(load_model(draft, draft_dtype or dtype), runner)
             check_compatible(target_runner, draft_runner, tokenizer, load_tokenizer(draft))
         return cls(target_runner, draft_runner, tokenizer)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def engine(self, proposer: str | None, max_nodes: int = 8, max_depth: int = 8, **proposer_opts) -> Engine:
+    def engine(self, proposer: str | None, max_nodes: int | None = None, max_depth: int | None = None, **proposer_opts) -> Engine:
         """An engine with ``proposer`` (None or "none" = plain autoregressive decoding)."""
         drafter = None
         if proposer not in (None, "none", "ar"):
             if proposer in NEEDS_DRAFT_MODEL and self.draft_runner is None:
                 raise ValueError(f"proposer {proposer!r} needs a draft model (--draft DIR)")
             drafter = LocalDrafter(make_proposer(proposer, draft_runner=self.draft_runner, **proposer_opts))
-        return Engine(LocalVerifier(self.target_runner), drafter, StaticPolicy(max_nodes, max_depth), self.decode)
+        nodes, depth = default_budget(proposer)
+        policy = StaticPolicy(max_nodes if max_nodes is not None else nodes, max_depth if max_depth is not None else depth)
+        return Engine(LocalVerifier(self.target_runner), drafter, policy, self.decode)
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:

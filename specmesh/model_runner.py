@@ -37,6 +37,11 @@ class KVCache:
             layer.values = layer.values[:, :, :length]
         self.length = length
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_kv_heads, length, head_dim] keys and values of one layer."""
+        hf_layer = self.hf_cache.layers[layer]
+        return hf_layer.keys[0, :, : self.length], hf_layer.values[0, :, : self.length]
+
     def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
         """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending)."""
         offsets = list(keep_offsets)

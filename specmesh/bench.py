@@ -1,0 +1,554 @@
+"""`specmesh bench`: speculative methods against autoregressive decoding and Hugging Face peers.
+
+Every prompt runs through every method in one process, interleaved: for each prompt,
+all methods in turn, the order rotated per prompt (and repeat) so slow drift of the
+machine spreads evenly. Each method runs once untimed before timing starts.
+
+Methods (``NAME`` or ``NAME:key=value,...``):
+  ar                 plain decoding through the specmesh engine (the reference)
+  <proposer>         any registered proposer; ``max_nodes`` / ``max_depth`` set the
+                     static budget, other keys are proposer options
+  hf_ar              ``model.generate`` on the same target model
+  hf_assisted        transformers assisted generation, ``assistant_model`` = the draft
+                     model; ``num_assistant_tokens``, ``num_assistant_tokens_schedule``
+                     and ``assistant_confidence_threshold`` go to the draft model's
+                     generation config (where transformers reads them), other keys to
+                     ``generate``; unset keys keep transformers' defaults
+  hf_prompt_lookup   ``generate(prompt_lookup_num_tokens=...)``
+
+Definitions used in the report:
+  tau        specmesh: committed tokens (accepted + bonus) per verification step, pooled
+             over prompts (prefill excluded). HF: generated tokens / target forward
+             calls, since HF assisted decoding folds the prefill into its first
+             verification step (plain decoding gives 1.0 under both definitions).
+  fwd/token  target forward calls per generated token, counted with a hook on the
+             target model for every method (prefill included).
+  speedup    per prompt, the reference's time per generated token / the method's; with
+             equal outputs (greedy, lossless) this is reference time / method time.
+             Reference: specmesh ``ar``; HF methods are also compared with ``hf_ar``.
+  time       wall clock (perf_counter) of the whole request incl. prefill; with
+             --repeats R the fastest of R runs (filters interference from other
+             processes). tok/s = generated tokens / time, summed over prompts.
+  fractions  specmesh: the engine's draft / verify time over total time. HF: time inside
+             draft / target model forward calls over total time (hook-measured; null
+             draft fraction for prompt lookup, whose search is not a model call).
+  loops      see ``is_loop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specmesh.sampling import SamplingParams
+
+HF_METHODS = ("hf_ar", "hf_assisted", "hf_prompt_lookup")
+ASSISTANT_CONFIG_KEYS = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"}
+NEEDS_DRAFT = {"draft_model", "draft_model_tree", "hf_assisted"}
+# Budgets tuned on the stdlib-code pair (greedy, stdlib_functions.jsonl); see the module's history.
+DEFAULT_OPTIONS: dict[str, dict[str, object]] = {
+    "draft_model": {"max_nodes": 4, "max_depth": 4},
+    "draft_model_tree": {"max_nodes": 16, "max_depth": 6},
+    "prompt_lookup": {"max_nodes": 10, "max_depth": 10},
+    "prompt_lookup_tree": {"max_nodes": 32, "max_depth": 10},
+    "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10},
+}
+LOOP_WINDOW = 64  # tokens at the end of an output examined for a loop
+LOOP_MAX_PERIOD = 32
+LOOP_MIN_NGRAM = 4
+WARMUP_TOKENS = 16
+
+
+# ----------------------------------------------------------------- method specs
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str  # as typed; unique within a run
+    name: str  # ar, a proposer name, or one of HF_METHODS
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name in HF_METHODS
+
+
+def method_names() -> list[str]:
+    from drafter_service.proposer import proposer_names
+
+    return ["ar", *proposer_names(), *HF_METHODS]
+
+
+def default_methods() -> list[str]:
+    return method_names()
+
+
+def parse_method(spec: str, known: Sequence[str]) -> MethodSpec:
+    """``NAME`` or ``NAME:key=value,...``; unset keys of a known method take DEFAULT_OPTIONS."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in known:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(known)}")
+    options = dict(DEFAULT_OPTIONS.get(name, {}))
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"method option {item!r} in {spec!r} is not KEY=VALUE")
+        options[key.strip()] = _parse_value(value.strip())
+    if name in ("ar", "hf_ar") and options:
+        raise ValueError(f"{name} takes no options, got {spec!r}")
+    return MethodSpec(spec.strip(), name, tuple(sorted(options.items())))
+
+
+def _parse_value(text: str) -> object:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+# ----------------------------------------------------------------- pure metrics
+def is_loop(tokens: Sequence[int]) -> bool:
+    """Whether an output has fallen into a loop. Pass the generated tokens without a final EOS.
+
+    Only outputs of at least LOOP_WINDOW (64) tokens can loop. The last 64 tokens loop if
+    (a) they repeat with a period p <= 32 (tail[i] == tail[i - p] for all i >= p, so at
+        least two full periods), or
+    (b) one n-gram (4 <= n <= 32) recurs so often that its occurrences cover more than
+        half of the 64 positions, which catches loops with small variations (a counter
+        that changes, two alternating lines with a stray token).
+    """
+    if len(tokens) < LOOP_WINDOW:
+        return False
+    tail = np.asarray(tokens[-LOOP_WINDOW:], dtype=np.int64)
+    for p in range(1, LOOP_MAX_PERIOD + 1):
+        if np.array_equal(tail[p:], tail[:-p]):
+            return True
+    for n in range(LOOP_MIN_NGRAM, LOOP_MAX_PERIOD + 1):
+        starts: dict[bytes, list[int]] = {}
+        for i in range(LOOP_WINDOW - n + 1):
+            starts.setdefault(tail[i : i + n].tobytes(), []).append(i)
+        for occurrences in starts.values():
+            if len(occurrences) < 2:
+                continue
+            covered = np.zeros(LOOP_WINDOW, dtype=bool)
+            for i in occurrences:
+                covered[i : i + n] = True
+            if covered.sum() * 2 > LOOP_WINDOW:
+                return True
+    return False
+
+
+def spread(values: Sequence[float]) -> dict | None:
+    """Median, p10/p90 and min/max of per-prompt values (None if there are none)."""
+    if not values:
+        return None
+    v = np.asarray(values, dtype=np.float64)
+    p10, median, p90 = np.percentile(v, [10, 50, 90])
+    return {"median": float(median), "p10": float(p10), "p90": float(p90), "min": float(v.min()), "max": float(v.max())}
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def aggregate(records: list[dict], greedy: bool) -> dict:
+    """Per-method figures from one method's per-prompt records (see the module docstring)."""
+    gen = sum(r["num_generated"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    hf = records[0]["kind"] == "hf"
+    out: dict = {"num_prompts": len(records), "generated_tokens": gen, "seconds": seconds}
+    if hf:
+        out["tau"] = _ratio(gen, sum(r["target_forwards"] for r in records))
+        out["acceptance_per_position"] = None
+        out["per_source"] = None
+        has_draft_model = any(r["draft_forwards"] for r in records)
+        out["draft_time_fraction"] = _ratio(sum(r["draft_forward_seconds"] for r in records), seconds) if has_draft_model else None
+        out["verify_time_fraction"] = _ratio(sum(r["target_forward_seconds"] for r in records), seconds)
+        out["draft_errors"] = None
+    else:
+        out["tau"] = _ratio(sum(r["committed"] for r in records), sum(r["steps"] for r in records))
+        depth = max((len(r["position_accepted"]) for r in records), default=0)
+        accepted, reached = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
+        for r in records:
+            accepted[: len(r["position_accepted"])] += r["position_accepted"]
+            reached[: len(r["position_reached"])] += r["position_reached"]
+        out["acceptance_per_position"] = [float(a / n) if n else None for a, n in zip(accepted, reached)]
+        proposed: Counter[str] = Counter()
+        accepted_by: Counter[str] = Counter()
+        for r in records:
+            for src, counts in r["per_source"].items():
+                proposed[src] += counts["proposed"]
+                accepted_by[src] += counts["accepted"]
+        out["per_source"] = {s: {"proposed": proposed[s], "accepted": accepted_by[s]} for s in sorted(proposed)}
+        out["draft_time_fraction"] = _ratio(sum(r["draft_seconds"] for r in records), seconds)
+        out["verify_time_fraction"] = _ratio(sum(r["verify_seconds"] for r in records), seconds)
+        out["draft_errors"] = sum(r["draft_errors"] for r in records)
+    out["tokens_per_second"] = _ratio(gen, seconds)
+    out["target_forwards_per_token"] = _ratio(sum(r["target_forwards"] for r in records), gen)
+    out["draft_forwards_per_token"] = _ratio(sum(r["draft_forwards"] for r in records), gen)
+    out["speedup_vs_ar"] = spread([r["speedup_vs_ar"] for r in records if r["speedup_vs_ar"] is not None])
+    nonloop = [r["speedup_vs_ar"] for r in records if r["speedup_vs_ar"] is not None and not r["ar_loops"]]
+    out["speedup_vs_ar_nonlooping"] = spread(nonloop)
+    out["greedy_match_ar"] = float(np.mean([r["match_ar"] for r in records])) if greedy else None
+    if hf:
+        out["speedup_vs_hf_ar"] = spread([r["speedup_vs_hf_ar"] for r in records if r["speedup_vs_hf_ar"] is not None])
+        out["greedy_match_hf_ar"] = float(np.mean([r["match_hf_ar"] for r in records])) if greedy else None
+    out["loop_fraction"] = float(np.mean([r["loops"] for r in records]))
+    return out
+
+
+# ----------------------------------------------------------------- runners
+class ForwardMeter:
+    """Counts calls of a model and the time spent inside them (hooks on the top-level module)."""
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        self.calls, self.seconds, self._t0 = 0, 0.0, 0.0
+        self._handles = []
+        if model is not None:
+            self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, module, args) -> None:
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class RunOutput:
+    token_ids: list[int]  # generated tokens, a final EOS included
+    seconds: float
+    target_forwards: int = 0
+    target_forward_seconds: float = 0.0
+    draft_forwards: int = 0
+    draft_forward_seconds: float = 0.0
+    stats: object | None = None  # RequestStats for specmesh methods
+
+
+class SpecmeshRunner:
+    def __init__(self, stack, spec: MethodSpec) -> None:
+        self.engine = stack.engine(None if spec.name == "ar" else spec.name, **dict(spec.options))
+
+    def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
+        t0 = time.perf_counter()
+        result = self.engine.generate(prompt, sampling)
+        return RunOutput(result.token_ids, time.perf_counter() - t0, stats=result.stats)
+
+
+class HFRunner:
+    """``generate`` on the target model; EOS and max_new_tokens stop it exactly as they stop specmesh."""
+
+    def __init__(self, stack, spec: MethodSpec) -> None:
+        self.target = stack.target_runner.model
+        self.eos = list(stack.target_runner.info.eos_token_ids)
+        pad = getattr(stack.tokenizer, "pad_token_id", None)
+        self.kwargs: dict = {"eos_token_id": self.eos or None, "pad_token_id": pad if pad is not None else (self.eos or [0])[0]}
+        self.draft_config = None
+        options = dict(spec.options)
+        if spec.name == "hf_assisted":
+            draft = stack.draft_runner.model
+            self.kwargs["assistant_model"] = draft
+            self.draft_config = copy.deepcopy(draft.generation_config)
+            for key in ASSISTANT_CONFIG_KEYS & options.keys():
+                setattr(self.draft_config, key, options.pop(key))
+        self.kwargs.update(options)
+
+    def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        kwargs = dict(self.kwargs, max_new_tokens=sampling.max_new_tokens, attention_mask=torch.ones_like(ids))
+        if sampling.greedy:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+            torch.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        draft = kwargs.get("assistant_model")
+        saved = draft.generation_config if draft is not None else None
+        if draft is not None:  # transformers reads the draft budget from the draft's own generation config
+            draft.generation_config = copy.deepcopy(self.draft_config)
+        try:
+            t0 = time.perf_counter()
+            out = self.target.generate(ids, **kwargs)
+            seconds = time.perf_counter() - t0
+        finally:
+            if draft is not None:
+                draft.generation_config = saved
+        tokens = out[0, len(prompt) :].tolist()
+        for i, tok in enumerate(tokens):  # cut padding after EOS
+            if tok in self.eos:
+                tokens = tokens[: i + 1]
+                break
+        return RunOutput(tokens, seconds)
+
+
+def make_runner(stack, spec: MethodSpec):
+    return HFRunner(stack, spec) if spec.is_hf else SpecmeshRunner(stack, spec)
+
+
+def measured_run(runner, prompt: list[int], sampling: SamplingParams, target: ForwardMeter, draft: ForwardMeter) -> RunOutput:
+    """One run with the forward counts and times it caused."""
+    t_calls, t_sec, d_calls, d_sec = target.calls, target.seconds, draft.calls, draft.seconds
+    out = runner.run(prompt, sampling)
+    out.target_forwards, out.target_forward_seconds = target.calls - t_calls, target.seconds - t_sec
+    out.draft_forwards, out.draft_forward_seconds = draft.calls - d_calls, draft.seconds - d_sec
+    return out
+
+
+# ----------------------------------------------------------------- the benchmark
+def make_record(prompt_id: str, spec: MethodSpec, runs: list[RunOutput], eos: Sequence[int]) -> dict:
+    first = runs[0]
+    tokens = first.token_ids
+    body = tokens[:-1] if tokens and tokens[-1] in eos else tokens
+    rec = {
+        "prompt_id": prompt_id,
+        "method": spec.label,
+        "kind": "hf" if spec.is_hf else "specmesh",
+        "num_generated": len(tokens),
+        "seconds": min(r.seconds for r in runs),
+        "seconds_all": [r.seconds for r in runs],
+        "target_forwards": first.target_forwards,
+        "target_forward_seconds": first.target_forward_seconds,
+        "draft_forwards": first.draft_forwards,
+        "draft_forward_seconds": first.draft_forward_seconds,
+        "loops": is_loop(body),
+        "token_ids": tokens,
+    }
+    rec["tokens_per_second"] = _ratio(len(tokens), rec["seconds"])
+    if first.stats is not None:
+        st = first.stats
+        accepted, reached = st.position_counts()
+        rec.update(
+            steps=st.num_steps,
+            committed=sum(s.num_accepted + 1 for s in st.steps),
+            tau=st.tau if st.steps else None,
+            position_accepted=accepted,
+            position_reached=reached,
+            per_source=st.per_source(),
+            prefill_seconds=st.prefill_seconds,
+            draft_seconds=st.draft_seconds,
+            verify_seconds=st.verify_seconds,
+            draft_errors=st.num_draft_errors,
+        )
+    else:
+        rec["tau"] = _ratio(len(tokens), first.target_forwards)
+    return rec
+
+
+def _speedup(ref: dict | None, rec: dict) -> float | None:
+    """Reference time per token / method time per token."""
+    if ref is None or not rec["num_generated"] or not ref["num_generated"] or not rec["seconds"]:
+        return None
+    return (ref["seconds"] / ref["num_generated"]) / (rec["seconds"] / rec["num_generated"])
+
+
+def compare_prompt(records: dict[str, dict], greedy: bool) -> None:
+    """Fill in one prompt's cross-method fields (speedups, matches) in place."""
+    ar, hf_ar = records.get("ar"), records.get("hf_ar")
+    for rec in records.values():
+        rec["ar_loops"] = ar["loops"]
+        rec["speedup_vs_ar"] = _speedup(ar, rec)
+        rec["match_ar"] = rec["token_ids"] == ar["token_ids"] if greedy else None
+        if rec["kind"] == "hf":
+            rec["speedup_vs_hf_ar"] = _speedup(hf_ar, rec)
+            rec["match_hf_ar"] = (rec["token_ids"] == hf_ar["token_ids"]) if greedy and hf_ar else None
+
+
+def load_prompts(path: Path, limit: int | None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        if "id" not in row or "prompt" not in row:
+            raise ValueError(f"{path}: every line needs 'id' and 'prompt'")
+    return rows[:limit] if limit else rows
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from orchestrator.embedded import EmbeddedStack
+
+    known = method_names()
+    labels = list(args.methods or default_methods())
+    names = [s.partition(":")[0].strip() for s in labels]
+    if "ar" not in labels:
+        labels.insert(0, "ar")  # the reference every speedup is measured against
+    if any(n in HF_METHODS for n in names) and "hf_ar" not in labels:
+        labels.append("hf_ar")
+    specs = [parse_method(s, known) for s in labels]
+    if len({s.label for s in specs}) != len(specs):
+        raise ValueError(f"duplicate methods in {labels}")
+    needs_draft = any(s.name in NEEDS_DRAFT for s in specs)
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    target_dir, draft_dir = _model_dir(args.target, "target"), _model_dir(args.draft, "draft") if needs_draft else None
+    stack = EmbeddedStack.load(target_dir, draft_dir)
+    runners = {s.label: make_runner(stack, s) for s in specs}
+    eos = stack.target_runner.info.eos_token_ids
+    base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+    prompts = []
+    for row in load_prompts(Path(args.prompts), args.limit):
+        ids = stack.tokenizer(row["prompt"]).input_ids
+        max_new = args.max_new_tokens or int(row.get("max_new_tokens", 128))
+        if len(ids) + max_new + 1 > stack.target_runner.info.max_positions:
+            print(f"skipping {row['id']}: {len(ids)} prompt tokens + {max_new} do not fit the context", file=sys.stderr)
+            continue
+        prompts.append((row["id"], ids, max_new))
+    if not prompts:
+        raise ValueError("no prompts to run")
+
+    target_meter = ForwardMeter(stack.target_runner.model)
+    draft_meter = ForwardMeter(stack.draft_runner.model if stack.draft_runner else None)
+    try:
+        warm_id, warm_ids, warm_new = prompts[0]
+        warm = dataclasses.replace(base, max_new_tokens=min(WARMUP_TOKENS, warm_new))
+        for spec in tqdm(specs, desc="warm-up", unit="method", file=sys.stderr, leave=False):
+            runners[spec.label].run(warm_ids, warm)
+
+        records: list[dict] = []
+        for i, (pid, ids, max_new) in enumerate(tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr)):
+            seed = None if base.seed is None else base.seed + i
+            sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
+            runs: dict[str, list[RunOutput]] = {s.label: [] for s in specs}
+            for r in range(args.repeats):
+                shift = (i * args.repeats + r) % len(specs)
+                for spec in specs[shift:] + specs[:shift]:
+                    runs[spec.label].append(measured_run(runners[spec.label], ids, sampling, target_meter, draft_meter))
+            by_label = {s.label: make_record(pid, s, runs[s.label], eos) for s in specs}
+            by_label = {label: dict(rec, prompt_tokens=len(ids)) for label, rec in by_label.items()}
+            compare_prompt(by_label, base.greedy)
+            records += by_label.values()
+    finally:
+        target_meter.close()
+        draft_meter.close()
+
+    methods = {s.label: aggregate([r for r in records if r["method"] == s.label], base.greedy) for s in specs}
+    return {
+        "config": {
+            "prompts": str(args.prompts),
+            "target": str(target_dir),
+            "draft": str(draft_dir) if draft_dir else None,
+            "methods": [{"label": s.label, "name": s.name, "options": dict(s.options)} for s in specs],
+            "sampling": dataclasses.asdict(base),
+            "max_new_tokens_override": args.max_new_tokens,
+            "limit": args.limit,
+            "repeats": args.repeats,
+            "num_prompts": len(prompts),
+        },
+        "environment": environment(),
+        "methods": methods,
+        "records": records,
+    }
+
+
+def _model_dir(path: str | None, role: str) -> Path:
+    if path:
+        return Path(path)
+    import specmesh
+
+    default = Path(specmesh.__file__).parent / "demo_models" / role
+    if not (default / "config.json").is_file():
+        raise FileNotFoundError(f"no demo {role} model at {default}; pass --{role} DIR")
+    return default
+
+
+def environment() -> dict:
+    import importlib.util
+
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        # without scikit-learn, transformers keeps assistant_confidence_threshold fixed instead of adapting it
+        "sklearn_available": importlib.util.find_spec("sklearn") is not None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# ----------------------------------------------------------------- report
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        "| method | τ | tok/s | speedup median [p10–p90] | greedy_match_ar | fwd/token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, m in report["methods"].items():
+        sp = m["speedup_vs_ar"]
+        speed = "–" if sp is None else f"{sp['median']:.2f} [{sp['p10']:.2f}–{sp['p90']:.2f}]"
+        lines.append(
+            f"| {label} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_second'], 1)} | {speed} "
+            f"| {_fmt(m['greedy_match_ar'])} | {_fmt(m['target_forwards_per_token'])} |"
+        )
+    methods = report["methods"]
+    notes = []
+    if "ar" in methods:
+        notes.append(f"AR outputs that loop: {methods['ar']['loop_fraction']:.0%} of {methods['ar']['num_prompts']} prompts")
+    hf = [f"{k} {m['speedup_vs_hf_ar']['median']:.2f}" for k, m in methods.items() if m.get("speedup_vs_hf_ar")]
+    if hf:
+        notes.append("speedup vs hf_ar (median): " + ", ".join(hf))
+    return "\n".join(lines + [""] + notes)
+
+
+# ----------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", required=True, help="JSONL with id, prompt, max_new_tokens")
+    parser.add_argument("--target", help="target model dir (default: the packaged demo target)")
+    parser.add_argument("--draft", help="draft model dir (default: the packaged demo draft)")
+    parser.add_argument("--methods", nargs="+", metavar="SPEC",
+                        help="NAME or NAME:key=value,... (default: ar, every proposer, hf_ar, hf_assisted, "
+                        "hf_prompt_lookup); ar and hf_ar are added when missing")
+    parser.add_argument("--limit", type=int, help="first N prompts only")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (+1 per prompt)")
+    parser.add_argument("--max-new-tokens", type=int, help="override every prompt's max_new_tokens")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method; the fastest counts")
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument("--json", required=True, help="write the full report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    report = run_bench(args)
+    report["table"] = markdown_table(report)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(report["table"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specmesh bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The ``specmesh`` command line: generate, bench, train-pair."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
+
+
+def demo_model(kind: str) -> Path:
+    """Path of the committed demo pair's ``target`` or ``draft`` model."""
+    return DEMO_DIR / kind
+
+
+# ------------------------------------------------------------------ generate
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, default=None,
+                   help="target model: any local Hugging Face causal-LM directory (default: the bundled demo target)")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="draft model directory for the draft_model proposers (default: the bundled demo draft "
+                        "when --target is not given, else none)")
+    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
+                   help="forward implementation: 'fast' = specmesh's lean Llama-family path, 'hf' = transformers; "
+                        "'auto' picks fast where it applies (default: auto)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
+                   help="target weights dtype (default: float32)")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float64"], default=None,
+                   help="draft weights dtype; drafts never change the output, so a faster dtype is safe "
+                        "(default: same as --dtype)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    target, draft = args.target, args.draft
+    if target is None:
+        target = demo_model("target")
+        draft = draft if draft is not None else demo_model("draft")
+    for path in (target, draft):
+        if path is not None and not (path / "config.json").is_file():
+            raise SystemExit(f"specmesh: {path} is not a Hugging Face model directory (no config.json)")
+    return target, draft
+
+
+def load_stack(args: argparse.Namespace):
+    import torch
+
+    from orchestrator.embedded import EmbeddedStack
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, draft = resolve_models(args)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+    return EmbeddedStack.load(
+        target, draft, dtypes[args.dtype], dtypes[args.draft_dtype or args.dtype], runner=args.runner
+    )
+
+
+def _add_generate(sub) -> None:
+    from drafter_service.proposer import proposer_names
+
+    p = sub.add_parser("generate", help="generate text with speculative decoding (embedded: one process, no servers)",
+                       description="Generate a continuation of PROMPT, streaming the text, then print one stats line "
+                                   "(tokens, tau = mean tokens committed per verification step, tokens/s) on stderr.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
+    _add_model_arguments(p)
+    p.add_argument("--proposer", default=None, choices=proposer_names() + ["none"],
+                   help="how drafts are made; 'none' = plain autoregressive decoding "
+                        "(default: draft_model when a draft model is available, else prompt_lookup)")
+    p.add_argument("--max-nodes", type=int, default=None, help="tree budget: nodes per step (default: per proposer)")
+    p.add_argument("--max-depth", type=int, default=None, help="tree budget: depth per step (default: per proposer)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also run plain autoregressive decoding and report the speedup and whether outputs match")
+    p.add_argument("--json", action="store_true", help="print the full statistics as JSON on stdout at the end")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from orchestrator.embedded import default_budget
+    from specmesh.sampling import SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        raise SystemExit("specmesh generate: empty prompt")
+    try:
+        sampling = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"specmesh generate: {exc}") from None
+    stack = load_stack(args)
+    proposer = args.proposer or ("draft_model" if stack.draft_runner is not None else "prompt_lookup")
+    nodes, depth = default_budget(proposer)
+    engine = stack.engine(proposer, args.max_nodes or nodes, args.max_depth or depth)
+    prompt_ids = stack.tokenizer.encode(prompt)
+
+    from orchestrator.engine import GenerationResult
+    from orchestrator.stats import RequestStats
+
+    result = GenerationResult([], "", RequestStats())
+    printed = ""
+    ids: list[int] = []
+    for event in engine.stream(prompt_ids, sampling, result):
+        ids += event.tokens
+        text = stack.decode(ids)
+        if result.text_limit is not None:
+            text = text[: result.text_limit]
+        if text.startswith(printed):  # print only once a multi-byte character is complete
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    final = stack.decode(result.token_ids)
+    if result.text_limit is not None:
+        final = final[: result.text_limit]
+    if final.startswith(printed):
+        sys.stdout.write(final[len(printed):])
+    sys.stdout.write("\n")
+    s = result.stats
+    line = (f"[specmesh] proposer={proposer} tokens={s.num_generated} steps={s.num_steps} tau={s.tau:.2f} "
+            f"tok/s={s.tokens_per_second:.1f} finish={result.finish_reason}")
+    report = {"proposer": proposer, "stats": s.summary(), "finish_reason": result.finish_reason}
+    if args.compare_ar:
+        ar = stack.engine(None).generate(prompt_ids, sampling)
+        speedup = ar.stats.total_seconds / s.total_seconds if s.total_seconds else float("nan")
+        same = ar.token_ids == result.token_ids
+        line += f" | ar tok/s={ar.stats.tokens_per_second:.1f} speedup={speedup:.2f}x"
+        if sampling.greedy:
+            line += f" same_as_ar={same}"
+        report["ar"] = ar.stats.summary()
+        report["speedup"] = speedup
+    print(line, file=sys.stderr)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description="specmesh: speculative decoding, drafters and verifiers as services")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    from specmesh import bench, train_pair
+
+    b = sub.add_parser("bench", help="measure speculative methods against autoregressive decoding and HF peers",
+                       description="Run every prompt of a JSONL file through AR and each method, interleaved, in one "
+                                   "process; print a markdown table and write JSON.")
+    bench.add_arguments(b)
+    _add_model_arguments_if_missing(b)
+    b.set_defaults(func=bench.run)
+    t = sub.add_parser("train-pair", help="train a small target/draft pair (Llama architecture, byte-level BPE)",
+                       description="Train a tokenizer, a target and a draft model on Python source files and save them "
+                                   "in Hugging Face format.")
+    train_pair.add_arguments(t)
+    t.set_defaults(func=train_pair.run)
+    return parser
+
+
+def _add_model_arguments_if_missing(p: argparse.ArgumentParser) -> None:
+    known = {a.dest for a in p._actions}
+    if "target" not in known:
+        _add_model_arguments(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
