@@ -37,7 +37,10 @@ class LocalDrafter:
         if not sampling.greedy:
             generator = torch.Generator()
             # draft randomness must be independent of the verifier's
-            generator.manual_seed((sampling.seed + 0x5DEECE66D) if sampling.seed is not None else torch.seed())
+            if sampling.seed is not None:
+                generator.manual_seed(sampling.seed + 0x5DEECE66D)
+            else:
+                generator.seed()  # fresh entropy, without touching torch's global RNG
         self._sessions[session_id] = DraftSessionState(session_id, list(prompt), sampling, generator)
 
     def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget) -> TokenTree:

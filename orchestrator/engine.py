@@ -70,19 +70,26 @@ class Engine:
             stats.prefill_seconds = prefill.seconds
             emitted = stopper.push([prefill.first_token])
             yield StepEvent(tuple(emitted), None)
+            open_error = ""
             if drafter is not None:
-                drafter.open(session, prompt, sampling)
+                try:
+                    drafter.open(session, prompt, sampling)
+                except Exception as exc:  # an unreachable drafter: decode without it
+                    open_error, drafter = f"{type(exc).__name__}: {exc}", self._drop(drafter, session)
             delta = [prefill.first_token]  # committed tokens the drafter has not seen yet
             while not stopper.done:
                 budget = self.policy.next_budget(stats, stopper.remaining)
-                tree, draft_seconds, error = TokenTree.empty(), 0.0, ""
+                tree, draft_seconds, error = TokenTree.empty(), 0.0, open_error
+                open_error = ""
                 if drafter is not None and not budget.is_zero:
                     t0 = time.perf_counter()
                     try:
                         tree = drafter.propose(session, delta, budget)
                         delta = []
+                        tree.validate(self.verifier.info.vocab_size, budget.max_nodes, budget.max_depth)
                     except Exception as exc:  # a broken drafter must not break the request
                         error, drafter = f"{type(exc).__name__}: {exc}", self._drop(drafter, session)
+                        tree = TokenTree.empty()
                     draft_seconds = time.perf_counter() - t0
                 try:
                     verified = self.verifier.verify(session, tree)
@@ -105,8 +112,7 @@ class Engine:
                 yield StepEvent(tuple(emitted), step)
         finally:
             self.verifier.release(session)
-            if drafter is not None:
-                drafter.close(session)
+            self._drop(drafter, session)
             stats.total_seconds = time.perf_counter() - start
             stats.num_generated = len(stopper.generated)
             result.token_ids = list(stopper.generated)
@@ -124,6 +130,7 @@ class Engine:
         if drafter is not None:
             try:
                 drafter.close(session)
-            except Exception:  # the drafter is already broken; closing is best effort
+            except Exception:  # closing is best effort: the drafter may be gone
                 pass
         return None
+

@@ -25,32 +25,35 @@ class StopChecker:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.text_limit: int | None = None
+        self._text_len = 0  # length of the text decoded so far
 
     def push(self, tokens: Sequence[int]) -> list[int]:
-        """Append ``tokens``; return the ones to emit (stops early if a condition fires)."""
+        """Append ``tokens`` one by one; return the ones to emit (none after a condition fires).
+
+        Conditions are checked after every token, exactly as plain decoding would, so a
+        speculative step that commits several tokens stops at the same token.
+        """
         emitted: list[int] = []
         for tok in tokens:
             if self.finish_reason is not None:
                 break
             self.generated.append(int(tok))
             emitted.append(int(tok))
-            if tok in self.stop_ids:
+            if tok in self.stop_ids or (self.stop_strings and self._stop_string_completed()):
                 self.finish_reason = "stop"
             elif len(self.generated) >= self.max_new_tokens:
                 self.finish_reason = "length"
-        if self.stop_strings and emitted and self.finish_reason != "stop":
-            self._check_strings(len(emitted))
         return emitted
 
-    def _check_strings(self, num_new: int) -> None:
+    def _stop_string_completed(self) -> bool:
         text = self.decode(self.generated)
-        longest = max(len(s) for s in self.stop_strings)
-        # only text that the new tokens can have touched needs a search
-        tail_start = max(0, len(self.decode(self.generated[:-num_new])) - longest)
+        # only text the newest token can have touched needs a search
+        tail_start = max(0, self._text_len - max(len(s) for s in self.stop_strings))
+        self._text_len = len(text)
         hits = [i for i in (text.find(s, tail_start) for s in self.stop_strings) if i >= 0]
         if hits:
-            self.finish_reason = "stop"
             self.text_limit = min(hits)
+        return bool(hits)
 
     @property
     def done(self) -> bool:

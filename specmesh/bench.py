@@ -21,11 +21,13 @@ Definitions used in the report:
              over prompts (prefill excluded). HF: generated tokens / target forward
              calls, since HF assisted decoding folds the prefill into its first
              verification step (plain decoding gives 1.0 under both definitions).
-  fwd/token  target forward calls per generated token, counted with a hook on the
-             target model for every method (prefill included).
+  fwd/token  target forward passes per generated token, prefill included, counted the
+             same way for every method (ForwardMeter).
   speedup    per prompt, the reference's time per generated token / the method's; with
              equal outputs (greedy, lossless) this is reference time / method time.
-             Reference: specmesh ``ar``; HF methods are also compared with ``hf_ar``.
+             Reference: specmesh ``ar``. HF methods are also compared with ``hf_ar``:
+             against ``ar`` their ratio includes the forward implementation (specmesh's
+             fast runner vs the transformers module), against ``hf_ar`` only speculation.
   time       wall clock (perf_counter) of the whole request incl. prefill; with
              --repeats R the fastest of R runs (filters interference from other
              processes). tok/s = generated tokens / time, summed over prompts.
@@ -57,15 +59,9 @@ from specmesh.sampling import SamplingParams
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_prompt_lookup")
 ASSISTANT_CONFIG_KEYS = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"}
-NEEDS_DRAFT = {"draft_model", "draft_model_tree", "hf_assisted"}
-# Budgets tuned on the stdlib-code pair (greedy, stdlib_functions.jsonl); see the module's history.
-DEFAULT_OPTIONS: dict[str, dict[str, object]] = {
-    "draft_model": {"max_nodes": 4, "max_depth": 4},
-    "draft_model_tree": {"max_nodes": 16, "max_depth": 6},
-    "prompt_lookup": {"max_nodes": 10, "max_depth": 10},
-    "prompt_lookup_tree": {"max_nodes": 32, "max_depth": 10},
-    "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10},
-}
+# Options of HF methods when the spec leaves them unset (specmesh budgets default per proposer in
+# orchestrator.embedded.DEFAULT_BUDGETS; HF assisted keeps transformers' own defaults).
+HF_DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"hf_prompt_lookup": {"prompt_lookup_num_tokens": 10}}
 LOOP_WINDOW = 64  # tokens at the end of an output examined for a loop
 LOOP_MAX_PERIOD = 32
 LOOP_MIN_NGRAM = 4
@@ -90,16 +86,27 @@ def method_names() -> list[str]:
     return ["ar", *proposer_names(), *HF_METHODS]
 
 
-def default_methods() -> list[str]:
-    return method_names()
+def needs_draft(name: str) -> bool:
+    from orchestrator.embedded import NEEDS_DRAFT_MODEL
+
+    return name in NEEDS_DRAFT_MODEL or name == "hf_assisted"
+
+
+def default_methods(has_draft: bool) -> list[str]:
+    """Every method: AR, every registered proposer, the HF peers (those needing a draft model only with one)."""
+    return [m for m in method_names() if has_draft or not needs_draft(m)]
 
 
 def parse_method(spec: str, known: Sequence[str]) -> MethodSpec:
-    """``NAME`` or ``NAME:key=value,...``; unset keys of a known method take DEFAULT_OPTIONS."""
+    """``NAME`` or ``NAME:key=value,...``; unset budgets/options take the method's defaults."""
     name, _, rest = spec.strip().partition(":")
     if name not in known:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(known)}")
-    options = dict(DEFAULT_OPTIONS.get(name, {}))
+    options = dict(HF_DEFAULT_OPTIONS.get(name, {}))
+    if name not in HF_METHODS and name != "ar":
+        from orchestrator.embedded import default_budget
+
+        options["max_nodes"], options["max_depth"] = default_budget(name)
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
@@ -108,6 +115,22 @@ def parse_method(spec: str, known: Sequence[str]) -> MethodSpec:
     if name in ("ar", "hf_ar") and options:
         raise ValueError(f"{name} takes no options, got {spec!r}")
     return MethodSpec(spec.strip(), name, tuple(sorted(options.items())))
+
+
+def plan_methods(labels: Sequence[str], has_draft: bool) -> list[MethodSpec]:
+    """Parse the method specs, adding the references (``ar``; ``hf_ar`` when HF peers run)."""
+    known = method_names()
+    specs = [parse_method(label, known) for label in labels]
+    if "ar" not in [s.label for s in specs]:
+        specs.insert(0, parse_method("ar", known))  # every speedup is measured against it
+    if any(s.is_hf for s in specs) and "hf_ar" not in [s.label for s in specs]:
+        specs.append(parse_method("hf_ar", known))
+    if len({s.label for s in specs}) != len(specs):
+        raise ValueError(f"duplicate methods in {list(labels)}")
+    missing = [s.label for s in specs if needs_draft(s.name)] if not has_draft else []
+    if missing:
+        raise ValueError(f"these methods need a draft model (--draft DIR): {', '.join(missing)}")
+    return specs
 
 
 def _parse_value(text: str) -> object:
@@ -183,9 +206,9 @@ def aggregate(records: list[dict], greedy: bool) -> dict:
         depth = max((len(r["position_accepted"]) for r in records), default=0)
         accepted, reached = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
         for r in records:
-            accepted[: len(r["position_accepted"])] += r["position_accepted"]
-            reached[: len(r["position_reached"])] += r["position_reached"]
-        out["acceptance_per_position"] = [float(a / n) if n else None for a, n in zip(accepted, reached)]
+            accepted[: len(r["position_accepted"])] += np.asarray(r["position_accepted"], np.int64)
+            reached[: len(r["position_reached"])] += np.asarray(r["position_reached"], np.int64)
+        out["acceptance_per_position"] = [float(a / n) if n else None for a, n in zip(accepted, reached, strict=True)]
         proposed: Counter[str] = Counter()
         accepted_by: Counter[str] = Counter()
         for r in records:
@@ -212,24 +235,50 @@ def aggregate(records: list[dict], greedy: bool) -> dict:
 
 # ----------------------------------------------------------------- runners
 class ForwardMeter:
-    """Counts calls of a model and the time spent inside them (hooks on the top-level module)."""
+    """Counts a model's forward passes and the time spent in them, whichever path runs them.
 
-    def __init__(self, model: torch.nn.Module | None) -> None:
-        self.calls, self.seconds, self._t0 = 0, 0.0, 0.0
-        self._handles = []
-        if model is not None:
-            self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+    specmesh calls ``runner.forward`` (the fast runner never enters the HF module), HF
+    ``generate`` calls the module: both are wrapped, and a call nested in another
+    (the HF runner's forward calling the module) counts once.
+    """
 
-    def _pre(self, module, args) -> None:
-        self._t0 = time.perf_counter()
+    def __init__(self, runner) -> None:
+        self.calls, self.seconds = 0, 0.0
+        self._depth, self._t0 = 0, 0.0
+        self._runner, self._handles = runner, []
+        if runner is None:
+            return
+        forward = runner.forward
 
-    def _post(self, module, args, output) -> None:
-        self.seconds += time.perf_counter() - self._t0
-        self.calls += 1
+        def counted(*args, **kwargs):
+            self._enter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._exit()
+
+        runner.forward = counted  # instance attribute shadows the method until close()
+        self._handles = [
+            runner.model.register_forward_pre_hook(lambda *_: self._enter()),
+            runner.model.register_forward_hook(lambda *_: self._exit(), always_call=True),
+        ]
+
+    def _enter(self) -> None:
+        if self._depth == 0:
+            self._t0 = time.perf_counter()
+        self._depth += 1
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.perf_counter() - self._t0
+            self.calls += 1
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        if self._handles:
+            del self._runner.forward
 
 
 @dataclass
@@ -298,7 +347,7 @@ class HFRunner:
         return RunOutput(tokens, seconds)
 
 
-def make_runner(stack, spec: MethodSpec):
+def method_runner(stack, spec: MethodSpec):
     return HFRunner(stack, spec) if spec.is_hf else SpecmeshRunner(stack, spec)
 
 
@@ -312,27 +361,28 @@ def measured_run(runner, prompt: list[int], sampling: SamplingParams, target: Fo
 
 
 # ----------------------------------------------------------------- the benchmark
-def make_record(prompt_id: str, spec: MethodSpec, runs: list[RunOutput], eos: Sequence[int]) -> dict:
-    first = runs[0]
-    tokens = first.token_ids
+def make_record(prompt_id: str, prompt_tokens: int, spec: MethodSpec, runs: list[RunOutput], eos: Sequence[int]) -> dict:
+    best = min(runs, key=lambda r: r.seconds)  # the fastest run stands for all (same tokens, least interference)
+    tokens = best.token_ids
     body = tokens[:-1] if tokens and tokens[-1] in eos else tokens
     rec = {
         "prompt_id": prompt_id,
         "method": spec.label,
         "kind": "hf" if spec.is_hf else "specmesh",
+        "prompt_tokens": prompt_tokens,
         "num_generated": len(tokens),
-        "seconds": min(r.seconds for r in runs),
+        "seconds": best.seconds,
         "seconds_all": [r.seconds for r in runs],
-        "target_forwards": first.target_forwards,
-        "target_forward_seconds": first.target_forward_seconds,
-        "draft_forwards": first.draft_forwards,
-        "draft_forward_seconds": first.draft_forward_seconds,
+        "target_forwards": best.target_forwards,
+        "target_forward_seconds": best.target_forward_seconds,
+        "draft_forwards": best.draft_forwards,
+        "draft_forward_seconds": best.draft_forward_seconds,
         "loops": is_loop(body),
         "token_ids": tokens,
     }
     rec["tokens_per_second"] = _ratio(len(tokens), rec["seconds"])
-    if first.stats is not None:
-        st = first.stats
+    if best.stats is not None:
+        st = best.stats
         accepted, reached = st.position_counts()
         rec.update(
             steps=st.num_steps,
@@ -347,7 +397,7 @@ def make_record(prompt_id: str, spec: MethodSpec, runs: list[RunOutput], eos: Se
             draft_errors=st.num_draft_errors,
         )
     else:
-        rec["tau"] = _ratio(len(tokens), first.target_forwards)
+        rec["tau"] = _ratio(len(tokens), best.target_forwards)
     return rec
 
 
@@ -381,29 +431,23 @@ def load_prompts(path: Path, limit: int | None) -> list[dict]:
 def run_bench(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    from orchestrator.embedded import EmbeddedStack
+    from specmesh.cli import load_stack, resolve_models
 
-    known = method_names()
-    labels = list(args.methods or default_methods())
-    names = [s.partition(":")[0].strip() for s in labels]
-    if "ar" not in labels:
-        labels.insert(0, "ar")  # the reference every speedup is measured against
-    if any(n in HF_METHODS for n in names) and "hf_ar" not in labels:
-        labels.append("hf_ar")
-    specs = [parse_method(s, known) for s in labels]
-    if len({s.label for s in specs}) != len(specs):
-        raise ValueError(f"duplicate methods in {labels}")
-    needs_draft = any(s.name in NEEDS_DRAFT for s in specs)
+    target_dir, draft_dir = resolve_models(args)
+    try:  # usage errors: one line, no traceback
+        specs = plan_methods(args.methods or default_methods(draft_dir is not None), draft_dir is not None)
+        base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        rows = load_prompts(Path(args.prompts), args.limit)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"specmesh bench: {exc}") from None
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    target_dir, draft_dir = _model_dir(args.target, "target"), _model_dir(args.draft, "draft") if needs_draft else None
-    stack = EmbeddedStack.load(target_dir, draft_dir)
-    runners = {s.label: make_runner(stack, s) for s in specs}
+    stack = load_stack(args)
+    runners = {s.label: method_runner(stack, s) for s in specs}
     eos = stack.target_runner.info.eos_token_ids
-    base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
     prompts = []
-    for row in load_prompts(Path(args.prompts), args.limit):
+    for row in rows:
         ids = stack.tokenizer(row["prompt"]).input_ids
         max_new = args.max_new_tokens or int(row.get("max_new_tokens", 128))
         if len(ids) + max_new + 1 > stack.target_runner.info.max_positions:
@@ -411,12 +455,11 @@ def run_bench(args: argparse.Namespace) -> dict:
             continue
         prompts.append((row["id"], ids, max_new))
     if not prompts:
-        raise ValueError("no prompts to run")
+        raise SystemExit("specmesh bench: no prompts to run")
 
-    target_meter = ForwardMeter(stack.target_runner.model)
-    draft_meter = ForwardMeter(stack.draft_runner.model if stack.draft_runner else None)
+    target_meter, draft_meter = ForwardMeter(stack.target_runner), ForwardMeter(stack.draft_runner)
     try:
-        warm_id, warm_ids, warm_new = prompts[0]
+        _, warm_ids, warm_new = prompts[0]
         warm = dataclasses.replace(base, max_new_tokens=min(WARMUP_TOKENS, warm_new))
         for spec in tqdm(specs, desc="warm-up", unit="method", file=sys.stderr, leave=False):
             runners[spec.label].run(warm_ids, warm)
@@ -430,8 +473,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 shift = (i * args.repeats + r) % len(specs)
                 for spec in specs[shift:] + specs[:shift]:
                     runs[spec.label].append(measured_run(runners[spec.label], ids, sampling, target_meter, draft_meter))
-            by_label = {s.label: make_record(pid, s, runs[s.label], eos) for s in specs}
-            by_label = {label: dict(rec, prompt_tokens=len(ids)) for label, rec in by_label.items()}
+            by_label = {s.label: make_record(pid, len(ids), s, runs[s.label], eos) for s in specs}
             compare_prompt(by_label, base.greedy)
             records += by_label.values()
     finally:
@@ -444,6 +486,9 @@ def run_bench(args: argparse.Namespace) -> dict:
             "prompts": str(args.prompts),
             "target": str(target_dir),
             "draft": str(draft_dir) if draft_dir else None,
+            "runner": args.runner,
+            "dtype": args.dtype,
+            "draft_dtype": args.draft_dtype or args.dtype,
             "methods": [{"label": s.label, "name": s.name, "options": dict(s.options)} for s in specs],
             "sampling": dataclasses.asdict(base),
             "max_new_tokens_override": args.max_new_tokens,
@@ -455,17 +500,6 @@ def run_bench(args: argparse.Namespace) -> dict:
         "methods": methods,
         "records": records,
     }
-
-
-def _model_dir(path: str | None, role: str) -> Path:
-    if path:
-        return Path(path)
-    import specmesh
-
-    default = Path(specmesh.__file__).parent / "demo_models" / role
-    if not (default / "config.json").is_file():
-        raise FileNotFoundError(f"no demo {role} model at {default}; pass --{role} DIR")
-    return default
 
 
 def environment() -> dict:
@@ -515,12 +549,13 @@ def markdown_table(report: dict) -> str:
 
 # ----------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", required=True, help="JSONL with id, prompt, max_new_tokens")
-    parser.add_argument("--target", help="target model dir (default: the packaged demo target)")
-    parser.add_argument("--draft", help="draft model dir (default: the packaged demo draft)")
+    """Bench options; the model options (--target, --draft, --runner, --dtype, --threads) come from specmesh.cli."""
+    parser.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="JSONL with id, prompt, max_new_tokens")
     parser.add_argument("--methods", nargs="+", metavar="SPEC",
-                        help="NAME or NAME:key=value,... (default: ar, every proposer, hf_ar, hf_assisted, "
-                        "hf_prompt_lookup); ar and hf_ar are added when missing")
+                        help="NAME or NAME:key=value,... with NAME one of ar, a proposer (keys: max_nodes, max_depth, "
+                        "proposer options), hf_ar, hf_assisted (keys: num_assistant_tokens, "
+                        "assistant_confidence_threshold, ...), hf_prompt_lookup (prompt_lookup_num_tokens, "
+                        "max_matching_ngram_size). Default: all of them; ar and hf_ar are added when missing")
     parser.add_argument("--limit", type=int, help="first N prompts only")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -528,13 +563,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (+1 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, help="override every prompt's max_new_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method; the fastest counts")
-    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    parser.add_argument("--json", required=True, help="write the full report here")
+    parser.add_argument("--json", required=True, metavar="OUT.json", help="write the full report here")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
+        raise SystemExit("specmesh bench: --repeats must be >= 1")
     report = run_bench(args)
     report["table"] = markdown_table(report)
     out = Path(args.json)
@@ -545,9 +579,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specmesh bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from specmesh import cli
+
+    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ speculative decoding needs. Output layout::
 
 Pipeline, one pure function per step:
     collect_files -> read_corpus -> train_tokenizer -> tokenize_corpus (np.ndarray)
-    -> sample_batch / train_model (time budget) -> evaluate_loss -> save.
+    -> sample_batch / train_model (time budget) -> evaluate -> save.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class TrainPairConfig:
     out_dir: Path
     corpus: tuple[Path, ...] = ()  # files or directories; () = stdlib of the running interpreter
     vocab_size: int = 4096
-    seq_len: int = 512
+    seq_len: int = 256
     target: ModelSize = field(default_factory=lambda: ModelSize(256, 4, 4, 704))
     draft: ModelSize = field(default_factory=lambda: ModelSize(128, 2, 2, 352))
     max_position_embeddings: int = 2048
@@ -59,8 +59,8 @@ class TrainPairConfig:
     draft_minutes: float = 7.0
     max_steps: int | None = None  # per model; stops at whichever of steps / minutes comes first
     batch_size: int = 8
-    lr: float = 2e-3
-    warmup_steps: int = 50
+    lr: float = 3e-3
+    warmup_steps: int = 30
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -73,7 +73,9 @@ class TrainPairConfig:
 
     def __post_init__(self) -> None:
         if self.vocab_size < 257 + 1:
-            raise ValueError(f"vocab_size must exceed the 256 byte symbols + {EOS_TOKEN}, got {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size must exceed the 256 byte symbols + {EOS_TOKEN}, got {self.vocab_size}"
+            )
         if self.seq_len < 2 or self.seq_len > self.max_position_embeddings:
             raise ValueError(f"seq_len must be in [2, {self.max_position_embeddings}], got {self.seq_len}")
         if self.target_minutes <= 0 or self.draft_minutes <= 0:
@@ -136,7 +138,7 @@ def read_corpus(files: list[Path], max_bytes: int, seed: int) -> list[str]:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(docs: list[str], vocab_size: int):
+def train_tokenizer(docs: list[str], vocab_size: int, model_max_length: int):
     """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as id 0. Returns a PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -159,7 +161,21 @@ def train_tokenizer(docs: list[str], vocab_size: int):
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         clean_up_tokenization_spaces=False,  # otherwise decode rewrites " ." etc. and breaks round-trips
+        model_max_length=model_max_length,
     )
+
+
+def save_tokenizer(tokenizer, model_dir: Path) -> None:
+    """save_pretrained, plus a class name every transformers version resolves.
+
+    transformers 5 writes "TokenizersBackend", which 4.x (still allowed by pyproject) cannot load;
+    "PreTrainedTokenizerFast" is an alias of it in 5.x and the real class in 4.x.
+    """
+    tokenizer.save_pretrained(model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def tokenize_corpus(tokenizer, docs: list[str]) -> np.ndarray:
@@ -234,7 +250,9 @@ def build_model(size: ModelSize, vocab_size: int, max_position_embeddings: int, 
     return LlamaForCausalLM(config)
 
 
-def train_model(model, train_tokens: np.ndarray, cfg: TrainPairConfig, minutes: float, seed: int, desc: str) -> dict:
+def train_model(
+    model, train_tokens: np.ndarray, cfg: TrainPairConfig, minutes: float, seed: int, desc: str
+) -> dict:
     """Train `model` in place until `minutes` elapse (or cfg.max_steps). Returns step/token/time stats."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -300,7 +318,9 @@ def evaluate(models: dict, inputs: torch.Tensor, labels: torch.Tensor, batch_siz
         argmaxes = []
         for name, model in models.items():
             logits = model(input_ids=x).logits.float()  # [b, T, vocab]
-            sums[name] += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            sums[name] += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), y.flatten(), reduction="sum"
+            ).item()
             argmaxes.append(logits.argmax(-1))
         if len(argmaxes) == 2:
             agree += (argmaxes[0] == argmaxes[1]).sum().item()
@@ -357,17 +377,21 @@ def train_pair(cfg: TrainPairConfig) -> dict:
         )
     print(f"[train-pair] corpus: {corpus_desc}")
 
-    tokenizer = train_tokenizer(docs, cfg.vocab_size)
+    tokenizer = train_tokenizer(docs, cfg.vocab_size, cfg.max_position_embeddings)
     tokens = tokenize_corpus(tokenizer, docs)
     train_tokens, heldout_tokens = split_heldout(tokens, cfg.heldout_fraction, cfg.seq_len)
-    print(f"[train-pair] tokens: {len(train_tokens)} train, {len(heldout_tokens)} held out "
-          f"({num_bytes / len(tokens):.2f} bytes/token)")
+    print(
+        f"[train-pair] tokens: {len(train_tokens)} train, {len(heldout_tokens)} held out "
+        f"({num_bytes / len(tokens):.2f} bytes/token)"
+    )
 
     models, stats = {}, {}
     for offset, (name, size, minutes) in enumerate(
         [("target", cfg.target, cfg.target_minutes), ("draft", cfg.draft, cfg.draft_minutes)]
     ):
-        model = build_model(size, len(tokenizer), cfg.max_position_embeddings, tokenizer.eos_token_id, cfg.seed + offset)
+        model = build_model(
+            size, len(tokenizer), cfg.max_position_embeddings, tokenizer.eos_token_id, cfg.seed + offset
+        )
         stats[name] = {"params": sum(p.numel() for p in model.parameters()), **asdict(size)}
         stats[name].update(train_model(model, train_tokens, cfg, minutes, cfg.seed + offset, desc=name))
         round_to_bf16(model)
@@ -381,8 +405,9 @@ def train_pair(cfg: TrainPairConfig) -> dict:
         model_dir = cfg.out_dir / name
         model.to(torch.bfloat16)
         model.config.dtype = "bfloat16"
-        model.save_pretrained(model_dir)  # safetensors (the only format in transformers 5; the default in 4.x)
-        tokenizer.save_pretrained(model_dir)
+        # safetensors: the only format in transformers 5, the default in 4.x.
+        model.save_pretrained(model_dir)
+        save_tokenizer(tokenizer, model_dir)
         stats[name]["heldout_loss"] = metrics[f"{name}_loss"]
 
     prompt = "def fibonacci(n):"
@@ -407,50 +432,61 @@ def train_pair(cfg: TrainPairConfig) -> dict:
     return report
 
 
+# (flag, TrainPairConfig field, type, help); the default comes from TrainPairConfig, so it is defined once.
+_SCALAR_OPTIONS = (
+    ("--vocab-size", "vocab_size", int, f"byte-level BPE vocabulary size, including {EOS_TOKEN}"),
+    ("--seq-len", "seq_len", int, "training window length in tokens"),
+    ("--target-minutes", "target_minutes", float, "wall-clock training budget of the target model"),
+    ("--draft-minutes", "draft_minutes", float, "wall-clock training budget of the draft model"),
+    ("--batch-size", "batch_size", int, "windows per optimizer step"),
+    ("--lr", "lr", float, "peak AdamW learning rate; linear warmup then cosine decay"),
+    ("--seed", "seed", int, "seed for file order, model init and batch sampling"),
+    ("--max-corpus-bytes", "max_corpus_bytes", int, "read at most this many bytes of source"),
+    ("--threads", "threads", int, "CPU threads for torch and the tokenizer"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TrainPairConfig(out_dir=Path("."))
-    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
-                        help="output directory; receives target/, draft/ and report.json")
-    parser.add_argument("--corpus", nargs="+", type=Path, default=None, metavar="PATH",
-                        help="Python files or directories (searched recursively for *.py, skipping test dirs "
-                             "and site-packages); default: the running interpreter's standard library")
-    parser.add_argument("--vocab-size", type=int, default=d.vocab_size,
-                        help=f"byte-level BPE vocabulary size, including {EOS_TOKEN} (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=d.seq_len,
-                        help="training window length in tokens (default: %(default)s)")
-    parser.add_argument("--target-minutes", type=float, default=d.target_minutes,
-                        help="wall-clock training budget of the target model (default: %(default)s)")
-    parser.add_argument("--draft-minutes", type=float, default=d.draft_minutes,
-                        help="wall-clock training budget of the draft model (default: %(default)s)")
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="optional step cap per model; training stops at the budget or the cap, "
-                             "whichever comes first (default: no cap)")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size,
-                        help="windows per optimizer step (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=d.lr,
-                        help="peak AdamW learning rate; linear warmup then cosine decay (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=d.seed,
-                        help="seed for file order, model init and batch sampling (default: %(default)s)")
-    parser.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes,
-                        help="read at most this many bytes of source (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=d.threads,
-                        help="CPU threads for torch and the tokenizer (default: %(default)s)")
+    defaults = TrainPairConfig(out_dir=Path("."))
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="output directory; receives target/, draft/ and report.json",
+    )
+    parser.add_argument(
+        "--corpus",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Python files or directories (searched recursively for *.py, skipping test dirs "
+        "and site-packages); default: the running interpreter's standard library",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="optional step cap per model; training stops at the time budget or the cap, "
+        "whichever comes first (default: no cap)",
+    )
+    for flag, dest, type_, help_ in _SCALAR_OPTIONS:
+        parser.add_argument(
+            flag,
+            dest=dest,
+            type=type_,
+            default=getattr(defaults, dest),
+            help=f"{help_} (default: %(default)s)",
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainPairConfig:
     return TrainPairConfig(
         out_dir=args.out,
         corpus=tuple(args.corpus or ()),
-        vocab_size=args.vocab_size,
-        seq_len=args.seq_len,
-        target_minutes=args.target_minutes,
-        draft_minutes=args.draft_minutes,
         max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        max_corpus_bytes=args.max_corpus_bytes,
-        threads=args.threads,
+        **{dest: getattr(args, dest) for _, dest, _, _ in _SCALAR_OPTIONS},
     )
 
 

@@ -135,6 +135,11 @@ class TokenTree:
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.shape[0] != n:
                 raise InvalidTreeError(f"{name} must be a 1-D array of length num_nodes={n}")
+        for name in ("tokens", "parents"):
+            if not np.issubdtype(getattr(self, name).dtype, np.integer):
+                raise InvalidTreeError(f"{name} must be an integer array, got dtype {getattr(self, name).dtype}")
+        if not np.issubdtype(self.draft_probs.dtype, np.floating):
+            raise InvalidTreeError(f"draft_probs must be a float array, got dtype {self.draft_probs.dtype}")
         if self.sources and len(self.sources) != n:
             raise InvalidTreeError(f"sources has {len(self.sources)} entries for {n} nodes")
         if max_nodes is not None and n > max_nodes:
@@ -163,6 +168,8 @@ class TokenTree:
         q_cu, q_ids, q_probs = self.q_cu, self.q_ids, self.q_probs
         if q_ids is None or q_probs is None or q_cu.shape != (n + 1,) or q_ids.shape != q_probs.shape:
             raise InvalidTreeError("draft distributions need q_cu [num_nodes+1] and equal-length q_ids, q_probs")
+        if not (np.issubdtype(q_cu.dtype, np.integer) and np.issubdtype(q_ids.dtype, np.integer)):
+            raise InvalidTreeError("q_cu and q_ids must be integer arrays")
         if q_cu[0] != 0 or q_cu[-1] != q_ids.shape[0] or (np.diff(q_cu) < 1).any():
             raise InvalidTreeError("q_cu must start at 0, end at nnz and give every node a non-empty distribution")
         if ((q_ids < 0) | (q_ids >= vocab_size)).any():

@@ -116,7 +116,19 @@ def test_cli_arguments_map_to_config(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(
-        ["--out", str(tmp_path), "--corpus", "a.py", "b", "--vocab-size", "512", "--max-steps", "7", "--threads", "1"]
+        [
+            "--out",
+            str(tmp_path),
+            "--corpus",
+            "a.py",
+            "b",
+            "--vocab-size",
+            "512",
+            "--max-steps",
+            "7",
+            "--threads",
+            "1",
+        ]
     )
     cfg = config_from_args(args)
     assert cfg.out_dir == tmp_path

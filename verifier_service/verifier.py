@@ -19,7 +19,7 @@ import torch
 
 from specmesh.model_runner import KVCache, ModelInfo, ModelRunner, tree_attend_mask
 from specmesh.sampling import SamplingParams, warp_probs
-from specmesh.tree import TokenTree
+from specmesh.tree import InvalidTreeError, TokenTree
 from verifier_service.verification import Acceptance, verify_greedy, verify_sample
 
 
@@ -90,7 +90,10 @@ class LocalVerifier:
         generator = None
         if not sampling.greedy:
             generator = torch.Generator()
-            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            if sampling.seed is not None:
+                generator.manual_seed(sampling.seed)
+            else:
+                generator.seed()  # fresh entropy, without touching torch's global RNG
         cache = self.runner.new_cache()
         logits = self.runner.forward(cache, prompt, range(len(prompt)))[-1:]  # [1, vocab]
         session = _Session(cache, -1, sampling, generator)
@@ -106,7 +109,7 @@ class LocalVerifier:
         cache = session.cache
         prefix_len = cache.length
         if prefix_len + 1 + tree.max_depth + 1 > self.info.max_positions:
-            raise ValueError("tree would run past the target's context length")
+            raise InvalidTreeError("tree would run past the target's context length")
         input_ids = np.concatenate([[session.pending], tree.tokens])
         positions = np.concatenate([[prefix_len], prefix_len + 1 + tree.depth])
         attend = None

@@ -1,0 +1,72 @@
+"""Fixtures: tiny random Llama target/draft models (float64, fixed seeds), runners, AR references."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+set_hypothesis_home_dir(tempfile.mkdtemp(prefix="specmesh-hypothesis-"))  # not ./.hypothesis
+
+# no example database on disk (nothing written outside tests/), no wall-clock deadlines on a busy box
+settings.register_profile("specmesh", database=None, deadline=None)
+settings.load_profile("specmesh")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `pytest` without -m
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spec_helpers import build_model_set, engine_for, greedy  # noqa: E402
+
+# The modules of this suite run tiny models, where extra intra-op threads only spin against each
+# other and against other processes (up to 100x slower on a busy 2-core machine). Other test files
+# (e.g. training) keep torch's default.
+SINGLE_THREAD_MODULES = {
+    "test_draft_model", "test_engine_faults", "test_greedy_equivalence", "test_kv_cache", "test_prompt_lookup",
+    "test_sampling_distribution", "test_stats", "test_stopping", "test_tree",
+}
+
+
+@pytest.fixture(autouse=True)
+def _single_thread_for_tiny_models(request):
+    if request.module.__name__.rsplit(".", 1)[-1] not in SINGLE_THREAD_MODULES:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def model_sets():
+    """kind -> ModelSet; "random": a plain random target, "cyclic": a target whose greedy text loops."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            cache[kind] = build_model_set(kind)
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ar_reference(model_sets):
+    """Memoised plain autoregressive greedy output of the Engine (drafter=None)."""
+    memo: dict = {}
+
+    def get(kind: str, backend: str, prompt, max_new_tokens: int) -> list[int]:
+        key = (kind, backend, tuple(prompt), max_new_tokens)
+        if key not in memo:
+            runner = model_sets(kind).runner("target", backend)
+            memo[key] = engine_for(runner).generate(list(prompt), greedy(max_new_tokens)).token_ids
+        return memo[key]
+
+    return get

@@ -1,0 +1,211 @@
+"""`specmesh bench` end to end on a tiny random Llama pair saved to disk, plus its pure helpers.
+
+The invariants: every lossless specmesh method reproduces AR greedy output token for
+token, τ >= 1, every method has one record per prompt, and τ / forward counts are
+consistent for HF peers too (counted with hooks on the same models).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specmesh import cli
+from specmesh.bench import is_loop, method_names, parse_method, spread
+
+EOS_TOKEN = "<|endoftext|>"
+TEXT = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n    else:\n        continue\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+] * 20
+PROMPTS = [
+    {"id": "p0", "prompt": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):", "max_new_tokens": 12},
+    {"id": "p1", "prompt": "class Point:\n    def __init__(self, x, y):\n        self.x = x", "max_new_tokens": 12},
+    {"id": "p2", "prompt": "for i in range(10):\n    print(i)", "max_new_tokens": 12},
+]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TEXT, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
+def _save_model(path: Path, tokenizer, hidden: int, layers: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,  # a large init keeps greedy output from collapsing onto one token
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bench_pair")
+    tokenizer = _tokenizer()
+    _save_model(root / "target", tokenizer, hidden=32, layers=2, seed=0)
+    _save_model(root / "draft", tokenizer, hidden=16, layers=1, seed=1)
+    _save_model(root / "same", tokenizer, hidden=32, layers=2, seed=0)  # the target's own weights
+    with (root / "prompts.jsonl").open("w") as f:
+        for row in PROMPTS:
+            f.write(json.dumps(row) + "\n")
+    return root
+
+
+def _bench(pair: Path, out: Path, *extra: str, draft: str | None = "draft") -> dict:
+    args = cli.build_parser().parse_args([
+        "bench", "--prompts", str(pair / "prompts.jsonl"), "--target", str(pair / "target"),
+        *(["--draft", str(pair / draft)] if draft else []),
+        "--dtype", "float64",  # a tree forward and a sequential forward can never disagree on an argmax
+        "--threads", "1", "--json", str(out), *extra,
+    ])  # fmt: skip
+    assert args.func(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_greedy_report(pair, tmp_path, capsys):
+    methods = ["ar", "draft_model", "prompt_lookup", "hf_ar", "hf_assisted", "hf_prompt_lookup"]
+    report = _bench(pair, tmp_path / "out.json", "--methods", *methods, "--limit", "2")
+    assert list(report["methods"]) == methods
+    assert report["config"]["num_prompts"] == 2
+    assert report["environment"]["torch"] == torch.__version__
+
+    for method in methods:
+        records = [r for r in report["records"] if r["method"] == method]
+        assert sorted(r["prompt_id"] for r in records) == ["p0", "p1"]
+        for r in records:
+            assert 1 <= r["num_generated"] <= 12
+            assert r["target_forwards"] >= 1
+        agg = report["methods"][method]
+        assert agg["tau"] >= 1.0
+        assert agg["speedup_vs_ar"]["median"] > 0
+        # every generated token after the first costs at most one target forward
+        assert agg["target_forwards_per_token"] <= 1.0 + 1e-9
+
+    for method in ("ar", "draft_model", "prompt_lookup"):  # lossless: exactly AR greedy
+        assert report["methods"][method]["greedy_match_ar"] == 1.0
+    ar = report["methods"]["ar"]
+    assert ar["tau"] == 1.0 and ar["target_forwards_per_token"] == 1.0
+    assert report["methods"]["hf_ar"]["tau"] == 1.0
+    for method in ("hf_assisted", "hf_prompt_lookup"):
+        assert report["methods"][method]["speedup_vs_hf_ar"] is not None
+
+    # specmesh τ agrees with the hook-counted forwards: one prefill + one forward per step
+    for r in report["records"]:
+        if r["kind"] == "specmesh":
+            assert r["target_forwards"] == 1 + r["steps"]
+            assert r["committed"] >= r["num_generated"] - 1
+    dm = report["methods"]["draft_model"]
+    assert dm["acceptance_per_position"] and all(0.0 <= a <= 1.0 for a in dm["acceptance_per_position"] if a is not None)
+    assert dm["draft_forwards_per_token"] > 0 and set(dm["per_source"]) == {"draft_model"}
+
+    table = capsys.readouterr().out
+    assert "| method | τ |" in table and all(f"| {m} |" in table for m in methods)
+
+
+def test_bench_always_accept_drafter(pair, tmp_path):
+    """Draft = target: every drafted token is accepted, so τ is the budget-limited maximum."""
+    report = _bench(
+        pair, tmp_path / "out.json", "--methods", "draft_model:max_nodes=4,max_depth=4",
+        "hf_assisted:assistant_confidence_threshold=0", "--limit", "1", draft="same",
+    )  # fmt: skip
+    dm = report["methods"]["draft_model:max_nodes=4,max_depth=4"]
+    # 12 tokens: prefill 1, then 1 + 4, 1 + 4, and a last plain step (no room left to draft)
+    assert dm["tau"] == pytest.approx(11 / 3)
+    assert dm["acceptance_per_position"] == [1.0, 1.0, 1.0, 1.0]
+    assert dm["greedy_match_ar"] == 1.0
+    hf = report["methods"]["hf_assisted:assistant_confidence_threshold=0"]
+    assert hf["tau"] > 3.0 and hf["greedy_match_ar"] == 1.0
+
+
+def test_bench_sampling_has_no_greedy_match(pair, tmp_path):
+    report = _bench(
+        pair, tmp_path / "out.json", "--methods", "prompt_lookup:max_nodes=4,max_depth=4",
+        "--limit", "1", "--temperature", "0.7", "--top-p", "0.95", "--max-new-tokens", "6",
+    )  # fmt: skip
+    assert list(report["methods"]) == ["ar", "prompt_lookup:max_nodes=4,max_depth=4"]  # ar is always added
+    assert report["config"]["methods"][1]["options"] == {"max_nodes": 4, "max_depth": 4}
+    for agg in report["methods"].values():
+        assert agg["greedy_match_ar"] is None
+        assert agg["generated_tokens"] <= 6
+
+
+def test_bench_default_methods_without_draft(pair, tmp_path):
+    report = _bench(pair, tmp_path / "out.json", "--limit", "1", "--max-new-tokens", "4", draft=None)
+    methods = list(report["methods"])
+    assert {"ar", "prompt_lookup", "prompt_lookup_tree", "hf_ar", "hf_prompt_lookup"} <= set(methods)
+    assert not {"draft_model", "draft_model_tree", "hf_assisted"} & set(methods)  # no draft model given
+    assert all(m["greedy_match_ar"] == 1.0 for label, m in report["methods"].items() if not label.startswith("hf_"))
+
+
+@pytest.mark.parametrize(
+    ("methods", "draft", "message"),
+    [
+        (["nope"], "draft", "unknown method"),
+        (["draft_model:max_nodes"], "draft", "not KEY=VALUE"),
+        (["ar:max_nodes=3"], "draft", "takes no options"),
+        (["ar", "ar"], "draft", "duplicate"),
+        (["hf_assisted"], None, "need a draft model"),
+    ],
+)
+def test_bench_usage_errors_exit_cleanly(pair, tmp_path, methods, draft, message):
+    with pytest.raises(SystemExit, match=f"specmesh bench: .*{message}"):
+        _bench(pair, tmp_path / "out.json", "--methods", *methods, draft=draft)
+
+
+def test_parse_method():
+    known = method_names()
+    spec = parse_method("draft_model_tree:max_nodes=8,branching=2", known)
+    assert spec.name == "draft_model_tree"
+    assert dict(spec.options)["max_nodes"] == 8 and dict(spec.options)["branching"] == 2
+    assert "max_depth" in dict(spec.options)  # unset budget keys take the proposer's default
+    assert dict(parse_method("hf_prompt_lookup", known).options) == {"prompt_lookup_num_tokens": 10}
+    assert dict(parse_method("hf_assisted:assistant_confidence_threshold=0.2", known).options) == {
+        "assistant_confidence_threshold": 0.2
+    }
+    for bad in ("nope", "draft_model:max_nodes", "ar:max_nodes=3"):
+        with pytest.raises(ValueError):
+            parse_method(bad, known)
+
+
+def test_is_loop():
+    assert is_loop([5, 6, 7] * 30)  # period 3
+    assert is_loop(list(range(100)) + [1, 2, 3, 4, 5, 6] * 11)  # periodic tail after a non-periodic start
+    counter = [t for i in range(8) for t in (10, 11, 12, 13, 14, 100 + i)]  # a loop whose counter changes
+    assert is_loop(list(range(50, 80)) + counter)
+    assert not is_loop(list(range(200)))
+    assert not is_loop([5, 6, 7] * 10)  # too short to judge (< 64 tokens)
+
+
+def test_spread():
+    s = spread([1.0, 2.0, 3.0, 4.0])
+    assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0 and math.isclose(s["p10"], 1.3)
+    assert spread([]) is None

@@ -1,0 +1,162 @@
+"""The draft-model proposer against brute force on the same draft model (no cache, no masks).
+
+A wrong draft forward (bad tree mask, positions, stale cache) never changes greedy output;
+it only lowers acceptance, and under sampling a wrong shipped q breaks losslessness. So the
+proposals themselves are checked: chain tokens / q against a full recompute of the draft
+model, the dynamic tree against a plain re-implementation of its selection rule, and
+proposals after cache reuse against proposals from a fresh cache.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from spec_helpers import BACKENDS, make_prompts
+
+from drafter_service.draft_model import DraftModelProposer
+from drafter_service.proposer import Budget, DraftSessionState
+from specmesh.sampling import SamplingParams, warp_probs
+
+PROMPTS = make_prompts(6, seed=17)
+
+
+@torch.no_grad()
+def full_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0, -1].double()
+
+
+GREEDY = SamplingParams()
+
+
+def _state(tokens, sampling=GREEDY, seed=0):
+    gen = torch.Generator().manual_seed(seed) if not sampling.greedy else None
+    return DraftSessionState("s", list(tokens), sampling, gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_chain_is_the_draft_models_greedy_continuation(model_sets, backend):
+    ms = model_sets("random")
+    prop = DraftModelProposer(ms.runner("near", backend), tree=False)
+    for prompt in PROMPTS:
+        tree = prop.propose(_state(prompt), Budget(6, 5))
+        assert tree.num_nodes == 5 and tree.parents.tolist() == [-1, 0, 1, 2, 3]
+        seq = list(prompt)
+        for i in range(5):
+            probs = torch.softmax(full_logits(ms.near, seq), -1)
+            assert int(tree.tokens[i]) == int(probs.argmax())
+            assert tree.draft_probs[i] == pytest.approx(float(probs.max()), rel=1e-5)
+            seq.append(int(tree.tokens[i]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("warp", [(1.0, 0, 1.0), (0.7, 10, 0.9)])
+def test_sampled_chain_ships_the_exact_warped_draft_distribution(model_sets, backend, warp):
+    ms = model_sets("random")
+    prop = DraftModelProposer(ms.runner("near", backend), tree=False)
+    temperature, top_k, top_p = warp
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for j, prompt in enumerate(PROMPTS):
+        tree = prop.propose(_state(prompt, sp, seed=j), Budget(4, 4))
+        tree.validate(ms.near.config.vocab_size)
+        assert tree.has_draft_dists and tree.num_nodes == 4
+        seq = list(prompt)
+        for i in range(4):
+            q = warp_probs(full_logits(ms.near, seq), temperature, top_k, top_p)
+            ids, vals = tree.draft_dist(i)
+            assert sorted(ids.tolist()) == torch.nonzero(q).flatten().tolist()
+            np.testing.assert_allclose(vals, q[torch.as_tensor(ids)].numpy(), rtol=1e-5, atol=1e-9)
+            tok = int(tree.tokens[i])
+            assert q[tok] > 0 and tree.draft_probs[i] == pytest.approx(float(q[tok]), rel=1e-5)
+            seq.append(tok)
+
+
+def ref_dynamic_tree(model, tokens, budget: Budget, branching: int, expand_width: int, log_q):
+    """EAGLE-2 selection, as DraftModelProposer documents it, with a full forward per expanded node."""
+    cand: list[dict] = []
+
+    def children(parent: int, lq: torch.Tensor, score: float, depth: int) -> list[int]:
+        top = torch.topk(lq, min(branching, budget.max_nodes))
+        out = []
+        for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if v == float("-inf"):
+                break
+            cand.append({"tok": t, "parent": parent, "depth": depth, "score": score + v, "lq": v})
+            out.append(len(cand) - 1)
+        return out
+
+    def path(c: int) -> list[int]:
+        out = []
+        while c >= 0:
+            out.append(cand[c]["tok"])
+            c = cand[c]["parent"]
+        return out[::-1]
+
+    frontier = children(-1, log_q(full_logits(model, tokens)), 0.0, 0)
+    for depth in range(1, budget.max_depth):
+        expand = sorted(frontier, key=lambda c: -cand[c]["score"])[:expand_width]
+        frontier = []
+        for c in expand:
+            frontier += children(c, log_q(full_logits(model, tokens + path(c))), cand[c]["score"], depth)
+    order = sorted(range(len(cand)), key=lambda c: (-cand[c]["score"], cand[c]["depth"], c))
+    chosen = sorted(order[: budget.max_nodes], key=lambda c: (cand[c]["depth"], c))
+    index = {c: i for i, c in enumerate(chosen)}
+    return (
+        [cand[c]["tok"] for c in chosen],
+        [index[cand[c]["parent"]] if cand[c]["parent"] >= 0 else -1 for c in chosen],
+        [math.exp(cand[c]["lq"]) for c in chosen],
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("budget", [(4, 3), (10, 4), (20, 6)], ids=lambda b: f"{b[0]}x{b[1]}")
+def test_dynamic_tree_matches_brute_force_selection(model_sets, backend, budget):
+    ms = model_sets("random")
+    prop = DraftModelProposer(ms.runner("near", backend), tree=True, branching=3, expand_width=2)
+    b = Budget(*budget)
+    for prompt in PROMPTS[:4]:
+        state = _state(prompt)
+        tree = prop.propose(state, b)
+        tree.validate(ms.near.config.vocab_size, max_nodes=b.max_nodes, max_depth=b.max_depth)
+        toks, parents, probs = ref_dynamic_tree(ms.near, list(prompt), b, 3, 2, lambda x: torch.log_softmax(x, -1))
+        assert tree.tokens.tolist() == toks
+        assert tree.parents.tolist() == parents
+        np.testing.assert_allclose(tree.draft_probs, probs, rtol=1e-5)
+        # the draft cache is back to the committed tokens only
+        dc = state.scratch[prop.name]
+        assert dc.cached == list(prompt) and dc.cache.length == len(prompt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_proposals_after_cache_reuse_equal_proposals_from_scratch(model_sets, backend, tree):
+    """Commit some drafted tokens (a partial acceptance) plus a bonus, propose again: the reused
+    draft cache must give what a fresh proposer gives for the same committed tokens."""
+    ms = model_sets("random")
+    runner = ms.runner("near", backend)
+    prop = DraftModelProposer(runner, tree=tree, branching=3, expand_width=2)
+    rng = random.Random(4)
+    budget = Budget(8, 4)
+    for prompt in PROMPTS[:4]:
+        state = _state(prompt)
+        for _ in range(6):
+            proposal = prop.propose(state, budget)
+            path = proposal.path_to(rng.randrange(proposal.num_nodes))
+            keep = rng.randint(0, len(path))
+            state.tokens += [int(proposal.tokens[i]) for i in path[:keep]] + [rng.randrange(128)]
+            fresh = DraftModelProposer(runner, tree=tree, branching=3, expand_width=2).propose(_state(state.tokens), budget)
+            again = prop.propose(state, budget)
+            assert again.tokens.tolist() == fresh.tokens.tolist()
+            assert again.parents.tolist() == fresh.parents.tolist()
+            np.testing.assert_allclose(again.draft_probs, fresh.draft_probs, rtol=1e-5)
+
+
+def test_empty_budget_or_context_full_gives_empty_tree(model_sets):
+    ms = model_sets("random")
+    prop = DraftModelProposer(ms.runner("near", "hf"))
+    assert prop.propose(_state([1, 2, 3]), Budget(0, 4)).num_nodes == 0
+    assert prop.propose(_state([1, 2, 3]), Budget(4, 0)).num_nodes == 0
+    assert prop.propose(_state([1] * 510), Budget(4, 4)).num_nodes == 0  # 510 + 4 > 512 positions

@@ -1,0 +1,77 @@
+"""The fast Llama-family runner computes the same logits as the Hugging Face forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specmesh.fast_llama import FastLlamaRunner, make_runner, supports
+from specmesh.model_runner import ModelRunner, tree_attend_mask
+
+
+def _llama(num_kv_heads: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
+                      initializer_range=0.3, tie_word_embeddings=num_kv_heads == 4)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+def _qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.3, use_sliding_window=False)
+    model = Qwen2ForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():  # random init leaves biases at zero; make them matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.normal_(0, 0.3)
+            layer.self_attn.k_proj.bias.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("model", [_llama(4), _llama(2), _qwen2()], ids=["mha-tied", "gqa", "qwen2-bias"])
+def test_fast_runner_matches_hf(model) -> None:
+    assert supports(model) is None
+    hf, fast = ModelRunner(model), FastLlamaRunner(model)
+    c_hf, c_fast = hf.new_cache(), fast.new_cache()
+    prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(fast.forward(c_fast, prompt, range(40)), hf.forward(c_hf, prompt, range(40)),
+                               rtol=1e-10, atol=1e-10)
+    # a tree step: root children 0 and 2, node 1 under 0, node 3 under 2
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    attend = tree_attend_mask(40, ancestors)
+    ids, pos = [5, 6, 7, 8], [40, 41, 40, 41]
+    torch.testing.assert_close(fast.forward(c_fast, ids, pos, attend), hf.forward(c_hf, ids, pos, attend),
+                               rtol=1e-10, atol=1e-10)
+    # keep the path 2 -> 3, then continue: the compacted caches must agree
+    c_hf.keep(40, [2, 3])
+    c_fast.keep(40, [2, 3])
+    for layer in range(2):
+        for a, b in zip(c_fast.layer_kv(layer), c_hf.layer_kv(layer)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fast.forward(c_fast, [9, 10], [42, 43]), hf.forward(c_hf, [9, 10], [42, 43]),
+                               rtol=1e-10, atol=1e-10)
+
+
+def test_fast_cache_grows_past_its_first_chunk() -> None:
+    model = _llama(2)
+    fast, hf = FastLlamaRunner(model), ModelRunner(model)
+    c_fast, c_hf = fast.new_cache(), hf.new_cache()
+    ids = torch.randint(0, 97, (250,), generator=torch.Generator().manual_seed(3))
+    for start in range(0, 250, 50):  # several appends across the growth boundary
+        chunk = ids[start : start + 50]
+        out_fast = fast.forward(c_fast, chunk, range(start, start + 50))
+        out_hf = hf.forward(c_hf, chunk, range(start, start + 50))
+    torch.testing.assert_close(out_fast, out_hf, rtol=1e-10, atol=1e-10)
+    assert c_fast.length == c_hf.length == 250
+
+
+def test_make_runner_falls_back_for_unsupported_models() -> None:
+    model = _llama(4)
+    model.config.hidden_act = "gelu"
+    assert supports(model) is not None
+    assert type(make_runner(model, "auto")) is ModelRunner
+    with pytest.raises(ValueError, match="fast runner cannot run"):
+        make_runner(model, "fast")

@@ -1,0 +1,142 @@
+"""KV caches after tree steps equal a fresh causal prefill of the tokens they claim to hold.
+
+Verifier: after every verify step, the session cache holds exactly the committed tokens
+minus the pending one. Draft model proposer: after every proposal, its scratch cache holds
+exactly ``scratch.cached``. Compaction of non-chain trees (gathering the accepted path out
+of the tree's positions) is forced with an oracle drafter whose true path sits behind
+decoy siblings.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from spec_helpers import (
+    BACKENDS,
+    OracleProposer,
+    RecordingVerifier,
+    assert_cache_matches,
+    engine_for,
+    fresh_kv,
+    greedy,
+    make_prompts,
+)
+
+from specmesh.model_runner import tree_attend_mask
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+
+PROMPTS = make_prompts(6, seed=3)
+MAX_NEW = 30
+
+
+def _only(d: dict):
+    assert len(d) == 1, f"expected one live session, found {len(d)}"
+    return next(iter(d.values()))
+
+
+def _run_and_check(engine, verifier, prompt, sampling, draft_runner=None, draft_name=None):
+    """Stream one request; after each step compare the verifier (and draft) caches with fresh prefills."""
+    target_runner = verifier.runner
+    committed = list(prompt)
+    gathered = 0
+    checked_draft = 0
+    for event in engine.stream(prompt, sampling):
+        session = _only(verifier._sessions)
+        if event.step is None:
+            committed.append(session.pending)
+        else:
+            tree, result = verifier.log[-1]
+            committed += result.tokens
+            gathered += result.accepted_nodes != tuple(range(result.num_accepted))
+        assert committed[-1] == session.pending
+        assert_cache_matches(session.cache, fresh_kv(target_runner, committed[:-1]), "verifier cache")
+        if draft_name is not None and engine.drafter is not None and engine.drafter._sessions:
+            state = _only(engine.drafter._sessions)
+            dc = state.scratch.get(draft_name)
+            if dc is not None:
+                assert dc.cached[: len(state.tokens)] == state.tokens  # committed first, then any drafted tokens
+                assert_cache_matches(dc.cache, fresh_kv(draft_runner, dc.cached), "draft cache")
+                checked_draft += 1
+    return gathered, checked_draft
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verifier_cache_after_oracle_trees_with_decoys(model_sets, ar_reference, backend):
+    ms = model_sets("random")
+    runner = ms.runner("target", backend)
+    seqs = [p + ar_reference("random", backend, p, MAX_NEW) for p in PROMPTS]
+    verifier = RecordingVerifier(runner)
+    engine = engine_for(runner, OracleProposer(seqs, decoys=3), 20, 4, verifier=verifier)
+    gathered = 0
+    for prompt in PROMPTS[:3]:
+        gathered += _run_and_check(engine, verifier, prompt, greedy(MAX_NEW))[0]
+    assert gathered >= 10  # compaction really had to gather non-contiguous positions
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("proposer", ["draft_model", "draft_model_tree"])
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_verifier_and_draft_caches_follow_committed_tokens(model_sets, proposer, mode, backend):
+    ms = model_sets("random")
+    runner, draft = ms.runner("target", backend), ms.runner("near", backend)
+    verifier = RecordingVerifier(runner)
+    engine = engine_for(runner, proposer, 12, 5, draft_runner=draft, verifier=verifier)
+    checked = accepted = 0
+    for i, prompt in enumerate(PROMPTS[:3]):
+        sp = greedy(MAX_NEW) if mode == "greedy" else SamplingParams(temperature=1.0, seed=i, max_new_tokens=MAX_NEW, ignore_eos=True)
+        verifier.log.clear()
+        checked += _run_and_check(engine, verifier, prompt, sp, draft, proposer)[1]
+        accepted += sum(r.num_accepted for _, r in verifier.log)
+    assert checked > 10 and accepted > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keep_gathers_any_root_to_node_path(model_sets, backend):
+    """One tree forward on top of a prefix, then keep(path): the cache equals a prefill of prefix + path."""
+    ms = model_sets("random")
+    runner = ms.runner("target", backend)
+    rng = random.Random(0)
+    for trial in range(12):
+        prefix = [rng.randrange(128) for _ in range(rng.randint(1, 30))]
+        n = rng.randint(1, 12)
+        parents = [rng.randint(-1, i - 1) for i in range(n)]
+        tree = TokenTree(np.asarray([rng.randrange(128) for _ in range(n)], np.int64), np.asarray(parents, np.int64), np.ones(n))
+        cache = runner.new_cache()
+        runner.forward(cache, prefix, range(len(prefix)))
+        attend = tree_attend_mask(len(prefix), torch.from_numpy(tree.ancestor_mask))
+        runner.forward(cache, tree.tokens.tolist(), tree.position_ids(len(prefix)).tolist(), attend)
+        path = tree.path_to(rng.randrange(n))
+        cache.keep(len(prefix), path)
+        kept = prefix + [int(tree.tokens[i]) for i in path]
+        assert_cache_matches(cache, fresh_kv(runner, kept), f"trial {trial}, path {path}")
+        # and the cache keeps working: one more token gives the logits of a fresh full forward
+        nxt = rng.randrange(128)
+        got = runner.forward(cache, [nxt], [len(kept)])[-1]
+        ref_cache = runner.new_cache()
+        want = runner.forward(ref_cache, kept + [nxt], range(len(kept) + 1))[-1]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_forward_logits_equal_sequential_forward_of_each_path(model_sets, backend):
+    """The logits of every tree node equal those of a causal forward over prefix + that node's path."""
+    ms = model_sets("random")
+    runner = ms.runner("target", backend)
+    rng = random.Random(1)
+    for _ in range(6):
+        prefix = [rng.randrange(128) for _ in range(rng.randint(1, 20))]
+        n = rng.randint(2, 10)
+        parents = [rng.randint(-1, i - 1) for i in range(n)]
+        tree = TokenTree(np.asarray([rng.randrange(128) for _ in range(n)], np.int64), np.asarray(parents, np.int64), np.ones(n))
+        cache = runner.new_cache()
+        runner.forward(cache, prefix, range(len(prefix)))
+        attend = tree_attend_mask(len(prefix), torch.from_numpy(tree.ancestor_mask))
+        logits = runner.forward(cache, tree.tokens.tolist(), tree.position_ids(len(prefix)).tolist(), attend)
+        for i in range(n):
+            seq = prefix + [int(tree.tokens[j]) for j in tree.path_to(i)]
+            want = runner.forward(runner.new_cache(), seq, range(len(seq)))[-1]
+            torch.testing.assert_close(logits[i], want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,254 @@
+"""TokenTree: derived fields against brute force on random trees; validation; TreeBuilder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specmesh.tree import InvalidTreeError, TokenTree, TreeBuilder
+
+VOCAB = 50
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def trees(draw, max_nodes: int = 24, with_dists: bool = False):
+    n = draw(st.integers(0, max_nodes))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+    probs = draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
+    tree = TokenTree(np.asarray(tokens, np.int64), np.asarray(parents, np.int64), np.asarray(probs, np.float64),
+                     tuple(f"s{i % 3}" for i in range(n)))
+    if not with_dists:
+        return tree
+    return with_random_dists(tree, draw(st.integers(0, 2**31)))
+
+
+def with_random_dists(tree: TokenTree, seed: int) -> TokenTree:
+    """Attach a valid sparse draft distribution to every node (its token included, sums to 1)."""
+    rng = np.random.default_rng(seed)
+    ids, vals, cu = [], [], [0]
+    for i in range(tree.num_nodes):
+        others = rng.choice([t for t in range(VOCAB) if t != tree.tokens[i]], size=rng.integers(0, 4), replace=False)
+        node_ids = np.concatenate([[tree.tokens[i]], others]).astype(np.int64)
+        rng.shuffle(node_ids)
+        w = rng.dirichlet(np.ones(node_ids.size))
+        ids.append(node_ids)
+        vals.append(w)
+        cu.append(cu[-1] + node_ids.size)
+    return TokenTree(
+        tree.tokens, tree.parents, tree.draft_probs, tree.sources,
+        q_cu=np.asarray(cu, np.int64),
+        q_ids=np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64),
+        q_probs=np.concatenate(vals) if vals else np.zeros(0),
+    )
+
+
+# ------------------------------------------------------------ brute force
+def ref_ancestors(parents: list[int], i: int) -> list[int]:
+    """i's ancestors (excluding i), nearest first, by walking parent links."""
+    out = []
+    p = parents[i]
+    while p != -1:
+        out.append(p)
+        p = parents[p]
+    return out
+
+
+@SETTINGS
+@given(trees())
+def test_derived_fields_match_brute_force(tree: TokenTree):
+    parents = tree.parents.tolist()
+    n = len(parents)
+    tree.validate(VOCAB)
+    for i in range(n):
+        anc = ref_ancestors(parents, i)
+        assert tree.depth[i] == len(anc)
+        assert tree.ancestor_mask[i].tolist() == [j == i or j in anc for j in range(n)]
+        assert tree.path_to(i) == anc[::-1] + [i]
+        assert tree.children_of(i) == [j for j in range(n) if parents[j] == i]
+    assert tree.children_of(-1) == [j for j in range(n) if parents[j] == -1]
+    for prefix_len in (0, 7):
+        assert tree.position_ids(prefix_len).tolist() == [prefix_len + len(ref_ancestors(parents, i)) for i in range(n)]
+    leaves = [i for i in range(n) if i not in parents]
+    assert tree.leaves == leaves
+    assert tree.paths() == [ref_ancestors(parents, leaf)[::-1] + [leaf] for leaf in leaves]
+    assert tree.max_depth == (max(len(ref_ancestors(parents, i)) for i in range(n)) + 1 if n else 0)
+    # every node lies on exactly the paths through it; paths are distinct and cover every node
+    assert sorted({j for path in tree.paths() for j in path}) == list(range(n))
+
+
+@SETTINGS
+@given(trees(with_dists=True))
+def test_valid_trees_with_distributions_pass_and_dists_round_trip(tree: TokenTree):
+    assert tree.validate(VOCAB, max_nodes=tree.num_nodes, max_depth=tree.max_depth) is tree
+    for i in range(tree.num_nodes):
+        ids, probs = tree.draft_dist(i)
+        assert probs.sum() == pytest.approx(1.0)
+        assert probs[ids == tree.tokens[i]].size == 1
+
+
+def test_point_mass_when_no_distributions():
+    tree = TokenTree.chain([5, 6, 7])
+    ids, probs = tree.draft_dist(1)
+    assert ids.tolist() == [6] and probs.tolist() == [1.0]
+    assert tree.parents.tolist() == [-1, 0, 1] and tree.max_depth == 3
+
+
+# ------------------------------------------------------------- rejection
+def _tree(tokens, parents, probs=None, **kw) -> TokenTree:
+    n = len(tokens)
+    return TokenTree(np.asarray(tokens, np.int64), np.asarray(parents, np.int64),
+                     np.asarray(probs if probs is not None else [0.5] * n, np.float64), **kw)
+
+
+@SETTINGS
+@given(trees(max_nodes=12).filter(lambda t: t.num_nodes > 0), st.data())
+def test_bad_parent_is_rejected(tree: TokenTree, data):
+    i = data.draw(st.integers(0, tree.num_nodes - 1))
+    bad = data.draw(st.one_of(st.integers(i, i + 5), st.integers(-10, -2)))  # self/forward/below -1
+    parents = tree.parents.copy()
+    parents[i] = bad
+    with pytest.raises(InvalidTreeError, match="parent"):
+        _tree(tree.tokens, parents, tree.draft_probs).validate(VOCAB)
+
+
+@pytest.mark.parametrize("token", [-1, VOCAB, VOCAB + 100])
+def test_out_of_vocab_token_is_rejected(token):
+    with pytest.raises(InvalidTreeError, match="vocabulary"):
+        _tree([1, token, 3], [-1, 0, 0]).validate(VOCAB)
+
+
+@pytest.mark.parametrize("prob", [-0.1, float("nan"), float("inf"), 1.5])
+def test_bad_draft_prob_is_rejected(prob):
+    with pytest.raises(InvalidTreeError, match="draft_probs"):
+        _tree([1, 2, 3], [-1, 0, 0], [0.5, prob, 0.5]).validate(VOCAB)
+
+
+def test_cycle_is_impossible_to_express():
+    # a 2-cycle needs some parent >= its own index
+    with pytest.raises(InvalidTreeError):
+        _tree([1, 2], [1, 0]).validate(VOCAB)
+    with pytest.raises(InvalidTreeError):
+        _tree([1], [0]).validate(VOCAB)  # self-loop
+
+
+def test_oversize_trees_are_rejected():
+    wide = _tree(list(range(10)), [-1] * 10)
+    deep = _tree(list(range(10)), list(range(-1, 9)))
+    wide.validate(VOCAB, max_nodes=10, max_depth=1)
+    deep.validate(VOCAB, max_nodes=10, max_depth=10)
+    with pytest.raises(InvalidTreeError, match="nodes"):
+        wide.validate(VOCAB, max_nodes=9)
+    with pytest.raises(InvalidTreeError, match="depth"):
+        deep.validate(VOCAB, max_depth=9)
+
+
+@pytest.mark.parametrize(
+    "tokens,parents",
+    [([3, 4], [-1.0, 0.5]), ([3.5, 4.0], [-1, 0])],
+    ids=["fractional_parent", "fractional_token"],
+)
+def test_non_integer_ids_are_rejected(tokens, parents):
+    """A fractional parent is no node at all, and a fractional token no token: validation must say so
+    (instead of the derived fields failing later with an IndexError, or the token being truncated)."""
+    tree = TokenTree(np.asarray(tokens), np.asarray(parents), np.ones(2))
+    with pytest.raises(InvalidTreeError):
+        tree.validate(VOCAB)
+
+
+def test_integral_float_arrays_are_rejected_or_usable():
+    tree = TokenTree(np.asarray([3.0, 4.0]), np.asarray([-1.0, 0.0]), np.ones(2))
+    try:
+        tree.validate(VOCAB)
+    except InvalidTreeError:
+        return
+    # accepted: then everything derived from it must work
+    assert tree.depth.tolist() == [0, 1] and tree.children_of(0) == [1] and tree.max_depth == 2
+
+
+def test_mismatched_array_lengths_are_rejected():
+    with pytest.raises(InvalidTreeError):
+        TokenTree(np.asarray([1, 2], np.int64), np.asarray([-1], np.int64), np.ones(2)).validate(VOCAB)
+    with pytest.raises(InvalidTreeError):
+        TokenTree(np.asarray([1, 2], np.int64), np.asarray([-1, 0], np.int64), np.ones(3)).validate(VOCAB)
+    with pytest.raises(InvalidTreeError, match="sources"):
+        _tree([1, 2], [-1, 0], sources=("a",)).validate(VOCAB)
+
+
+def _dists_tree(q_cu, q_ids, q_probs, tokens=(3, 4), parents=(-1, 0)) -> TokenTree:
+    return _tree(list(tokens), list(parents), q_cu=np.asarray(q_cu, np.int64),
+                 q_ids=np.asarray(q_ids, np.int64), q_probs=np.asarray(q_probs, np.float64))
+
+
+def test_valid_distribution_tree_passes():
+    _dists_tree([0, 2, 3], [3, 9, 4], [0.25, 0.75, 1.0]).validate(VOCAB)
+
+
+@pytest.mark.parametrize(
+    "q_cu,q_ids,q_probs,why",
+    [
+        ([0, 2, 3], [3, 9, 4], [0.25, 0.70, 1.0], "sum"),  # node 0's q sums to 0.95
+        ([0, 2, 3], [3, 9, 4], [0.5, 0.75, 0.25], "sum"),  # sums to 1.25 / 0.25
+        ([0, 2, 3], [8, 9, 4], [0.25, 0.75, 1.0], "appear"),  # node 0's token 3 missing from its q
+        ([0, 2, 3], [3, 9, 4], [0.0, 1.0, 1.0], "appear"),  # token present with probability 0
+        ([0, 2, 3], [3, 3, 4], [0.5, 0.5, 1.0], "appear"),  # token listed twice
+        ([0, 2, 3], [3, 9, 4], [0.25, float("nan"), 1.0], "finite"),
+        ([0, 2, 3], [3, 9, 4], [-0.25, 1.25, 1.0], "non-negative"),
+        ([0, 2, 3], [3, VOCAB, 4], [0.25, 0.75, 1.0], "vocabulary"),
+        ([0, 3, 3], [3, 9, 4], [0.25, 0.75, 1.0], "non-empty"),  # node 1 gets an empty q
+        ([1, 2, 3], [3, 9, 4], [0.25, 0.75, 1.0], "start at 0"),
+        ([0, 2, 4], [3, 9, 4], [0.25, 0.75, 1.0], "q_cu"),  # ends past nnz
+        ([0, 2], [3, 9], [0.25, 0.75], "q_cu"),  # wrong length
+        ([0, 2, 3], [3, 9, 4], [0.25, 0.75], "equal-length"),
+    ],
+)
+def test_malformed_draft_distributions_are_rejected(q_cu, q_ids, q_probs, why):
+    with pytest.raises(InvalidTreeError, match=why):
+        _dists_tree(q_cu, q_ids, q_probs).validate(VOCAB)
+
+
+# ------------------------------------------------------------- TreeBuilder
+@SETTINGS
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), min_size=1, max_size=8))
+def test_tree_builder_shares_prefixes(paths):
+    builder = TreeBuilder()
+    ends = [builder.add_path(p, source="x") for p in paths]
+    tree = builder.build().validate(VOCAB)
+    # one node per distinct non-empty prefix
+    prefixes = {tuple(p[:k]) for p in paths for k in range(1, len(p) + 1)}
+    assert tree.num_nodes == len(prefixes)
+    # every path is found again, ending at the node add_path returned
+    for p, end in zip(paths, ends, strict=True):
+        assert [int(tree.tokens[i]) for i in tree.path_to(end)] == list(p)
+    # no two siblings share a token
+    for kids in tree.children:
+        toks = [int(tree.tokens[k]) for k in kids]
+        assert len(toks) == len(set(toks))
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), min_size=1, max_size=8), st.integers(0, 12))
+def test_tree_builder_respects_max_nodes(paths, max_nodes):
+    builder = TreeBuilder()
+    for p in paths:
+        builder.add_path(p, max_nodes=max_nodes)
+    tree = builder.build().validate(VOCAB, max_nodes=max_nodes)
+    # what was kept is ancestor-closed and each kept path is a prefix of an input path
+    inputs = {tuple(p) for p in paths}
+    for i in range(tree.num_nodes):
+        toks = tuple(int(tree.tokens[j]) for j in tree.path_to(i))
+        assert any(q[: len(toks)] == toks for q in inputs)
+
+
+def test_tree_builder_add_dedups_and_keeps_first_prob():
+    b = TreeBuilder()
+    a = b.add(-1, 7, 0.5, "x")
+    assert b.add(-1, 7, 0.9, "y") == a
+    c = b.add(a, 7, 0.25)
+    assert c != a and b.find(a, 7) == c and b.find(-1, 8) is None
+    tree = b.build()
+    assert tree.tokens.tolist() == [7, 7] and tree.parents.tolist() == [-1, 0]
+    assert tree.draft_probs.tolist() == [0.5, 0.25] and tree.sources == ("x", "")
