@@ -6,9 +6,11 @@ drafted tokens the target accepted stay) is kept, the rest is fed in the same
 forward that produces the first draft distribution, so catching up costs no
 extra forward pass.
 
-Chain: k forwards, each token the draft's argmax (greedy) or a sample from the
-warped draft distribution q, which is shipped with the tree for lossless
-verification.
+Chain: up to k forwards, each token the draft's argmax (greedy) or a sample from
+the warped draft distribution q, which is shipped with the tree for lossless
+verification. Drafting stops early after a token whose draft probability is
+below ``min_confidence`` (as HF assisted generation's confidence threshold does);
+the choice depends only on the draft, so it cannot bias the output.
 
 Tree: level by level, the ``expand_width`` highest-scoring frontier nodes (score =
 cumulative draft log-probability) are run in one forward with a tree mask and
@@ -63,6 +65,7 @@ class DraftModelProposer:
     tree: bool = False  # False: chain; True: dynamic tree
     branching: int = 4  # children proposed per expanded node (tree)
     expand_width: int = 4  # frontier nodes expanded per level (tree)
+    min_confidence: float = 0.0  # chain: stop drafting after a token the draft gives less than this probability
     name: str = "draft_model"
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
@@ -97,7 +100,9 @@ class DraftModelProposer:
                 dists.append((ids.numpy(), q[ids].numpy()))
                 probs.append(float(q[x]))
             tokens.append(x)
-            if step == length - 1 or budget.expired():
+            # a token the draft itself doubts is likely the last one accepted: drafting on wastes
+            # draft forwards and widens the target's verification
+            if step == length - 1 or probs[-1] < self.min_confidence or budget.expired():
                 break
             pos = len(dc.cached)
             logits = self.runner.forward(dc.cache, [x], [pos])[-1]
@@ -181,8 +186,8 @@ class DraftModelProposer:
 
 
 @register("draft_model")
-def _chain(draft_runner: ModelRunner, **_: object) -> DraftModelProposer:
-    return DraftModelProposer(draft_runner, tree=False, name="draft_model")
+def _chain(draft_runner: ModelRunner, min_confidence: float = 0.0, **_: object) -> DraftModelProposer:
+    return DraftModelProposer(draft_runner, tree=False, min_confidence=float(min_confidence), name="draft_model")
 
 
 @register("draft_model_tree")

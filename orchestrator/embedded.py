@@ -23,10 +23,10 @@ NEEDS_DRAFT_MODEL = {"draft_model", "draft_model_tree"}
 
 # (max_nodes, max_depth) per proposer, tuned with `specmesh bench` on the stdlib-code pair.
 DEFAULT_BUDGETS: dict[str, tuple[int, int]] = {
-    "draft_model": (4, 4),
-    "draft_model_tree": (16, 6),
+    "draft_model": (3, 3),
+    "draft_model_tree": (8, 4),
     "prompt_lookup": (8, 8),
-    "prompt_lookup_tree": (32, 10),
+    "prompt_lookup_tree": (16, 10),
 }
 
 

@@ -327,7 +327,8 @@ class HFRunner:
             kwargs["do_sample"] = False
         else:
             kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-            torch.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            if sampling.seed is not None:  # HF generate samples from torch's global RNG
+                torch.manual_seed(sampling.seed)
         draft = kwargs.get("assistant_model")
         saved = draft.generation_config if draft is not None else None
         if draft is not None:  # transformers reads the draft budget from the draft's own generation config
@@ -486,9 +487,9 @@ def run_bench(args: argparse.Namespace) -> dict:
             "prompts": str(args.prompts),
             "target": str(target_dir),
             "draft": str(draft_dir) if draft_dir else None,
-            "runner": args.runner,
-            "dtype": args.dtype,
-            "draft_dtype": args.draft_dtype or args.dtype,
+            "runner": type(stack.target_runner).__name__,
+            "dtype": str(stack.target_runner.dtype),
+            "draft_dtype": str(stack.draft_runner.dtype) if stack.draft_runner else None,
             "methods": [{"label": s.label, "name": s.name, "options": dict(s.options)} for s in specs],
             "sampling": dataclasses.asdict(base),
             "max_new_tokens_override": args.max_new_tokens,

@@ -28,9 +28,9 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "'auto' picks fast where it applies (default: auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
                    help="target weights dtype (default: float32)")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float64"], default=None,
-                   help="draft weights dtype; drafts never change the output, so a faster dtype is safe "
-                        "(default: same as --dtype)")
+    p.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
+                   help="draft weights dtype; drafts never change the output, so a faster dtype is safe. "
+                        "'auto' = bfloat16 on CPUs with native bf16 matmul (AVX512-BF16/AMX), else --dtype")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
 
 
@@ -45,6 +45,16 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return target, draft
 
 
+class _Dtypes(dict):
+    def __missing__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+
+DTYPES = _Dtypes()
+
+
 def load_stack(args: argparse.Namespace):
     import torch
 
@@ -53,10 +63,17 @@ def load_stack(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft = resolve_models(args)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
     return EmbeddedStack.load(
-        target, draft, dtypes[args.dtype], dtypes[args.draft_dtype or args.dtype], runner=args.runner
+        target, draft, DTYPES[args.dtype], resolve_draft_dtype(args.draft_dtype, args.dtype), runner=args.runner
     )
+
+
+def resolve_draft_dtype(draft_dtype: str | None, dtype: str):
+    from specmesh.model_runner import cpu_has_fast_bf16
+
+    if draft_dtype in (None, "auto"):
+        return DTYPES["bfloat16"] if cpu_has_fast_bf16() else DTYPES[dtype]
+    return DTYPES[draft_dtype]
 
 
 def _add_generate(sub) -> None:

@@ -131,5 +131,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return model.to(device).eval()
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True on x86 CPUs whose matmuls run natively in bfloat16 (AVX512-BF16 or AMX), where a bf16 draft is
+    about twice as fast as float32. Elsewhere bf16 is emulated and slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

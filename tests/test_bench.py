@@ -84,7 +84,8 @@ def _bench(pair: Path, out: Path, *extra: str, draft: str | None = "draft") -> d
     args = cli.build_parser().parse_args([
         "bench", "--prompts", str(pair / "prompts.jsonl"), "--target", str(pair / "target"),
         *(["--draft", str(pair / draft)] if draft else []),
-        "--dtype", "float64",  # a tree forward and a sequential forward can never disagree on an argmax
+        # float64: a tree forward and a sequential forward can never disagree on an argmax
+        "--dtype", "float64", "--draft-dtype", "float64",
         "--threads", "1", "--json", str(out), *extra,
     ])  # fmt: skip
     assert args.func(args) == 0
@@ -97,6 +98,7 @@ def test_bench_greedy_report(pair, tmp_path, capsys):
     assert list(report["methods"]) == methods
     assert report["config"]["num_prompts"] == 2
     assert report["environment"]["torch"] == torch.__version__
+    assert report["config"]["dtype"] == report["config"]["draft_dtype"] == "torch.float64"
 
     for method in methods:
         records = [r for r in report["records"] if r["method"] == method]
@@ -132,12 +134,16 @@ def test_bench_greedy_report(pair, tmp_path, capsys):
 
 
 def test_bench_always_accept_drafter(pair, tmp_path):
-    """Draft = target: every drafted token is accepted, so τ is the budget-limited maximum."""
+    """Draft = target: every drafted token is accepted, so τ is the budget-limited maximum.
+
+    Confidence cut-offs are off on both sides: a random model is rarely confident.
+    """
+    chain = "draft_model:max_nodes=4,max_depth=4,min_confidence=0"
     report = _bench(
-        pair, tmp_path / "out.json", "--methods", "draft_model:max_nodes=4,max_depth=4",
+        pair, tmp_path / "out.json", "--methods", chain,
         "hf_assisted:assistant_confidence_threshold=0", "--limit", "1", draft="same",
     )  # fmt: skip
-    dm = report["methods"]["draft_model:max_nodes=4,max_depth=4"]
+    dm = report["methods"][chain]
     # 12 tokens: prefill 1, then 1 + 4, 1 + 4, and a last plain step (no room left to draft)
     assert dm["tau"] == pytest.approx(11 / 3)
     assert dm["acceptance_per_position"] == [1.0, 1.0, 1.0, 1.0]

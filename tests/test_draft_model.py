@@ -160,3 +160,26 @@ def test_empty_budget_or_context_full_gives_empty_tree(model_sets):
     assert prop.propose(_state([1, 2, 3]), Budget(0, 4)).num_nodes == 0
     assert prop.propose(_state([1, 2, 3]), Budget(4, 0)).num_nodes == 0
     assert prop.propose(_state([1] * 510), Budget(4, 4)).num_nodes == 0  # 510 + 4 > 512 positions
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.3, 0.9])
+def test_confidence_stop_ends_the_chain_after_the_first_doubtful_token(model_sets, threshold):
+    ms = model_sets("random")
+    prop = DraftModelProposer(ms.runner("near", "fast"), tree=False, min_confidence=threshold)
+    for prompt in PROMPTS:
+        tree = prop.propose(_state(prompt), Budget(6, 6))
+        probs = tree.draft_probs.tolist()
+        # every token but the last is confident; the chain stops at the first doubtful one or at the budget
+        assert all(p >= threshold for p in probs[:-1])
+        assert probs[-1] < threshold or tree.num_nodes == 6
+
+
+def test_confidence_stop_keeps_greedy_output_equal_to_ar(model_sets):
+    from spec_helpers import engine_for, greedy
+
+    ms = model_sets("random")
+    target = ms.runner("target", "fast")
+    ar = engine_for(target)
+    spec = engine_for(target, "draft_model", 6, 6, draft_runner=ms.runner("near", "fast"), min_confidence=0.3)
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, greedy(24)).token_ids == ar.generate(prompt, greedy(24)).token_ids

