@@ -109,7 +109,7 @@ class DraftModelProposer:
             dc.cached.append(x)
         tree = TokenTree.chain(tokens, probs, self.name)
         if dists:
-            ids, vals = zip(*dists)
+            ids, vals = zip(*dists, strict=True)
             sizes = [len(i) for i in ids]
             tree = TokenTree(
                 tree.tokens, tree.parents, tree.draft_probs, tree.sources,
@@ -135,7 +135,7 @@ class DraftModelProposer:
             k = min(self.branching, budget.max_nodes)
             top = torch.topk(log_q, k)
             ids = []
-            for lq, tok in zip(top.values.tolist(), top.indices.tolist()):
+            for lq, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
                 if lq == float("-inf"):
                     break
                 cand_token.append(tok)

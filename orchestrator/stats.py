@@ -47,7 +47,7 @@ class RequestStats:
 
     def acceptance_per_position(self) -> list[float]:
         """Entry d: fraction of steps whose tree reached depth d+1 that accepted at least d+1 tokens."""
-        return [a / r if r else 0.0 for a, r in zip(*self.position_counts())]
+        return [a / r if r else 0.0 for a, r in zip(*self.position_counts(), strict=True)]
 
     def position_counts(self) -> tuple[list[int], list[int]]:
         """(accepted, reached) per depth position, for pooling across requests."""

@@ -49,7 +49,7 @@ def test_fast_runner_matches_hf(model) -> None:
     c_hf.keep(40, [2, 3])
     c_fast.keep(40, [2, 3])
     for layer in range(2):
-        for a, b in zip(c_fast.layer_kv(layer), c_hf.layer_kv(layer)):
+        for a, b in zip(c_fast.layer_kv(layer), c_hf.layer_kv(layer), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(fast.forward(c_fast, [9, 10], [42, 43]), hf.forward(c_hf, [9, 10], [42, 43]),
                                rtol=1e-10, atol=1e-10)
