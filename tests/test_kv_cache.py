@@ -94,6 +94,22 @@ def test_verifier_and_draft_caches_follow_committed_tokens(model_sets, proposer,
     assert checked > 10 and accepted > 0
 
 
+def _random_tree_forward(runner, rng, max_prefix: int, min_nodes: int, max_nodes: int):
+    """Prefill a random prefix, then run one forward over a random tree on top of it.
+
+    Returns (prefix, tree, cache, tree logits [num_nodes, vocab])."""
+    prefix = [rng.randrange(128) for _ in range(rng.randint(1, max_prefix))]
+    n = rng.randint(min_nodes, max_nodes)
+    parents = [rng.randint(-1, i - 1) for i in range(n)]
+    tree = TokenTree(np.asarray([rng.randrange(128) for _ in range(n)], np.int64), np.asarray(parents, np.int64), np.ones(n))
+    cache = runner.new_cache()
+    runner.forward(cache, prefix, range(len(prefix)))
+    attend = tree_attend_mask(len(prefix), torch.from_numpy(tree.ancestor_mask))
+    logits = runner.forward(cache, tree.tokens.tolist(), tree.position_ids(len(prefix)).tolist(), attend)
+    return prefix, tree, cache, logits
+
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keep_gathers_any_root_to_node_path(model_sets, backend):
     """One tree forward on top of a prefix, then keep(path): the cache equals a prefill of prefix + path."""
@@ -101,14 +117,8 @@ def test_keep_gathers_any_root_to_node_path(model_sets, backend):
     runner = ms.runner("target", backend)
     rng = random.Random(0)
     for trial in range(12):
-        prefix = [rng.randrange(128) for _ in range(rng.randint(1, 30))]
-        n = rng.randint(1, 12)
-        parents = [rng.randint(-1, i - 1) for i in range(n)]
-        tree = TokenTree(np.asarray([rng.randrange(128) for _ in range(n)], np.int64), np.asarray(parents, np.int64), np.ones(n))
-        cache = runner.new_cache()
-        runner.forward(cache, prefix, range(len(prefix)))
-        attend = tree_attend_mask(len(prefix), torch.from_numpy(tree.ancestor_mask))
-        runner.forward(cache, tree.tokens.tolist(), tree.position_ids(len(prefix)).tolist(), attend)
+        prefix, tree, cache, _ = _random_tree_forward(runner, rng, max_prefix=30, min_nodes=1, max_nodes=12)
+        n = tree.num_nodes
         path = tree.path_to(rng.randrange(n))
         cache.keep(len(prefix), path)
         kept = prefix + [int(tree.tokens[i]) for i in path]
@@ -128,14 +138,8 @@ def test_tree_forward_logits_equal_sequential_forward_of_each_path(model_sets, b
     runner = ms.runner("target", backend)
     rng = random.Random(1)
     for _ in range(6):
-        prefix = [rng.randrange(128) for _ in range(rng.randint(1, 20))]
-        n = rng.randint(2, 10)
-        parents = [rng.randint(-1, i - 1) for i in range(n)]
-        tree = TokenTree(np.asarray([rng.randrange(128) for _ in range(n)], np.int64), np.asarray(parents, np.int64), np.ones(n))
-        cache = runner.new_cache()
-        runner.forward(cache, prefix, range(len(prefix)))
-        attend = tree_attend_mask(len(prefix), torch.from_numpy(tree.ancestor_mask))
-        logits = runner.forward(cache, tree.tokens.tolist(), tree.position_ids(len(prefix)).tolist(), attend)
+        prefix, tree, cache, logits = _random_tree_forward(runner, rng, max_prefix=20, min_nodes=2, max_nodes=10)
+        n = tree.num_nodes
         for i in range(n):
             seq = prefix + [int(tree.tokens[j]) for j in tree.path_to(i)]
             want = runner.forward(runner.new_cache(), seq, range(len(seq)))[-1]
