@@ -40,7 +40,6 @@ Definitions used in the report:
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -55,10 +54,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specmesh.bench_runners import ForwardMeter, RunOutput, measured_run, method_runner
 from specmesh.sampling import SamplingParams
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_prompt_lookup")
-ASSISTANT_CONFIG_KEYS = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"}
 # Options of HF methods when the spec leaves them unset (specmesh budgets default per proposer in
 # orchestrator.embedded.DEFAULT_BUDGETS; HF assisted keeps transformers' own defaults).
 HF_DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"hf_prompt_lookup": {"prompt_lookup_num_tokens": 10}}
@@ -234,134 +233,6 @@ def aggregate(records: list[dict], greedy: bool) -> dict:
 
 
 # ----------------------------------------------------------------- runners
-class ForwardMeter:
-    """Counts a model's forward passes and the time spent in them, whichever path runs them.
-
-    specmesh calls ``runner.forward`` (the fast runner never enters the HF module), HF
-    ``generate`` calls the module: both are wrapped, and a call nested in another
-    (the HF runner's forward calling the module) counts once.
-    """
-
-    def __init__(self, runner) -> None:
-        self.calls, self.seconds = 0, 0.0
-        self._depth, self._t0 = 0, 0.0
-        self._runner, self._handles = runner, []
-        if runner is None:
-            return
-        forward = runner.forward
-
-        def counted(*args, **kwargs):
-            self._enter()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self._exit()
-
-        runner.forward = counted  # instance attribute shadows the method until close()
-        self._handles = [
-            runner.model.register_forward_pre_hook(lambda *_: self._enter()),
-            runner.model.register_forward_hook(lambda *_: self._exit(), always_call=True),
-        ]
-
-    def _enter(self) -> None:
-        if self._depth == 0:
-            self._t0 = time.perf_counter()
-        self._depth += 1
-
-    def _exit(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self.seconds += time.perf_counter() - self._t0
-            self.calls += 1
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        if self._handles:
-            del self._runner.forward
-
-
-@dataclass
-class RunOutput:
-    token_ids: list[int]  # generated tokens, a final EOS included
-    seconds: float
-    target_forwards: int = 0
-    target_forward_seconds: float = 0.0
-    draft_forwards: int = 0
-    draft_forward_seconds: float = 0.0
-    stats: object | None = None  # RequestStats for specmesh methods
-
-
-class SpecmeshRunner:
-    def __init__(self, stack, spec: MethodSpec) -> None:
-        self.engine = stack.engine(None if spec.name == "ar" else spec.name, **dict(spec.options))
-
-    def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
-        t0 = time.perf_counter()
-        result = self.engine.generate(prompt, sampling)
-        return RunOutput(result.token_ids, time.perf_counter() - t0, stats=result.stats)
-
-
-class HFRunner:
-    """``generate`` on the target model; EOS and max_new_tokens stop it exactly as they stop specmesh."""
-
-    def __init__(self, stack, spec: MethodSpec) -> None:
-        self.target = stack.target_runner.model
-        self.eos = list(stack.target_runner.info.eos_token_ids)
-        pad = getattr(stack.tokenizer, "pad_token_id", None)
-        self.kwargs: dict = {"eos_token_id": self.eos or None, "pad_token_id": pad if pad is not None else (self.eos or [0])[0]}
-        self.draft_config = None
-        options = dict(spec.options)
-        if spec.name == "hf_assisted":
-            draft = stack.draft_runner.model
-            self.kwargs["assistant_model"] = draft
-            self.draft_config = copy.deepcopy(draft.generation_config)
-            for key in ASSISTANT_CONFIG_KEYS & options.keys():
-                setattr(self.draft_config, key, options.pop(key))
-        self.kwargs.update(options)
-
-    def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
-        ids = torch.tensor([prompt], dtype=torch.long)
-        kwargs = dict(self.kwargs, max_new_tokens=sampling.max_new_tokens, attention_mask=torch.ones_like(ids))
-        if sampling.greedy:
-            kwargs["do_sample"] = False
-        else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-            if sampling.seed is not None:  # HF generate samples from torch's global RNG
-                torch.manual_seed(sampling.seed)
-        draft = kwargs.get("assistant_model")
-        saved = draft.generation_config if draft is not None else None
-        if draft is not None:  # transformers reads the draft budget from the draft's own generation config
-            draft.generation_config = copy.deepcopy(self.draft_config)
-        try:
-            t0 = time.perf_counter()
-            out = self.target.generate(ids, **kwargs)
-            seconds = time.perf_counter() - t0
-        finally:
-            if draft is not None:
-                draft.generation_config = saved
-        tokens = out[0, len(prompt) :].tolist()
-        for i, tok in enumerate(tokens):  # cut padding after EOS
-            if tok in self.eos:
-                tokens = tokens[: i + 1]
-                break
-        return RunOutput(tokens, seconds)
-
-
-def method_runner(stack, spec: MethodSpec):
-    return HFRunner(stack, spec) if spec.is_hf else SpecmeshRunner(stack, spec)
-
-
-def measured_run(runner, prompt: list[int], sampling: SamplingParams, target: ForwardMeter, draft: ForwardMeter) -> RunOutput:
-    """One run with the forward counts and times it caused."""
-    t_calls, t_sec, d_calls, d_sec = target.calls, target.seconds, draft.calls, draft.seconds
-    out = runner.run(prompt, sampling)
-    out.target_forwards, out.target_forward_seconds = target.calls - t_calls, target.seconds - t_sec
-    out.draft_forwards, out.draft_forward_seconds = draft.calls - d_calls, draft.seconds - d_sec
-    return out
-
-
-# ----------------------------------------------------------------- the benchmark
 def make_record(prompt_id: str, prompt_tokens: int, spec: MethodSpec, runs: list[RunOutput], eos: Sequence[int]) -> dict:
     best = min(runs, key=lambda r: r.seconds)  # the fastest run stands for all (same tokens, least interference)
     tokens = best.token_ids
