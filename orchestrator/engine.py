@@ -127,6 +127,7 @@ class Engine:
 
     @staticmethod
     def _drop(drafter: Drafter | None, session: str) -> None:
+        """Close the drafter's session, ignoring its errors; returns None, the drafter to use from now on."""
         if drafter is not None:
             try:
                 drafter.close(session)

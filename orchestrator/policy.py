@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,8 +23,6 @@ class StaticPolicy:
     draft_timeout_s: float | None = None
 
     def next_budget(self, stats: RequestStats, remaining_tokens: int) -> Budget:
-        import time
-
         # every step commits a bonus token after the accepted path: never draft past the end
         depth = max(0, min(self.max_depth, remaining_tokens - 1))
         deadline = time.monotonic() + self.draft_timeout_s if self.draft_timeout_s else None
