@@ -1,0 +1,83 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenTree(_message.Message):
+    __slots__ = ("tokens", "parents", "draft_probs", "source_names", "sources", "q_cu", "q_ids", "q_probs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    Q_CU_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedScalarFieldContainer[float]
+    source_names: _containers.RepeatedScalarFieldContainer[str]
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    q_cu: _containers.RepeatedScalarFieldContainer[int]
+    q_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., source_names: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[int]] = ..., q_cu: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Budget(_message.Message):
+    __slots__ = ("max_nodes", "max_depth", "timeout_ms")
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    max_nodes: int
+    max_depth: int
+    timeout_ms: int
+    def __init__(self, max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class SpecParams(_message.Message):
+    __slots__ = ("proposer", "budget")
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    proposer: str
+    budget: Budget
+    def __init__(self, proposer: _Optional[str] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
+
+class StepStats(_message.Message):
+    __slots__ = ("num_proposed", "tree_depth", "num_accepted", "accepted_sources", "draft_ms", "verify_ms", "draft_error")
+    NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    num_proposed: int
+    tree_depth: int
+    num_accepted: int
+    accepted_sources: _containers.RepeatedScalarFieldContainer[str]
+    draft_ms: float
+    verify_ms: float
+    draft_error: str
+    def __init__(self, num_proposed: _Optional[int] = ..., tree_depth: _Optional[int] = ..., num_accepted: _Optional[int] = ..., accepted_sources: _Optional[_Iterable[str]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,100 @@
+"""Conversions between core types and the specmesh.v1 wire messages.
+
+Pure functions; servers call them at their edges. Conversions *from* the wire raise
+ValueError (or InvalidTreeError, a ValueError) on malformed input, which servers map
+to INVALID_ARGUMENT; trees are validated against the vocabulary by the verifier.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from drafter_service.proposer import Budget
+from specmesh.sampling import SamplingParams
+from specmesh.tree import InvalidTreeError, TokenTree
+from specmesh.v1 import common_pb2
+
+
+# --------------------------------------------------------------------- trees
+def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
+    names = sorted(set(tree.sources))
+    index = {name: i for i, name in enumerate(names)}
+    msg = common_pb2.TokenTree(
+        tokens=tree.tokens.tolist(),
+        parents=tree.parents.tolist(),
+        draft_probs=tree.draft_probs.tolist(),
+        source_names=names,
+        sources=[index[s] for s in tree.sources],
+    )
+    if tree.q_cu is not None:
+        msg.q_cu.extend(tree.q_cu.tolist())
+        msg.q_ids.extend(tree.q_ids.tolist())
+        msg.q_probs.extend(tree.q_probs.tolist())
+    return msg
+
+
+def tree_from_proto(msg: common_pb2.TokenTree) -> TokenTree:
+    """Structural decoding only; call ``validate(vocab_size, ...)`` on the result."""
+    n = len(msg.tokens)
+    if len(msg.parents) != n or len(msg.draft_probs) != n:
+        raise InvalidTreeError(f"tokens, parents and draft_probs must have one entry per node ({n})")
+    if msg.sources and len(msg.sources) != n:
+        raise InvalidTreeError(f"sources must be empty or have one entry per node ({n})")
+    if any(not 0 <= s < len(msg.source_names) for s in msg.sources):
+        raise InvalidTreeError("a source index points outside source_names")
+    sources = tuple(msg.source_names[s] for s in msg.sources)
+    q = {}
+    if msg.q_cu:
+        q = dict(
+            q_cu=np.asarray(msg.q_cu, np.int64),
+            q_ids=np.asarray(msg.q_ids, np.int64),
+            q_probs=np.asarray(msg.q_probs, np.float64),
+        )
+    return TokenTree(
+        np.asarray(msg.tokens, np.int64),
+        np.asarray(msg.parents, np.int64),
+        np.asarray(msg.draft_probs, np.float64),
+        sources,
+        **q,
+    )
+
+
+# ------------------------------------------------------------------ sampling
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        max_new_tokens=params.max_new_tokens,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: int = 128) -> SamplingParams:
+    """Unset fields take the defaults a user expects (top_p 0 = off, max_new_tokens 0 = default)."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.top_p else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_new_tokens=msg.max_new_tokens or default_max_new_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+# -------------------------------------------------------------------- budget
+def budget_to_proto(budget: Budget, timeout_ms: int = 0) -> common_pb2.Budget:
+    return common_pb2.Budget(max_nodes=budget.max_nodes, max_depth=budget.max_depth, timeout_ms=timeout_ms)
+
+
+def budget_from_proto(msg: common_pb2.Budget, now: float) -> Budget:
+    """``now``: time.monotonic() when the message arrived; the deadline is relative to it."""
+    deadline = now + msg.timeout_ms / 1000.0 if msg.timeout_ms > 0 else None
+    return Budget(msg.max_nodes, msg.max_depth, deadline)
