@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from drafter_service.proposer import Budget, DraftSessionState, register
-from specmesh.model_runner import KVCache, ModelRunner
+from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
 from specmesh.sampling import warp_probs
-from specmesh.tree import TokenTree
+from specmesh.tree import TokenTree, ancestor_mask
 
 
 @dataclass
@@ -155,16 +155,8 @@ class DraftModelProposer:
             for c in expand:
                 fed_offset[c] = len(fed_parent)
                 fed_parent.append(fed_offset[cand_parent[c]] if cand_parent[c] >= 0 else -1)
-            num_fed = len(fed_parent)
             # attend: committed prefix + each new node's fed ancestors + itself
-            anc = np.zeros((num_fed, num_fed), dtype=bool)
-            for off, par in enumerate(fed_parent):
-                if par >= 0:
-                    anc[off] = anc[par]
-                anc[off, off] = True
-            attend = torch.cat(
-                [torch.ones(len(expand), base, dtype=torch.bool), torch.from_numpy(anc[first:num_fed])], dim=1
-            )
+            attend = tree_attend_mask(base, torch.from_numpy(ancestor_mask(fed_parent)[first:]))
             step_logits = self.runner.forward(
                 dc.cache, [cand_token[c] for c in expand], [base + cand_depth[c] for c in expand], attend
             )

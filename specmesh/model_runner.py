@@ -111,14 +111,15 @@ class ModelRunner:
         return out.logits[0].float()
 
 
-def tree_attend_mask(prefix_len: int, ancestor_mask: torch.Tensor) -> torch.Tensor:
+def tree_attend_mask(prefix_len: int, ancestor_rows: torch.Tensor) -> torch.Tensor:
     """Mask for new tokens arranged as a tree on top of ``prefix_len`` cached positions.
 
-    ancestor_mask: [num_new, num_new] bool (row i: i and its ancestors among the new tokens).
-    Returns [num_new, prefix_len + num_new] bool: every new token sees the whole prefix.
+    ancestor_rows: [num_new, num_tree] bool, over the last num_tree positions of the attended span
+    (num_tree >= num_new: tree positions already in the cache come first). Returns
+    [num_new, prefix_len + num_tree] bool: every new token sees the whole prefix.
     """
-    num_new = ancestor_mask.shape[0]
-    return torch.cat([torch.ones(num_new, prefix_len, dtype=torch.bool), ancestor_mask], dim=1)
+    num_new = ancestor_rows.shape[0]
+    return torch.cat([torch.ones(num_new, prefix_len, dtype=torch.bool), ancestor_rows], dim=1)
 
 
 # ------------------------------------------------------------------- loading

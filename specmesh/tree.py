@@ -80,13 +80,7 @@ class TokenTree:
     @cached_property
     def ancestor_mask(self) -> np.ndarray:
         """[num_nodes, num_nodes] bool; mask[i, j] = j is i or an ancestor of i."""
-        n = self.num_nodes
-        mask = np.zeros((n, n), dtype=bool)
-        for i, p in enumerate(self.parents.tolist()):
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
-        return mask
+        return ancestor_mask(self.parents.tolist())
 
     def position_ids(self, prefix_len: int) -> np.ndarray:
         """[num_nodes]; ``prefix_len`` counts every committed token, including the last one."""
@@ -184,6 +178,17 @@ class TokenTree:
             hit = probs[ids == self.tokens[i]]
             if hit.size != 1 or hit[0] <= 0:
                 raise InvalidTreeError(f"node {i}'s token must appear once, with positive probability, in its draft distribution")
+
+
+def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
+    """[n, n] bool for a forest given by ``parents`` (-1 = root, parents[i] < i): mask[i, j] = j is i or an ancestor."""
+    n = len(parents)
+    mask = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return mask
 
 
 class TreeBuilder:

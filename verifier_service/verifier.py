@@ -19,7 +19,7 @@ import torch
 
 from specmesh.model_runner import KVCache, ModelInfo, ModelRunner, tree_attend_mask
 from specmesh.sampling import SamplingParams, warp_probs
-from specmesh.tree import InvalidTreeError, TokenTree
+from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
 from verifier_service.verification import Acceptance, verify_greedy, verify_sample
 
 
@@ -114,9 +114,8 @@ class LocalVerifier:
         positions = np.concatenate([[prefix_len], prefix_len + 1 + tree.depth])
         attend = None
         if tree.num_nodes and tree.max_depth < tree.num_nodes:  # a real tree, not a chain: explicit mask
-            anc = np.zeros((tree.num_nodes + 1, tree.num_nodes + 1), dtype=bool)
-            anc[:, 0] = True
-            anc[1:, 1:] = tree.ancestor_mask
+            # the pending token is the root of the tree: parents shift by one, -1 becomes it
+            anc = ancestor_mask([-1, *(tree.parents + 1).tolist()])
             attend = tree_attend_mask(prefix_len, torch.from_numpy(anc))
         logits = self.runner.forward(cache, input_ids, positions, attend)  # [num_nodes + 1, vocab]
         acceptance = self._accept(session, tree, logits)
