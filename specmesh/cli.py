@@ -45,14 +45,11 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return target, draft
 
 
-class _Dtypes(dict):
-    def __missing__(self, name):
-        import torch
+def torch_dtype(name: str):
+    """torch dtype from its name ("float32", "bfloat16", ...); torch is imported only when needed."""
+    import torch
 
-        return getattr(torch, name)
-
-
-DTYPES = _Dtypes()
+    return getattr(torch, name)
 
 
 def load_stack(args: argparse.Namespace):
@@ -64,7 +61,7 @@ def load_stack(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     target, draft = resolve_models(args)
     return EmbeddedStack.load(
-        target, draft, DTYPES[args.dtype], resolve_draft_dtype(args.draft_dtype, args.dtype), runner=args.runner
+        target, draft, torch_dtype(args.dtype), resolve_draft_dtype(args.draft_dtype, args.dtype), runner=args.runner
     )
 
 
@@ -72,8 +69,8 @@ def resolve_draft_dtype(draft_dtype: str | None, dtype: str):
     from specmesh.model_runner import cpu_has_fast_bf16
 
     if draft_dtype in (None, "auto"):
-        return DTYPES["bfloat16"] if cpu_has_fast_bf16() else DTYPES[dtype]
-    return DTYPES[draft_dtype]
+        return torch_dtype("bfloat16" if cpu_has_fast_bf16() else dtype)
+    return torch_dtype(draft_dtype)
 
 
 def _add_generate(sub) -> None:
@@ -172,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure speculative methods against autoregressive decoding and HF peers",
                        description="Run every prompt of a JSONL file through AR and each method, interleaved, in one "
                                    "process; print a markdown table and write JSON.")
-    bench.add_arguments(b)
-    _add_model_arguments_if_missing(b)
+    bench.add_arguments(b)  # bench's own options; the model options are shared with generate
+    _add_model_arguments(b)
     b.set_defaults(func=bench.run)
     t = sub.add_parser("train-pair", help="train a small target/draft pair (Llama architecture, byte-level BPE)",
                        description="Train a tokenizer, a target and a draft model on Python source files and save them "
@@ -181,12 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     train_pair.add_arguments(t)
     t.set_defaults(func=train_pair.run)
     return parser
-
-
-def _add_model_arguments_if_missing(p: argparse.ArgumentParser) -> None:
-    known = {a.dest for a in p._actions}
-    if "target" not in known:
-        _add_model_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:
