@@ -109,6 +109,7 @@ class Engine:
                 stats.steps.append(step)
                 delta += verified.tokens
                 emitted = stopper.push(verified.tokens)
+                result.text_limit = stopper.text_limit  # known before the last event goes out
                 yield StepEvent(tuple(emitted), step)
         finally:
             self.verifier.release(session)

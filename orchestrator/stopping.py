@@ -62,3 +62,35 @@ class StopChecker:
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.generated)
+
+
+class TextStream:
+    """Incremental detokenization. Text is emitted once stable: never half a multi-byte character,
+    and never the last ``holdback`` characters, which could still turn out to begin a stop string
+    (text once streamed cannot be taken back). ``flush`` emits the rest at the end."""
+
+    def __init__(self, decode, holdback: int = 0) -> None:
+        self.decode = decode
+        self.holdback = holdback
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def push(self, ids: Sequence[int], text_limit: int | None) -> str:
+        self.ids += ids
+        text = self._text(text_limit)
+        if self.holdback:
+            text = text[: max(len(self.printed), len(text) - self.holdback)]
+        return self._emit(text)
+
+    def flush(self, text_limit: int | None) -> str:
+        return self._emit(self._text(text_limit))
+
+    def _text(self, text_limit: int | None) -> str:
+        text = self.decode(self.ids)
+        return text[:text_limit] if text_limit is not None else text
+
+    def _emit(self, text: str) -> str:
+        if not text.startswith(self.printed) or text.endswith("\ufffd"):
+            return ""
+        new, self.printed = text[len(self.printed):], text
+        return new

@@ -53,16 +53,73 @@ def torch_dtype(name: str):
 
 
 def load_stack(args: argparse.Namespace):
-    import torch
-
     from orchestrator.embedded import EmbeddedStack
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     target, draft = resolve_models(args)
     return EmbeddedStack.load(
         target, draft, torch_dtype(args.dtype), resolve_draft_dtype(args.draft_dtype, args.dtype), runner=args.runner
     )
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """Model options of `specmesh verifier`."""
+    p.add_argument("--target", type=Path, default=None,
+                   help="target model: any local Hugging Face causal-LM directory (default: the bundled demo target)")
+    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
+                   help="forward implementation (default: auto = fast where it applies, else hf)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
+                   help="target weights dtype (default: float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def add_draft_arguments(p: argparse.ArgumentParser) -> None:
+    """Model options of `specmesh drafter`."""
+    p.add_argument("--draft", default=None,
+                   help="draft model directory for the draft_model proposers, or 'none' to serve model-free "
+                        "proposers only (default: the bundled demo draft)")
+    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
+                   help="forward implementation (default: auto = fast where it applies, else hf)")
+    p.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
+                   help="draft weights dtype; never changes the output (default: auto = bfloat16 on CPUs with "
+                        "native bf16 matmul, else float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def _model_dir(path, command: str) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"specmesh {command}: {path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def load_target_runner(args: argparse.Namespace):
+    """(runner, model name) for `specmesh verifier`."""
+    from specmesh.fast_llama import make_runner
+    from specmesh.model_runner import load_model
+
+    _set_threads(args.threads)
+    path = _model_dir(args.target or demo_model("target"), args.command)
+    return make_runner(load_model(path, torch_dtype(args.dtype)), args.runner), str(path)
+
+
+def load_draft_runner(args: argparse.Namespace):
+    """The draft runner of `specmesh drafter`, or None with --draft none."""
+    from specmesh.fast_llama import make_runner
+    from specmesh.model_runner import load_model
+
+    _set_threads(args.threads)
+    if args.draft is not None and str(args.draft).lower() == "none":
+        return None
+    path = _model_dir(args.draft or demo_model("draft"), args.command)
+    return make_runner(load_model(path, resolve_draft_dtype(args.draft_dtype, "float32")), args.runner)
 
 
 def resolve_draft_dtype(draft_dtype: str | None, dtype: str):
@@ -96,6 +153,15 @@ def _add_generate(sub) -> None:
     p.add_argument("--compare-ar", action="store_true",
                    help="also run plain autoregressive decoding and report the speedup and whether outputs match")
     p.add_argument("--json", action="store_true", help="print the full statistics as JSON on stdout at the end")
+    r = p.add_argument_group("remote", "generate through a running `specmesh serve` instead of in this process "
+                                       "(model options are then the server's business and ignored)")
+    r.add_argument("--server", default=None, metavar="HOST:PORT", help="address of `specmesh serve`")
+    r.add_argument("--token-file", type=Path, default=None,
+                   help="file holding the server's bearer token (default: $SPECMESH_TOKEN)")
+    r.add_argument("--tls-ca", type=Path, default=None, help="PEM CA that signed the server's certificate (TLS)")
+    r.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mutual TLS)")
+    r.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
+    r.add_argument("--timeout", type=float, default=None, help="deadline of the request in seconds (default: none)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -113,6 +179,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
+    if args.server:
+        return generate_remote(args, prompt)
     stack = load_stack(args)
     proposer = args.proposer or ("draft_model" if stack.draft_runner is not None else "prompt_lookup")
     nodes, depth = default_budget(proposer)
@@ -121,25 +189,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from orchestrator.engine import GenerationResult
     from orchestrator.stats import RequestStats
+    from orchestrator.stopping import TextStream
 
     result = GenerationResult([], "", RequestStats())
-    printed = ""
-    ids: list[int] = []
+    text = TextStream(stack.decode, max((len(x) for x in sampling.stop), default=1) - 1)
     for event in engine.stream(prompt_ids, sampling, result):
-        ids += event.tokens
-        text = stack.decode(ids)
-        if result.text_limit is not None:
-            text = text[: result.text_limit]
-        if text.startswith(printed):  # print only once a multi-byte character is complete
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
-    final = stack.decode(result.token_ids)
-    if result.text_limit is not None:
-        final = final[: result.text_limit]
-    if final.startswith(printed):
-        sys.stdout.write(final[len(printed):])
-    sys.stdout.write("\n")
+        sys.stdout.write(text.push(event.tokens, result.text_limit))
+        sys.stdout.flush()
+    sys.stdout.write(text.flush(result.text_limit) + "\n")
     s = result.stats
     line = (f"[specmesh] proposer={proposer} tokens={s.num_generated} steps={s.num_steps} tau={s.tau:.2f} "
             f"tok/s={s.tokens_per_second:.1f} finish={result.finish_reason}")
@@ -157,6 +214,81 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
+
+
+def generate_remote(args: argparse.Namespace, prompt: str) -> int:
+    """`specmesh generate --server`: the same output and stats line, through the client SDK."""
+    import time
+
+    import grpc
+
+    from specmesh.client import Client
+
+    params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.max_nodes is not None or args.max_depth is not None:
+        params.update(max_nodes=args.max_nodes or 8, max_depth=args.max_depth or 8)
+    try:
+        client = Client(args.server, token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, timeout=args.timeout)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"specmesh generate: {exc}") from None
+
+    def run(proposer, echo: bool):
+        ids, steps, finish, start = [], [], "", time.perf_counter()
+        for chunk in client.stream(prompt, proposer=proposer, **params):
+            ids += chunk.token_ids
+            steps += [chunk.step] if chunk.step is not None else []
+            finish = chunk.finish_reason or finish
+            if echo:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        return ids, steps, finish, time.perf_counter() - start
+
+    with client:
+        try:
+            ids, steps, finish, seconds = run(args.proposer, echo=True)
+            sys.stdout.write("\n")
+            tau = sum(s.num_accepted + 1 for s in steps) / max(len(steps), 1)
+            line = (f"[specmesh] server={args.server} proposer={args.proposer or 'default'} tokens={len(ids)} "
+                    f"steps={len(steps)} tau={tau:.2f} tok/s={len(ids) / seconds:.1f} finish={finish}")
+            report = {"tokens": len(ids), "steps": len(steps), "tau": tau, "seconds": seconds, "finish_reason": finish,
+                      "draft_errors": [s.draft_error for s in steps if s.draft_error]}
+            if args.compare_ar:
+                ar_ids, _, _, ar_seconds = run("none", echo=False)
+                report["speedup"] = ar_seconds / seconds
+                line += f" | ar tok/s={len(ar_ids) / ar_seconds:.1f} speedup={ar_seconds / seconds:.2f}x"
+                if args.temperature == 0:
+                    line += f" same_as_ar={ar_ids == ids}"
+        except grpc.RpcError as exc:
+            raise SystemExit(f"specmesh generate: {exc.code().name}: {exc.details()}") from None
+    print(line, file=sys.stderr)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+# ----------------------------------------------------------------- servers
+def _add_servers(sub) -> None:
+    from drafter_service import server as drafter_server
+    from orchestrator import server as orchestrator_server
+    from verifier_service import server as verifier_server
+
+    v = sub.add_parser("verifier", help="serve the target model: the Verifier gRPC service",
+                       description="Run a verifier replica: prefill, tree verification and KV caches of sessions.")
+    add_target_arguments(v)
+    verifier_server.add_arguments(v)
+    v.set_defaults(func=verifier_server.run)
+    d = sub.add_parser("drafter", help="serve proposers: the Drafter gRPC service",
+                       description="Run a drafter replica: one bidirectional stream per session, candidate trees out.")
+    add_draft_arguments(d)
+    drafter_server.add_arguments(d)
+    d.set_defaults(func=drafter_server.run)
+    s = sub.add_parser("serve", help="serve Generate over remote verifiers and drafters (the orchestrator)",
+                       description="Run the orchestrator: the Generate gRPC service that clients and "
+                                   "`specmesh generate --server` talk to.")
+    orchestrator_server.add_arguments(s)
+    s.set_defaults(func=orchestrator_server.run)
 
 
 # ---------------------------------------------------------------------- main
@@ -177,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "in Hugging Face format.")
     train_pair.add_arguments(t)
     t.set_defaults(func=train_pair.run)
+    _add_servers(sub)
     return parser
 
 

@@ -27,7 +27,8 @@ from spec_helpers import build_model_set, engine_for, greedy  # noqa: E402
 # (e.g. training) keep torch's default.
 SINGLE_THREAD_MODULES = {
     "test_draft_model", "test_engine_faults", "test_greedy_equivalence", "test_kv_cache", "test_prompt_lookup",
-    "test_sampling_distribution", "test_stats", "test_stopping", "test_tree",
+    "test_sampling_distribution", "test_stats", "test_stopping", "test_tree", "test_grpc_services",
+    "test_grpc_faults", "test_grpc_fuzz", "test_grpc_security", "test_failover",
 }
 
 
@@ -70,3 +71,33 @@ def ar_reference(model_sets):
         return memo[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """A running disaggregated deployment: one verifier, two drafters, one `serve` (separate processes)."""
+    import service_helpers as sh
+
+    services = []
+    try:
+        v = sh.verifier()
+        d1, d2 = sh.drafter(), sh.drafter()
+        services += [v, d1, d2]
+        sh.start_all(v, d1, d2)
+        s = sh.serve([v], [d1, d2])
+        services.append(s)
+        s.wait_ready()
+        yield {"verifier": v, "drafters": [d1, d2], "serve": s}
+    finally:
+        for svc in services:
+            svc.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_stack():
+    """The bundled demo pair in float64, in this process: the embedded reference for the service tests."""
+    import service_helpers as sh
+
+    from orchestrator.embedded import EmbeddedStack
+
+    return EmbeddedStack.load(sh.TARGET, sh.DRAFT, torch.float64, torch.float64)

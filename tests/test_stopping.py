@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from spec_helpers import engine_for, make_prompts
 
-from orchestrator.stopping import StopChecker
+from orchestrator.engine import GenerationResult
+from orchestrator.stats import RequestStats
+from orchestrator.stopping import StopChecker, TextStream
 from specmesh.sampling import SamplingParams
 
 EOS = 13  # the unit tests' EOS id (the engine tests use the model's)
@@ -196,3 +198,28 @@ def test_engine_max_new_tokens_with_oversized_speculation(model_sets, ar_referen
             assert res.finish_reason == "length" and res.stats.num_generated == max_new
             # the policy never drafts past the end: every step's tokens were all used
             assert sum(s.num_accepted + 1 for s in res.stats.steps) + 1 == max_new
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", None])
+def test_streamed_text_never_shows_a_stop_string(model_sets, ar_reference, proposer):
+    """Text streamed step by step (TextStream) equals the final cut text: nothing of the stop string
+    leaks out before generation knows it matched."""
+    spec, ar = _spec_and_ar(model_sets, proposer or "draft_model")
+    engine = spec if proposer else ar
+    for prompt in PROMPTS:
+        full = ar_reference("random", "hf", prompt, MAX_NEW)
+        stop = decode(full[7:10])
+        sp = SamplingParams(max_new_tokens=MAX_NEW, stop=(stop,), ignore_eos=True)
+        result = GenerationResult([], "", RequestStats())
+        text = TextStream(decode, len(stop) - 1)
+        pieces = [text.push(event.tokens, result.text_limit) for event in engine.stream(prompt, sp, result)]
+        streamed = "".join(pieces)
+        assert stop not in streamed
+        assert streamed + text.flush(result.text_limit) == decode(result.token_ids)[: result.text_limit]
+
+
+def test_text_stream_holds_back_nothing_without_stop_strings():
+    text = TextStream(decode, 0)
+    assert text.push([0, 6], None) == "abb"
+    assert text.push([2], None) == "c"
+    assert text.flush(None) == ""

@@ -146,5 +146,8 @@ class LocalVerifier:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
     def cache_length(self, session_id: str) -> int:
         return self._get(session_id).cache.length

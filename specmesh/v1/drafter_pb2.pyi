@@ -7,15 +7,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("proposers", "default_proposer", "vocab_size", "num_sessions")
+    PROPOSERS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    proposers: _containers.RepeatedScalarFieldContainer[str]
+    default_proposer: str
+    vocab_size: int
+    num_sessions: int
+    def __init__(self, proposers: _Optional[_Iterable[str]] = ..., default_proposer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "prompt", "sampling")
+    __slots__ = ("session_id", "prompt", "sampling", "proposer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    proposer: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., proposer: _Optional[str] = ...) -> None: ...
 
 class Propose(_message.Message):
     __slots__ = ("step", "new_tokens", "budget")

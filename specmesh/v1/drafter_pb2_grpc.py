@@ -39,6 +39,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/specmesh.v1.Drafter/Info',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfoRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -51,6 +56,12 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +69,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfoRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +103,33 @@ class Drafter:
             '/specmesh.v1.Drafter/Session',
             specmesh_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/Info',
+            specmesh_dot_v1_dot_drafter__pb2.DrafterInfoRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
             options,
             channel_credentials,
             insecure,

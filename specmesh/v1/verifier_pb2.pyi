@@ -52,3 +52,23 @@ class ReleaseRequest(_message.Message):
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfo(_message.Message):
+    __slots__ = ("vocab_size", "max_positions", "eos_token_ids", "max_tree_nodes", "num_sessions", "model")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tree_nodes: int
+    num_sessions: int
+    model: str
+    def __init__(self, vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_tree_nodes: _Optional[int] = ..., num_sessions: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...

@@ -49,6 +49,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/specmesh.v1.Verifier/Info',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -72,6 +77,13 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """What the orchestrator needs to know about the target model, and the current load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.ReleaseRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.InfoRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifierInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class Verifier:
             '/specmesh.v1.Verifier/Release',
             specmesh_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Verifier/Info',
+            specmesh_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
             options,
             channel_credentials,
             insecure,

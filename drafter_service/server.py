@@ -1,0 +1,152 @@
+"""`specmesh drafter`: the Drafter gRPC service, a thin shell over LocalDrafter.
+
+One bidirectional stream per session: OpenSession first, then one DraftResponse
+per Propose. The session lives exactly as long as its stream, so a caller that
+cancels, times out or dies frees the drafter's state at once. Proposer work runs
+on one worker thread (the draft model is not shared across threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from drafter_service.drafter import LocalDrafter
+from drafter_service.proposer import Proposer
+from specmesh import rpc, serving
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+from specmesh.wire import budget_from_proto, sampling_from_proto, tree_to_proto
+
+log = logging.getLogger("specmesh.drafter")
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(
+        self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256
+    ) -> None:
+        if default_proposer not in proposers:
+            raise ValueError(f"default proposer {default_proposer!r} is not among {sorted(proposers)}")
+        self._drafters = {name: LocalDrafter(p) for name, p in proposers.items()}
+        self.default_proposer = default_proposer
+        self.vocab_size = vocab_size  # 0 = unknown: token ids are only checked to be >= 0
+        self.max_tree_nodes = max_tree_nodes
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
+        self.num_sessions = 0
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _check_tokens(self, tokens) -> None:
+        if tokens and (min(tokens) < 0 or (self.vocab_size and max(tokens) >= self.vocab_size)):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size or 'inf'})")
+
+    async def Session(self, request_iterator, context):
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.WhichOneof("kind") != "open":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be `open`")
+        opening = first.open
+        name = opening.proposer or self.default_proposer
+        drafter = self._drafters.get(name)
+        if drafter is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unknown proposer {name!r}; this drafter runs {', '.join(sorted(self._drafters))}")
+        # our own key: session ids from different callers may collide
+        session = f"{opening.session_id}/{uuid.uuid4().hex[:8]}"
+        try:
+            prompt = list(opening.prompt)
+            self._check_tokens(prompt)
+            await self._run(drafter.open, session, prompt, sampling_from_proto(opening.sampling))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.num_sessions += 1
+        try:
+            async for request in request_iterator:
+                if request.WhichOneof("kind") != "propose":
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only `propose` may follow `open`")
+                propose = request.propose
+                try:
+                    new_tokens = list(propose.new_tokens)
+                    self._check_tokens(new_tokens)
+                    budget = budget_from_proto(propose.budget, time.monotonic())
+                    if budget.max_nodes > self.max_tree_nodes:
+                        raise ValueError(f"budget of {budget.max_nodes} nodes exceeds this drafter's "
+                                         f"limit of {self.max_tree_nodes}")
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                start = time.perf_counter()
+                tree = await self._run(drafter.propose, session, new_tokens, budget)
+                yield drafter_pb2.DraftResponse(
+                    step=propose.step, tree=tree_to_proto(tree), draft_ms=(time.perf_counter() - start) * 1e3
+                )
+        finally:
+            self.num_sessions -= 1
+            # queued behind any running proposal on the model thread; not awaited, so it
+            # also runs when this stream was cancelled
+            self._executor.submit(drafter.close, session)
+
+    async def Info(self, request, context):
+        return drafter_pb2.DrafterInfo(
+            proposers=sorted(self._drafters),
+            default_proposer=self.default_proposer,
+            vocab_size=self.vocab_size,
+            num_sessions=self.num_sessions,
+        )
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from drafter_service.proposer import proposer_names
+    p.add_argument("--listen", default="127.0.0.1:50051", help="address to serve on (default: 127.0.0.1:50051)")
+    p.add_argument("--proposers", nargs="+", default=None, choices=proposer_names(), metavar="NAME",
+                   help=f"proposers to serve ({', '.join(proposer_names())}; default: all, the draft-model ones "
+                        "only with a draft model)")
+    p.add_argument("--default-proposer", default=None,
+                   help="proposer for sessions that name none (default: draft_model with a draft model, "
+                        "else prompt_lookup)")
+    p.add_argument("--max-tree-nodes", type=int, default=256, help="largest budget accepted (default: 256)")
+    serving.add_server_arguments(p)
+
+
+def build_servicer(args: argparse.Namespace) -> DrafterServicer:
+    from drafter_service.proposer import make_proposer, proposer_names
+    from orchestrator.embedded import NEEDS_DRAFT_MODEL
+    from specmesh.cli import load_draft_runner
+
+    draft_runner = load_draft_runner(args)
+    names = args.proposers or [n for n in proposer_names() if draft_runner is not None or n not in NEEDS_DRAFT_MODEL]
+    missing = [n for n in names if n in NEEDS_DRAFT_MODEL and draft_runner is None]
+    if missing:
+        raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")
+    default = args.default_proposer or ("draft_model" if "draft_model" in names else
+                                        "prompt_lookup" if "prompt_lookup" in names else names[0])
+    proposers = {n: make_proposer(n, draft_runner=draft_runner) for n in names}
+    vocab = draft_runner.info.vocab_size if draft_runner is not None else 0
+    try:
+        return DrafterServicer(proposers, default, vocab, args.max_tree_nodes)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh drafter: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    security = serving.server_security(args)
+    servicer = build_servicer(args)
+    log.info("proposers: %s (default %s)", ", ".join(sorted(servicer._drafters)), servicer.default_proposer)
+
+    async def main() -> None:
+        server = rpc.new_server(security)
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+        await rpc.run_server(server, args.listen, security, [SERVICE_NAME], args.grace,
+                             serving.write_ready_file(args.ready_file))
+
+    asyncio.run(main())
+    return 0

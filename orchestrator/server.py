@@ -1,0 +1,284 @@
+"""`specmesh serve`: the Generate gRPC service over remote verifiers and drafters.
+
+Each request runs the same Engine as embedded mode, on a worker thread, wired to
+one verifier replica (sticky for the request: it holds the KV cache) and to a
+FailoverDrafter over the drafter replicas in least-loaded order, then a local
+prompt-lookup proposer. The client's deadline bounds every hop; a client that
+cancels stops the engine, which releases the verifier session and closes the
+drafter stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+
+from drafter_service.drafter import LocalDrafter
+from drafter_service.proposer import make_proposer, proposer_names
+from drafter_service.remote import DrafterClient
+from orchestrator.embedded import default_budget
+from orchestrator.engine import Engine, GenerationResult, StepEvent
+from orchestrator.failover import FailoverDrafter
+from orchestrator.policy import StaticPolicy
+from orchestrator.stats import RequestStats, StepStats
+from orchestrator.stopping import TextStream
+from specmesh import rpc, serving
+from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from specmesh.wire import sampling_from_proto
+from verifier_service.remote import VerifierClient
+
+log = logging.getLogger("specmesh.serve")
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
+_DONE = object()
+
+
+def least_loaded(clients: Sequence, rng: random.Random) -> list:
+    """Clients ordered by the sessions they serve now; ties in random order."""
+    return sorted(clients, key=lambda c: (c.num_sessions, rng.random()))
+
+
+def step_to_proto(step: StepStats) -> common_pb2.StepStats:
+    return common_pb2.StepStats(
+        num_proposed=step.num_proposed, tree_depth=step.tree_depth, num_accepted=step.num_accepted,
+        accepted_sources=step.accepted_sources, draft_ms=step.draft_seconds * 1e3,
+        verify_ms=step.verify_seconds * 1e3, draft_error=step.draft_error,
+    )
+
+
+def stats_to_proto(stats: RequestStats) -> generate_pb2.RequestStats:
+    return generate_pb2.RequestStats(
+        prompt_tokens=stats.prompt_tokens, generated_tokens=stats.num_generated, steps=stats.num_steps,
+        tau=stats.tau, tokens_per_second=stats.tokens_per_second, total_seconds=stats.total_seconds,
+        acceptance_per_position=stats.acceptance_per_position(), draft_errors=stats.num_draft_errors,
+    )
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServicer):
+    def __init__(
+        self,
+        verifiers: Sequence[VerifierClient],
+        drafters: Sequence[DrafterClient],
+        tokenizer,
+        default_proposer: str | None = "draft_model",
+        draft_timeout: float = 1.0,
+        max_concurrent: int = 64,
+    ) -> None:
+        self.verifiers = list(verifiers)
+        self.drafters = list(drafters)
+        self.tokenizer = tokenizer
+        self.info = self.verifiers[0].info
+        self.default_proposer = default_proposer
+        self.draft_timeout = draft_timeout
+        self._local = LocalDrafter(make_proposer("prompt_lookup"))  # last resort before plain decoding
+        self._executor = ThreadPoolExecutor(max_concurrent, thread_name_prefix="engine")
+        self._rng = random.Random()
+
+    # ------------------------------------------------------------- requests
+    def _parse(self, request):
+        """(prompt ids, sampling, proposer, budget) or ValueError."""
+        if request.WhichOneof("input") == "prompt":
+            if not request.prompt:
+                raise ValueError("empty prompt")
+            prompt = list(self.tokenizer.encode(request.prompt))
+        elif request.WhichOneof("input") == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            raise ValueError("set either prompt or token_ids")
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.info.vocab_size})")
+        sampling = sampling_from_proto(request.sampling)
+        proposer = request.spec.proposer or self.default_proposer
+        if proposer in ("none", "ar"):
+            proposer = None
+        if proposer is not None and proposer not in proposer_names():
+            raise ValueError(f"unknown proposer {proposer!r}; choose from {', '.join(proposer_names())}, none")
+        nodes, depth = default_budget(proposer)
+        if request.spec.HasField("budget"):
+            nodes, depth = request.spec.budget.max_nodes, request.spec.budget.max_depth
+            if nodes < 0 or depth < 0:
+                raise ValueError("budget sizes must be >= 0")
+        return prompt, sampling, proposer, (nodes, depth)
+
+    def _engine(self, verifier: VerifierClient, proposer, budget, deadline, failures: list[str]) -> Engine:
+        drafter = None
+        if proposer is not None and budget[0] > 0:
+            candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(proposer, deadline))
+                          for c in least_loaded(self.drafters, self._rng)]
+            candidates.append(("local prompt_lookup", lambda: self._local))
+            drafter = FailoverDrafter(candidates, self.info.vocab_size, lambda _, message: failures.append(message))
+        policy = StaticPolicy(budget[0], budget[1], self.draft_timeout)
+        return Engine(verifier.bind(deadline), drafter, policy, self._decode)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _run(self, request_args, deadline, cancelled: threading.Event, emit) -> tuple[GenerationResult, str]:
+        """Worker thread: run the engine, calling ``emit(event, text)`` per step; returns the result and the
+        text not yet emitted. A verifier that fails before anything was emitted is replaced by the next
+        one; later failures end the request."""
+        prompt, sampling, proposer, budget = request_args
+        for attempt, verifier in enumerate(least_loaded(self.verifiers, self._rng)):
+            result = GenerationResult([], "", RequestStats())
+            text = TextStream(self._decode, max((len(x) for x in sampling.stop), default=1) - 1)
+            emitted = False
+            failures: list[str] = []  # drafter failovers, reported with the step they happened in
+            engine = self._engine(verifier, proposer, budget, deadline, failures)
+            try:
+                with contextlib.closing(engine.stream(prompt, sampling, result)) as events:
+                    for event in events:
+                        emitted = True
+                        if failures and event.step is not None:
+                            errors = [event.step.draft_error] if event.step.draft_error else []
+                            event = StepEvent(event.tokens, replace(event.step, draft_error="; ".join(errors + failures)))
+                            result.stats.steps[-1] = event.step  # so the request's stats count it too
+                            failures.clear()
+                        emit(event, text.push(event.tokens, result.text_limit))
+                        if cancelled.is_set():
+                            break  # closing the stream releases the verifier session and the drafter
+                return result, text.flush(result.text_limit)
+            except rpc.UpstreamError as exc:
+                last = attempt == len(self.verifiers) - 1
+                if emitted or last or exc.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                log.warning("verifier %s unavailable before the first token; trying another", verifier.address)
+        raise AssertionError("unreachable")
+
+    async def _chunks(self, request, context):
+        """The request's GenerateChunks as steps commit, then (GenerationResult, text not yet sent)."""
+        try:
+            args = self._parse(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def emit(event, text: str) -> None:
+            chunk = generate_pb2.GenerateChunk(token_ids=event.tokens, text=text)
+            if event.step is not None:
+                chunk.step.CopyFrom(step_to_proto(event.step))
+            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
+        def work() -> tuple[GenerationResult, str]:
+            try:
+                return self._run(args, deadline, cancelled, emit)
+            finally:
+                loop.call_soon_threadsafe(chunks.put_nowait, _DONE)
+
+        future = loop.run_in_executor(self._executor, work)
+        try:
+            while (chunk := await chunks.get()) is not _DONE:
+                yield chunk
+            yield await future
+        except rpc.UpstreamError as exc:
+            await context.abort(exc.code, str(exc))
+        except ValueError as exc:  # rejected by the verifier (e.g. prompt too long for the context)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            cancelled.set()  # the client went away, or we are done: the engine stops at its next step
+
+    async def GenerateStream(self, request, context):
+        async for item in self._chunks(request, context):
+            if isinstance(item, tuple):
+                result, tail = item
+                yield generate_pb2.GenerateChunk(text=tail, finish_reason=result.finish_reason)
+            else:
+                yield item
+
+    async def Generate(self, request, context):
+        response = generate_pb2.GenerateResponse()
+        async for item in self._chunks(request, context):
+            if isinstance(item, tuple):
+                result, tail = item
+                response.text += tail
+                response.finish_reason = result.finish_reason
+                response.stats.CopyFrom(stats_to_proto(result.stats))
+            else:
+                response.token_ids.extend(item.token_ids)
+                response.text += item.text
+        return response
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="127.0.0.1:50050", help="address to serve on (default: 127.0.0.1:50050)")
+    p.add_argument("--verifier", action="append", required=True, metavar="HOST:PORT",
+                   help="a verifier replica (repeatable); each request sticks to one, least-loaded first")
+    p.add_argument("--drafter", action="append", default=[], metavar="HOST:PORT",
+                   help="a drafter replica (repeatable); least-loaded first, failing over to the next, then to "
+                        "local prompt lookup, then to plain decoding")
+    p.add_argument("--proposer", default="draft_model", choices=proposer_names() + ["none"],
+                   help="proposer for requests that name none (default: draft_model)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer directory for text prompts (default: the verifier's model directory when it "
+                        "exists here, else the bundled demo target's)")
+    p.add_argument("--draft-timeout-ms", type=float, default=1000.0,
+                   help="a drafter that answers a step later than this is failed over (default: 1000)")
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds to wait at start-up for every verifier to answer (default: 60)")
+    p.add_argument("--max-concurrent", type=int, default=64, help="requests decoded at once (default: 64)")
+    serving.add_server_arguments(p)
+
+
+def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
+    from specmesh.cli import demo_model
+    from specmesh.model_runner import load_tokenizer
+
+    path = args.tokenizer
+    if path is None:
+        local = Path(verifier_model) if verifier_model else None
+        path = local if local is not None and (local / "tokenizer.json").is_file() else demo_model("target")
+    log.info("tokenizer: %s", path)
+    return load_tokenizer(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    security = serving.server_security(args)
+    verifiers = [VerifierClient(a, security) for a in args.verifier]
+    infos = []
+    for client in verifiers:
+        try:
+            infos.append(client.fetch_info(args.connect_timeout))
+        except rpc.UpstreamError as exc:
+            raise SystemExit(f"specmesh serve: {exc}") from None
+    if len({i.vocab_size for i in infos}) > 1:
+        raise SystemExit("specmesh serve: the verifiers serve models with different vocabularies")
+    drafters = [DrafterClient(a, security) for a in args.drafter]
+    for client in drafters:
+        try:
+            info = client.info(timeout=2.0)
+            log.info("drafter %s: proposers %s", client.address, ", ".join(info.proposers))
+            if info.vocab_size and info.vocab_size != infos[0].vocab_size:
+                raise SystemExit(f"specmesh serve: drafter {client.address} has vocabulary {info.vocab_size}, "
+                                 f"the verifiers {infos[0].vocab_size}")
+        except grpc.RpcError as exc:  # drafters may come later; failover covers their absence
+            log.warning("drafter %s not reachable yet (%s)", client.address, exc.code().name)
+    tokenizer = _load_tokenizer(args, infos[0].model)
+    proposer = None if args.proposer == "none" else args.proposer
+    servicer = GenerateServicer(verifiers, drafters, tokenizer, proposer, args.draft_timeout_ms / 1000,
+                                args.max_concurrent)
+
+    async def main() -> None:
+        server = rpc.new_server(security)
+        generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+        await rpc.run_server(server, args.listen, security, [SERVICE_NAME], args.grace,
+                             serving.write_ready_file(args.ready_file))
+
+    asyncio.run(main())
+    return 0

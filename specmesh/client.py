@@ -1,0 +1,214 @@
+"""The specmesh client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) for `specmesh serve`.
+
+    from specmesh.client import Client
+    with Client("127.0.0.1:50050") as client:
+        for chunk in client.stream("def fibonacci(n):", max_new_tokens=64):
+            print(chunk.text, end="")
+        print(client.generate("import os", max_new_tokens=32).stats["tau"])
+
+Imports neither torch nor any model code. Calls carry the bearer token (argument,
+``token_file`` or $SPECMESH_TOKEN) and optional TLS; the unary ``generate`` is
+retried by gRPC on UNAVAILABLE (service-config retry policy), as is a stream that
+has not yet received anything. Leaving a ``stream`` loop early cancels the
+request on the server, which frees its KV cache and drafter session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specmesh import rpc
+from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+__all__ = ["AsyncClient", "Chunk", "Client", "Completion", "StepInfo"]
+_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One speculative step: how much was proposed and accepted, and where the time went."""
+
+    num_proposed: int
+    tree_depth: int
+    num_accepted: int
+    accepted_sources: tuple[str, ...]
+    draft_ms: float
+    verify_ms: float
+    draft_error: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    text: str
+    step: StepInfo | None  # None for the first token (from the prefill) and the final chunk
+    finish_reason: str  # "" until the last chunk: then "stop" | "length"
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict = field(default_factory=dict)  # tau, tokens_per_second, acceptance_per_position, ...
+
+
+def _request(
+    prompt: str | Sequence[int],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    proposer: str | None = None,
+    max_nodes: int | None = None,
+    max_depth: int | None = None,
+) -> generate_pb2.GenerateRequest:
+    if (max_nodes is None) != (max_depth is None):
+        raise ValueError("give both max_nodes and max_depth, or neither")
+    sampling = common_pb2.SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, stop=list(stop),
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+    )
+    if seed is not None:
+        sampling.seed = seed
+    request = generate_pb2.GenerateRequest(sampling=sampling)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.token_ids.ids.extend(int(t) for t in prompt)
+    if proposer is not None:
+        request.spec.proposer = proposer
+    if max_nodes is not None:
+        request.spec.budget.max_nodes = max_nodes
+        request.spec.budget.max_depth = max_depth
+    return request
+
+
+def _chunk(msg: generate_pb2.GenerateChunk) -> Chunk:
+    step = None
+    if msg.HasField("step"):
+        s = msg.step
+        step = StepInfo(s.num_proposed, s.tree_depth, s.num_accepted, tuple(s.accepted_sources), s.draft_ms,
+                        s.verify_ms, s.draft_error)
+    return Chunk(tuple(msg.token_ids), msg.text, step, msg.finish_reason)
+
+
+def _completion(msg: generate_pb2.GenerateResponse) -> Completion:
+    s = msg.stats
+    stats = {
+        "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens, "steps": s.steps, "tau": s.tau,
+        "tokens_per_second": s.tokens_per_second, "total_seconds": s.total_seconds,
+        "acceptance_per_position": list(s.acceptance_per_position), "draft_errors": s.draft_errors,
+    }
+    return Completion(list(msg.token_ids), msg.text, msg.finish_reason, stats)
+
+
+class _Base:
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        timeout: float | None = None,
+        aio: bool = False,
+    ) -> None:
+        """``timeout``: default deadline in seconds of each call (None = none); TLS is used when
+        ``tls_ca`` is given (``tls_cert``/``tls_key`` = client certificate for mutual TLS)."""
+        self.address = address
+        self.timeout = timeout
+        self._security = rpc.Security.load(token, token_file, tls_cert, tls_key, tls_ca)
+        options = rpc.channel_options([(_SERVICE, "Generate"), (_SERVICE, "GenerateStream")])
+        self._channel = rpc.insecure_or_secure_channel(address, self._security, options, aio=aio)
+        self._stub = generate_pb2_grpc.GenerateStub(self._channel)
+        self._metadata = self._security.metadata()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.timeout
+
+
+class Client(_Base):
+    """Blocking client of `specmesh serve`. Errors are ``grpc.RpcError`` with the server's status code."""
+
+    def __init__(self, address: str, **kwargs) -> None:
+        super().__init__(address, **kwargs)
+
+    def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Iterator[Chunk]:
+        """Chunks as the server commits tokens; params as ``generate``."""
+        call = self._stub.GenerateStream(_request(prompt, **params), timeout=self._timeout(timeout),
+                                         metadata=self._metadata)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        finally:
+            call.cancel()  # no-op when finished; frees the server's session when the caller stops early
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
+        """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
+        stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes and max_depth."""
+        msg = self._stub.Generate(_request(prompt, **params), timeout=self._timeout(timeout), metadata=self._metadata)
+        return _completion(msg)
+
+    def health(self, timeout: float = 5.0) -> str:
+        """The server's health status name: SERVING, NOT_SERVING, ..."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        response = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client of `specmesh serve`; same methods as ``Client``, awaited."""
+
+    def __init__(self, address: str, **kwargs) -> None:
+        super().__init__(address, aio=True, **kwargs)
+
+    async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                     **params) -> AsyncIterator[Chunk]:
+        call = self._stub.GenerateStream(_request(prompt, **params), timeout=self._timeout(timeout),
+                                         metadata=self._metadata)
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
+        msg = await self._stub.Generate(_request(prompt, **params), timeout=self._timeout(timeout),
+                                        metadata=self._metadata)
+        return _completion(msg)
+
+    async def health(self, timeout: float = 5.0) -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        response = await health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(),
+                                                                         timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

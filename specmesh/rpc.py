@@ -1,0 +1,241 @@
+"""gRPC plumbing shared by the specmesh servers and the client SDK (no torch here).
+
+- ``Security``: bearer token and TLS files, read once at the edge.
+- channel/server options: message-size limits, keepalive, and the retry policy
+  (UNAVAILABLE is retried by gRPC itself, from the service config).
+- ``BearerTokenInterceptor``: every RPC except health checks needs the token.
+- ``run_server``: health + reflection, SIGTERM/SIGINT -> NOT_SERVING, drain, stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger("specmesh.rpc")
+
+TOKEN_ENV = "SPECMESH_TOKEN"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token prompt is ~10 MB of varints
+
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    *_KEEPALIVE,
+]
+
+
+def channel_options(retry_methods: Sequence[tuple[str, str]] = ()) -> list[tuple[str, object]]:
+    """Client options; ``retry_methods``: (service, method) pairs that are safe to retry on UNAVAILABLE."""
+    options: list[tuple[str, object]] = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        *_KEEPALIVE,
+    ]
+    if retry_methods:
+        config = {
+            "methodConfig": [{
+                "name": [{"service": s, "method": m} for s, m in retry_methods],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }]
+        }
+        options += [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+    return options
+
+
+# ------------------------------------------------------------------ security
+@dataclass(frozen=True)
+class Security:
+    """Credentials of one endpoint. Servers: cert/key (+ ca = require client certs, i.e. mutual TLS).
+    Clients: ca to trust the server (+ cert/key to present a client certificate)."""
+
+    token: str | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+
+    @classmethod
+    def load(
+        cls,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        cert: str | Path | None = None,
+        key: str | Path | None = None,
+        ca: str | Path | None = None,
+    ) -> Security:
+        """Token from the argument, else ``token_file``, else $SPECMESH_TOKEN; TLS material from PEM files."""
+        if token is None and token_file is not None:
+            token = Path(token_file).read_text().strip()
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
+        if token is not None and not token:
+            raise ValueError("the bearer token is empty")
+        if (cert is None) != (key is None):
+            raise ValueError("a TLS certificate needs its key, and a key its certificate")
+
+        def read(path):
+            return Path(path).read_bytes() if path is not None else None
+
+        return cls(token, read(cert), read(key), read(ca))
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if self.cert is None:
+            if self.ca is not None:
+                raise ValueError("a server needs --tls-cert and --tls-key to use TLS")
+            return None
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.ca is not None
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+
+
+def insecure_or_secure_channel(address: str, security: Security, options, aio: bool = False):
+    module = grpc.aio if aio else grpc
+    creds = security.channel_credentials()
+    if creds is None:
+        return module.insecure_channel(address, options=options)
+    return module.secure_channel(address, creds, options=options)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` with UNAUTHENTICATED.
+    Health checks stay open so load balancers and Kubernetes probes need no secret."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if details.method.startswith(f"/{HEALTH_SERVICE}/"):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        return _denying_handler(handler)
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    async def deny(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    async def deny_stream(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        yield  # pragma: no cover - makes this an async generator
+
+    # the denying handler must have the streaming shape of the method it replaces
+    req = bool(handler and handler.request_streaming)
+    resp = bool(handler and handler.response_streaming)
+    if req and resp:
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
+    if req:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if resp:
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+# -------------------------------------------------------------------- server
+def new_server(security: Security) -> grpc.aio.Server:
+    interceptors = [BearerTokenInterceptor(security.token)] if security.token else []
+    return grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+
+
+async def run_server(
+    server: grpc.aio.Server,
+    address: str,
+    security: Security,
+    service_names: Sequence[str],
+    grace_seconds: float = 10.0,
+    on_started: Callable[[int], None] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT: then health turns NOT_SERVING, in-flight RPCs get
+    ``grace_seconds`` to finish, and the server stops. ``on_started(port)`` runs once listening."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1.health import aio as health_aio
+    from grpc_reflection.v1alpha import reflection
+
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    creds = security.server_credentials()
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    for name in ("", *service_names):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("listening on %s (port %d)%s%s", address, port, ", TLS" if creds else "",
+             ", token required" if security.token else "")
+    if on_started is not None:
+        on_started(port)
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    waiter = asyncio.ensure_future(server.wait_for_termination())
+    stopper = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if stopping.is_set():
+        log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_seconds)
+        await health.enter_graceful_shutdown()
+        await server.stop(grace_seconds)
+    if on_stop is not None:
+        await on_stop()
+    waiter.cancel()
+    stopper.cancel()
+
+
+# --------------------------------------------------------------- upstreams
+class UpstreamError(RuntimeError):
+    """A call to another specmesh service failed; ``code`` is its gRPC status."""
+
+    def __init__(self, service: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{service}: {code.name}: {details}")
+        self.service = service
+        self.code = code
+        self.details = details
+
+
+def call_timeout(deadline: float | None, default: float) -> float:
+    """Seconds left for a call: ``default`` capped by an absolute time.monotonic() ``deadline``."""
+    if deadline is None:
+        return default
+    import time
+
+    return max(0.001, min(default, deadline - time.monotonic()))

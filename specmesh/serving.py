@@ -1,0 +1,42 @@
+"""Command-line pieces every specmesh server shares: security options, logging, readiness."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specmesh import rpc
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every specmesh server shares: security, shutdown, readiness."""
+    p.add_argument("--token-file", type=Path, default=None,
+                   help=f"file holding the bearer token every call must carry (default: ${rpc.TOKEN_ENV}, "
+                        "or no authentication when neither is set)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (enables TLS)")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="PEM CA bundle: clients must present a certificate it signed (mutual TLS); "
+                        "outgoing calls of `serve` also trust it")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds in-flight calls get to finish after SIGTERM (default: 10)")
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="write the bound port to this file once serving (useful with --listen HOST:0)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def server_security(args: argparse.Namespace) -> rpc.Security:
+    try:
+        return rpc.Security.load(token_file=args.token_file, cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
+
+
+def write_ready_file(path: Path | None):
+    def on_started(port: int) -> None:
+        if path is not None:
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(str(port))
+            tmp.replace(path)  # atomic: readers never see a partial file
+
+    return on_started

@@ -1,0 +1,168 @@
+"""Disaggregated = embedded = autoregressive, through real servers in separate processes.
+
+The `mesh` fixture runs a verifier, two drafters and `specmesh serve` on 127.0.0.1;
+requests go through the client SDK. The reference is the embedded engine on the same
+models (float64) in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import service_helpers as sh
+
+from orchestrator.embedded import default_budget
+from specmesh.client import AsyncClient, Client
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main(argv):\n    ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+]
+PROPOSERS = ["draft_model", "draft_model_tree", "prompt_lookup", "prompt_lookup_tree"]
+MAX_NEW = 40
+
+
+def verifier_sessions(service) -> int:
+    stub = verifier_pb2_grpc.VerifierStub(sh.channel(service))
+    return stub.Info(verifier_pb2.InfoRequest(), timeout=5).num_sessions
+
+
+def drafter_sessions(service) -> int:
+    stub = drafter_pb2_grpc.DrafterStub(sh.channel(service))
+    return stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5).num_sessions
+
+
+def embedded_ids(stack, proposer, prompt, sampling: SamplingParams, budget=None) -> list[int]:
+    nodes, depth = budget or default_budget(proposer)
+    engine = stack.engine(proposer, nodes, depth)
+    return engine.generate(stack.tokenizer.encode(prompt), sampling).token_ids
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    with Client(mesh["serve"].address, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ar(demo_stack):
+    memo = {}
+
+    def get(prompt: str, max_new: int = MAX_NEW) -> list[int]:
+        if (prompt, max_new) not in memo:
+            memo[prompt, max_new] = embedded_ids(demo_stack, None, prompt, SamplingParams(max_new_tokens=max_new))
+        return memo[prompt, max_new]
+
+    return get
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_disaggregated_greedy_equals_embedded_and_ar(client, demo_stack, ar, proposer):
+    for prompt in PROMPTS:
+        remote = client.generate(prompt, max_new_tokens=MAX_NEW, proposer=proposer)
+        embedded = embedded_ids(demo_stack, proposer, prompt, SamplingParams(max_new_tokens=MAX_NEW))
+        assert remote.token_ids == embedded, (proposer, prompt)
+        assert remote.token_ids == ar(prompt), (proposer, prompt)
+        assert remote.stats["draft_errors"] == 0
+        assert remote.stats["steps"] < len(remote.token_ids)  # drafts were accepted: speculation really ran
+
+
+@pytest.mark.parametrize("budget", [(1, 1), (12, 5), (24, 8)])
+def test_explicit_budgets_keep_greedy_output(client, ar, budget):
+    for proposer in ("draft_model_tree", "prompt_lookup_tree"):
+        remote = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, proposer=proposer,
+                                 max_nodes=budget[0], max_depth=budget[1])
+        assert remote.token_ids == ar(PROMPTS[0])
+
+
+def test_plain_decoding_through_the_mesh(client, ar):
+    remote = client.generate(PROMPTS[1], max_new_tokens=MAX_NEW, proposer="none")
+    assert remote.token_ids == ar(PROMPTS[1])
+    assert remote.stats["tau"] == 1.0
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "draft_model_tree", "prompt_lookup"])
+def test_seeded_sampling_equals_embedded(client, demo_stack, proposer):
+    """Same seed, same draws: the remote path makes exactly the embedded path's random choices, so it
+    inherits its distribution (proved by the chi-squared tests of test_sampling_distribution)."""
+    params = dict(temperature=0.8, top_p=0.95, seed=1234)
+    remote = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, proposer=proposer, **params)
+    embedded = embedded_ids(demo_stack, proposer, PROMPTS[0], SamplingParams(max_new_tokens=MAX_NEW, **params))
+    assert remote.token_ids == embedded
+
+
+def test_stream_chunks_text_and_stats(client, demo_stack, ar):
+    chunks = list(client.stream(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="draft_model"))
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == ar(PROMPTS[0])
+    assert chunks[0].step is None and len(chunks[0].token_ids) == 1  # the prefill's token
+    assert chunks[-1].finish_reason == "length" and not chunks[-1].token_ids
+    steps = [c.step for c in chunks if c.step is not None]
+    assert all(len(c.token_ids) == c.step.num_accepted + 1 for c in chunks[1:-1])
+    assert sum(s.num_accepted + 1 for s in steps) + 1 == len(ids)
+    assert all(s.verify_ms > 0 and s.num_proposed >= s.num_accepted for s in steps)
+    assert "".join(c.text for c in chunks) == demo_stack.decode(ids)
+
+
+def test_token_id_prompt_stop_strings_and_eos(client, demo_stack):
+    prompt_ids = demo_stack.tokenizer.encode(PROMPTS[2])
+    full = client.generate(prompt_ids, max_new_tokens=MAX_NEW)
+    stop = full.text[5:9]
+    cut = client.generate(prompt_ids, max_new_tokens=MAX_NEW, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_async_client_streams_the_same_tokens(mesh, ar):
+    async def main():
+        async with AsyncClient(mesh["serve"].address, timeout=120) as c:
+            assert await c.health() == "SERVING"
+            ids = [t async for chunk in c.stream(PROMPTS[1], max_new_tokens=MAX_NEW) for t in chunk.token_ids]
+            unary = await c.generate(PROMPTS[1], max_new_tokens=MAX_NEW)
+            return ids, unary.token_ids
+
+    streamed, unary = asyncio.run(main())
+    assert streamed == unary == ar(PROMPTS[1])
+
+
+def test_client_cancellation_frees_verifier_and_drafter_sessions(client, mesh):
+    stream = client.stream(PROMPTS[0], max_new_tokens=1500, ignore_eos=True, proposer="draft_model")
+    next(stream), next(stream)
+    assert verifier_sessions(mesh["verifier"]) == 1
+    stream.close()  # leaving the loop early cancels the call
+    assert sh.wait_until(lambda: verifier_sessions(mesh["verifier"]) == 0)
+    assert sh.wait_until(lambda: sum(drafter_sessions(d) for d in mesh["drafters"]) == 0)
+
+
+def test_deadline_is_enforced_and_frees_sessions(client, mesh):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(PROMPTS[0], max_new_tokens=1500, ignore_eos=True, timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sh.wait_until(lambda: verifier_sessions(mesh["verifier"]) == 0)
+    assert sh.wait_until(lambda: sum(drafter_sessions(d) for d in mesh["drafters"]) == 0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(proposer="no_such_proposer"),
+    dict(temperature=-1.0),
+    dict(top_p=1.5),
+    dict(max_new_tokens=10_000),  # past the target's 2048 positions
+    dict(max_nodes=-1, max_depth=3),
+])
+def test_bad_requests_are_invalid_argument(client, kwargs):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(PROMPTS[0], **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.health() == "SERVING"
+
+
+def test_out_of_vocabulary_prompt_is_invalid_argument(client):
+    for ids in ([1, 2, 10**9], [-3], []):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(ids, max_new_tokens=4)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,109 @@
+"""The Verifier interface over gRPC: what the orchestrator uses for a verifier replica.
+
+``VerifierClient`` owns one channel to one replica and counts the sessions it
+serves (for least-loaded placement); ``bind(deadline)`` returns the per-request
+``RemoteVerifier`` whose calls carry the request's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import grpc
+
+from specmesh import rpc
+from specmesh.model_runner import ModelInfo
+from specmesh.sampling import SamplingParams
+from specmesh.tree import InvalidTreeError, TokenTree
+from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.wire import sampling_to_proto, tree_to_proto
+from verifier_service.server import SERVICE_NAME
+from verifier_service.verifier import PrefillResult, UnknownSessionError, VerifyResult
+
+log = logging.getLogger("specmesh.remote_verifier")
+RELEASE_TIMEOUT = 5.0  # Release runs even after the request's deadline passed
+
+
+class VerifierClient:
+    def __init__(self, address: str, security: rpc.Security, call_timeout: float = 60.0) -> None:
+        self.address = address
+        self.call_timeout = call_timeout
+        # Info and Release change nothing that a retry could duplicate
+        options = rpc.channel_options([(SERVICE_NAME, "Info"), (SERVICE_NAME, "Release")])
+        self._channel = rpc.insecure_or_secure_channel(address, security, options)
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        self._metadata = security.metadata()
+        self._lock = threading.Lock()
+        self.num_sessions = 0
+        self.info: ModelInfo | None = None
+
+    def fetch_info(self, timeout: float) -> verifier_pb2.VerifierInfo:
+        """Wait up to ``timeout`` s for the replica to come up; remembers its ModelInfo."""
+        try:
+            msg = self._stub.Info(verifier_pb2.InfoRequest(), timeout=timeout, metadata=self._metadata,
+                                  wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise rpc.UpstreamError(f"verifier {self.address}", exc.code(), exc.details()) from None
+        self.info = ModelInfo(msg.vocab_size, msg.max_positions, tuple(msg.eos_token_ids))
+        return msg
+
+    def bind(self, deadline: float | None) -> RemoteVerifier:
+        if self.info is None:
+            raise RuntimeError("fetch_info() first")
+        return RemoteVerifier(self, deadline)
+
+    def _add_sessions(self, n: int) -> None:
+        with self._lock:
+            self.num_sessions += n
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class RemoteVerifier:
+    """Verifier protocol for one request; ``deadline``: absolute time.monotonic(), or None."""
+
+    def __init__(self, client: VerifierClient, deadline: float | None) -> None:
+        self.client = client
+        self.info = client.info
+        self.deadline = deadline
+        self._open: set[str] = set()
+
+    def _call(self, method, request, timeout: float | None = None, invalid: type[ValueError] = ValueError):
+        c = self.client
+        try:
+            return method(request, timeout=timeout or rpc.call_timeout(self.deadline, c.call_timeout),
+                          metadata=c._metadata)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise invalid(details)
+        if code == grpc.StatusCode.NOT_FOUND:
+            raise UnknownSessionError(details)
+        raise rpc.UpstreamError(f"verifier {c.address}", code, details)
+
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult:
+        request = verifier_pb2.PrefillRequest(session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling))
+        self._open.add(session_id)
+        self.client._add_sessions(1)
+        msg = self._call(self.client._stub.Prefill, request)
+        return PrefillResult(msg.first_token, msg.seconds)
+
+    def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
+        request = verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
+        msg = self._call(self.client._stub.Verify, request, invalid=InvalidTreeError)
+        return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds)
+
+    def release(self, session_id: str) -> None:
+        """Best effort: the verifier also frees idle sessions by itself."""
+        if session_id not in self._open:
+            return
+        self._open.discard(session_id)
+        self.client._add_sessions(-1)
+        try:
+            self._call(self.client._stub.Release, verifier_pb2.ReleaseRequest(session_id=session_id),
+                       timeout=RELEASE_TIMEOUT)
+        except Exception as exc:  # the replica may be gone; its TTL reaper frees the cache
+            log.warning("release of %s on %s failed: %s", session_id, self.client.address, exc)

@@ -1,0 +1,129 @@
+"""`specmesh verifier`: the Verifier gRPC service, a thin shell over LocalVerifier.
+
+Model work runs on one worker thread (one forward at a time; sessions interleave
+step by step), so the event loop stays free for health checks and new calls.
+Sessions whose caller vanished without Release (an orchestrator killed mid-request)
+are released after ``session_ttl`` seconds without a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specmesh import rpc, serving
+from specmesh.tree import InvalidTreeError
+from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from specmesh.wire import sampling_from_proto, tree_from_proto
+from verifier_service.verifier import LocalVerifier, UnknownSessionError
+
+log = logging.getLogger("specmesh.verifier")
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, verifier: LocalVerifier, model_name: str = "", session_ttl: float = 600.0) -> None:
+        self.verifier = verifier
+        self.model_name = model_name
+        self.session_ttl = session_ttl
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="verifier-model")
+        self._last_call: dict[str, float] = {}
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # ------------------------------------------------------------------- RPCs
+    async def Prefill(self, request, context):
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            result = await self._run(self.verifier.prefill, request.session_id, list(request.prompt), sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._last_call[request.session_id] = time.monotonic()
+        return verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
+
+    async def Verify(self, request, context):
+        try:
+            tree = tree_from_proto(request.tree)
+            self._touch(request.session_id)
+            result = await self._run(self.verifier.verify, request.session_id, tree)
+        except UnknownSessionError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except (InvalidTreeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid tree: {exc}")
+        return verifier_pb2.VerifyResponse(
+            accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds
+        )
+
+    async def Release(self, request, context):
+        self._last_call.pop(request.session_id, None)
+        await self._run(self.verifier.release, request.session_id)
+        return verifier_pb2.ReleaseResponse()
+
+    async def Info(self, request, context):
+        info = self.verifier.info
+        return verifier_pb2.VerifierInfo(
+            vocab_size=info.vocab_size,
+            max_positions=info.max_positions,
+            eos_token_ids=info.eos_token_ids,
+            max_tree_nodes=self.verifier.max_tree_nodes,
+            num_sessions=self.verifier.num_sessions,
+            model=self.model_name,
+        )
+
+    # -------------------------------------------------------------- internals
+    def _touch(self, session_id: str) -> None:
+        if session_id in self._last_call:
+            self._last_call[session_id] = time.monotonic()
+
+    async def reap_idle_sessions(self) -> None:
+        """Release sessions idle for longer than the TTL (their orchestrator died without Release)."""
+        while True:
+            await asyncio.sleep(max(0.05, self.session_ttl / 4))
+            now = time.monotonic()
+            for session_id in self.verifier.session_ids():  # e.g. a Prefill whose caller cancelled
+                self._last_call.setdefault(session_id, now)
+            cutoff = now - self.session_ttl
+            for session_id in [s for s, t in self._last_call.items() if t < cutoff]:
+                log.warning("releasing session %s: no call for %.0f s", session_id, self.session_ttl)
+                self._last_call.pop(session_id, None)
+                await self._run(self.verifier.release, session_id)
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (default: 127.0.0.1:50052)")
+    p.add_argument("--max-tree-nodes", type=int, default=256,
+                   help="largest tree accepted per Verify; larger ones get INVALID_ARGUMENT (default: 256)")
+    p.add_argument("--session-ttl", type=float, default=600.0,
+                   help="release a session's KV cache after this many seconds without a call (default: 600)")
+    serving.add_server_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specmesh.cli import load_target_runner
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    security = serving.server_security(args)
+    runner, model_name = load_target_runner(args)
+    servicer = VerifierServicer(LocalVerifier(runner, args.max_tree_nodes), model_name, args.session_ttl)
+
+    async def main() -> None:
+        server = rpc.new_server(security)
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        reaper = asyncio.ensure_future(servicer.reap_idle_sessions())
+        try:
+            await rpc.run_server(server, args.listen, security, [SERVICE_NAME], args.grace,
+                                 serving.write_ready_file(args.ready_file))
+        finally:
+            reaper.cancel()
+
+    asyncio.run(main())
+    return 0
