@@ -15,6 +15,8 @@ Methods (``NAME`` or ``NAME:key=value,...``):
                      generation config (where transformers reads them), other keys to
                      ``generate``; unset keys keep transformers' defaults
   hf_prompt_lookup   ``generate(prompt_lookup_num_tokens=...)``
+  grpc:NAME          ``ar`` or a proposer through the client SDK and `specmesh serve`
+                     (--server, or --spawn-mesh); keys max_nodes / max_depth
 
 Definitions used in the report:
   tau        specmesh: committed tokens (accepted + bonus) per verification step, pooled
@@ -25,7 +27,8 @@ Definitions used in the report:
              same way for every method (ForwardMeter).
   speedup    per prompt, the reference's time per generated token / the method's; with
              equal outputs (greedy, lossless) this is reference time / method time.
-             Reference: specmesh ``ar``. HF methods are also compared with ``hf_ar``:
+             Reference: specmesh ``ar``. grpc: methods are also compared with ``grpc:ar``
+             (plain decoding through the same servers). HF methods are also compared with ``hf_ar``:
              against ``ar`` their ratio includes the forward implementation (specmesh's
              fast runner vs the transformers module), against ``hf_ar`` only speculation.
   time       wall clock (perf_counter) of the whole request incl. prefill; with
@@ -35,11 +38,14 @@ Definitions used in the report:
              draft / target model forward calls over total time (hook-measured; null
              draft fraction for prompt lookup, whose search is not a model call).
   loops      see ``is_loop``.
+  overhead   grpc:NAME: (its time - NAME's time in process) / its verification steps, per
+             prompt, when both ran the same steps; as a fraction of its own step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,6 +64,7 @@ from specmesh.bench_runners import ForwardMeter, RunOutput, measured_run, method
 from specmesh.sampling import SamplingParams
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_prompt_lookup")
+GRPC_PREFIX = "grpc:"
 # Options of HF methods when the spec leaves them unset (specmesh budgets default per proposer in
 # orchestrator.embedded.DEFAULT_BUDGETS; HF assisted keeps transformers' own defaults).
 HF_DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"hf_prompt_lookup": {"prompt_lookup_num_tokens": 10}}
@@ -78,40 +85,54 @@ class MethodSpec:
     def is_hf(self) -> bool:
         return self.name in HF_METHODS
 
+    @property
+    def is_grpc(self) -> bool:
+        return self.name.startswith(GRPC_PREFIX)
+
+    @property
+    def base_name(self) -> str:
+        """The method without its ``grpc:`` prefix."""
+        return self.name.removeprefix(GRPC_PREFIX)
+
 
 def method_names() -> list[str]:
     from drafter_service.proposer import proposer_names
 
-    return ["ar", *proposer_names(), *HF_METHODS]
+    local = ["ar", *proposer_names()]
+    return [*local, *HF_METHODS, *(GRPC_PREFIX + m for m in local)]
 
 
 def needs_draft(name: str) -> bool:
     from orchestrator.embedded import NEEDS_DRAFT_MODEL
 
-    return name in NEEDS_DRAFT_MODEL or name == "hf_assisted"
+    return name.removeprefix(GRPC_PREFIX) in NEEDS_DRAFT_MODEL or name == "hf_assisted"
 
 
 def default_methods(has_draft: bool) -> list[str]:
-    """Every method: AR, every registered proposer, the HF peers (those needing a draft model only with one)."""
-    return [m for m in method_names() if has_draft or not needs_draft(m)]
+    """Every in-process method: AR, every registered proposer, the HF peers (those needing a draft model
+    only with one). grpc: methods run only when asked for."""
+    return [m for m in method_names() if (has_draft or not needs_draft(m)) and not m.startswith(GRPC_PREFIX)]
 
 
 def parse_method(spec: str, known: Sequence[str]) -> MethodSpec:
     """``NAME`` or ``NAME:key=value,...``; unset budgets/options take the method's defaults."""
-    name, _, rest = spec.strip().partition(":")
+    prefix = GRPC_PREFIX if spec.strip().startswith(GRPC_PREFIX) else ""
+    name, _, rest = spec.strip().removeprefix(prefix).partition(":")
+    name = prefix + name
     if name not in known:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(known)}")
     options = dict(HF_DEFAULT_OPTIONS.get(name, {}))
-    if name not in HF_METHODS and name != "ar":
+    base = name.removeprefix(GRPC_PREFIX)
+    if base not in HF_METHODS and base != "ar":
         from orchestrator.embedded import default_budget
 
-        options["max_nodes"], options["max_depth"] = default_budget(name)
+        options["max_nodes"], options["max_depth"] = default_budget(base)
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"method option {item!r} in {spec!r} is not KEY=VALUE")
         options[key.strip()] = _parse_value(value.strip())
-    if name in ("ar", "hf_ar") and options:
+    if base in ("ar", "hf_ar") and options:
         raise ValueError(f"{name} takes no options, got {spec!r}")
     return MethodSpec(spec.strip(), name, tuple(sorted(options.items())))
 
@@ -124,6 +145,8 @@ def plan_methods(labels: Sequence[str], has_draft: bool) -> list[MethodSpec]:
         specs.insert(0, parse_method("ar", known))  # every speedup is measured against it
     if any(s.is_hf for s in specs) and "hf_ar" not in [s.label for s in specs]:
         specs.append(parse_method("hf_ar", known))
+    if any(s.is_grpc for s in specs) and "grpc:ar" not in [s.label for s in specs]:
+        specs.append(parse_method("grpc:ar", known))
     if len({s.label for s in specs}) != len(specs):
         raise ValueError(f"duplicate methods in {list(labels)}")
     missing = [s.label for s in specs if needs_draft(s.name)] if not has_draft else []
@@ -225,6 +248,13 @@ def aggregate(records: list[dict], greedy: bool) -> dict:
     nonloop = [r["speedup_vs_ar"] for r in records if r["speedup_vs_ar"] is not None and not r["ar_loops"]]
     out["speedup_vs_ar_nonlooping"] = spread(nonloop)
     out["greedy_match_ar"] = float(np.mean([r["match_ar"] for r in records])) if greedy else None
+    if records[0]["kind"] == "grpc":
+        out["speedup_vs_grpc_ar"] = spread([r["speedup_vs_grpc_ar"] for r in records if r["speedup_vs_grpc_ar"]])
+        overhead = [r["overhead_ms_per_step"] for r in records if r["overhead_ms_per_step"] is not None]
+        out["overhead_ms_per_step"] = spread(overhead)
+        step_ms = [r["seconds"] / r["steps"] * 1e3 for r in records if r.get("steps")]
+        out["overhead_fraction_of_step"] = (float(np.median(overhead)) / float(np.median(step_ms))
+                                            if overhead and step_ms else None)
     if hf:
         out["speedup_vs_hf_ar"] = spread([r["speedup_vs_hf_ar"] for r in records if r["speedup_vs_hf_ar"] is not None])
         out["greedy_match_hf_ar"] = float(np.mean([r["match_hf_ar"] for r in records])) if greedy else None
@@ -240,7 +270,7 @@ def make_record(prompt_id: str, prompt_tokens: int, spec: MethodSpec, runs: list
     rec = {
         "prompt_id": prompt_id,
         "method": spec.label,
-        "kind": "hf" if spec.is_hf else "specmesh",
+        "kind": "hf" if spec.is_hf else "grpc" if spec.is_grpc else "specmesh",
         "prompt_tokens": prompt_tokens,
         "num_generated": len(tokens),
         "seconds": best.seconds,
@@ -280,10 +310,22 @@ def _speedup(ref: dict | None, rec: dict) -> float | None:
     return (ref["seconds"] / ref["num_generated"]) / (rec["seconds"] / rec["num_generated"])
 
 
+def _overhead_ms_per_step(local: dict | None, remote: dict) -> float | None:
+    """Extra wall time per verification step of the disaggregated run over the same method in process.
+    Only meaningful when both ran the same steps (greedy, or sampling with the same seed)."""
+    if local is None or not remote.get("steps") or local.get("steps") != remote["steps"]:
+        return None
+    return (remote["seconds"] - local["seconds"]) / remote["steps"] * 1e3
+
+
 def compare_prompt(records: dict[str, dict], greedy: bool) -> None:
     """Fill in one prompt's cross-method fields (speedups, matches) in place."""
-    ar, hf_ar = records.get("ar"), records.get("hf_ar")
+    ar, hf_ar, grpc_ar = records.get("ar"), records.get("hf_ar"), records.get("grpc:ar")
     for rec in records.values():
+        if rec["kind"] == "grpc":
+            rec["speedup_vs_grpc_ar"] = _speedup(grpc_ar, rec)
+            rec["overhead_ms_per_step"] = _overhead_ms_per_step(records.get(rec["method"].removeprefix(GRPC_PREFIX)),
+                                                                 rec)
         rec["ar_loops"] = ar["loops"]
         rec["speedup_vs_ar"] = _speedup(ar, rec)
         rec["match_ar"] = rec["token_ids"] == ar["token_ids"] if greedy else None
@@ -301,8 +343,6 @@ def load_prompts(path: Path, limit: int | None) -> list[dict]:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from tqdm import tqdm
-
     from specmesh.cli import load_stack, resolve_models
 
     target_dir, draft_dir = resolve_models(args)
@@ -315,7 +355,36 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     stack = load_stack(args)
-    runners = {s.label: method_runner(stack, s) for s in specs}
+    with contextlib.ExitStack() as resources:
+        client = _grpc_client(args, specs, target_dir, draft_dir, resources)
+        runners = {s.label: method_runner(stack, s, client) for s in specs}
+        return _bench_loop(args, specs, stack, runners, rows, base, target_dir, draft_dir, client)
+
+
+def _grpc_client(args, specs, target_dir, draft_dir, resources: contextlib.ExitStack):
+    """A client of `specmesh serve` when grpc: methods run: --server, or a mesh spawned here."""
+    if not any(s.is_grpc for s in specs):
+        return None
+    from specmesh.client import Client
+    from specmesh.local_mesh import LocalMesh
+
+    address = args.server
+    if address is None:
+        if not args.spawn_mesh:
+            raise SystemExit("specmesh bench: grpc: methods need --server HOST:PORT or --spawn-mesh")
+        threads = ["--threads", str(args.threads)] if args.threads else []
+        verifier = ["--target", str(target_dir), "--dtype", args.dtype, "--runner", args.runner, *threads]
+        drafter = ["--draft", str(draft_dir) if draft_dir else "none", "--draft-dtype", args.draft_dtype,
+                   "--runner", args.runner, *threads]
+        print("starting a local mesh (verifier, drafter, serve)...", file=sys.stderr)
+        mesh = resources.enter_context(LocalMesh(verifier, drafter, ["--tokenizer", str(target_dir)]))
+        address = mesh.address
+    return resources.enter_context(Client(address))
+
+
+def _bench_loop(args, specs, stack, runners, rows, base, target_dir, draft_dir, client) -> dict:
+    from tqdm import tqdm
+
     eos = stack.target_runner.info.eos_token_ids
 
     prompts = []
@@ -367,6 +436,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             "limit": args.limit,
             "repeats": args.repeats,
             "num_prompts": len(prompts),
+            "server": client.address if client is not None else None,
         },
         "environment": environment(),
         "methods": methods,
@@ -413,6 +483,13 @@ def markdown_table(report: dict) -> str:
     notes = []
     if "ar" in methods:
         notes.append(f"AR outputs that loop: {methods['ar']['loop_fraction']:.0%} of {methods['ar']['num_prompts']} prompts")
+    grpc = [f"{k} {m['speedup_vs_grpc_ar']['median']:.2f}" for k, m in methods.items() if m.get("speedup_vs_grpc_ar")]
+    if grpc:
+        notes.append("speedup vs grpc:ar (median): " + ", ".join(grpc))
+    over = [f"{k} {m['overhead_ms_per_step']['median']:.2f} ms ({m['overhead_fraction_of_step']:.0%})"
+            for k, m in methods.items() if m.get("overhead_ms_per_step")]
+    if over:
+        notes.append("gRPC overhead per step vs in-process (median, share of the step): " + ", ".join(over))
     hf = [f"{k} {m['speedup_vs_hf_ar']['median']:.2f}" for k, m in methods.items() if m.get("speedup_vs_hf_ar")]
     if hf:
         notes.append("speedup vs hf_ar (median): " + ", ".join(hf))
@@ -436,6 +513,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, help="override every prompt's max_new_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method; the fastest counts")
     parser.add_argument("--json", required=True, metavar="OUT.json", help="write the full report here")
+    parser.add_argument("--server", default=None, metavar="HOST:PORT",
+                        help="`specmesh serve` that grpc:NAME methods go through (token from $SPECMESH_TOKEN)")
+    parser.add_argument("--spawn-mesh", action="store_true",
+                        help="for grpc:NAME methods, start a verifier, a drafter and serve on 127.0.0.1 with this "
+                             "command's model options, and stop them at the end")
 
 
 def run(args: argparse.Namespace) -> int:

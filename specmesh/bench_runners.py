@@ -132,7 +132,47 @@ class HFRunner:
         return RunOutput(tokens, seconds)
 
 
-def method_runner(stack, spec: MethodSpec):
+class GrpcRunner:
+    """The method through the client SDK and a running `specmesh serve` (``grpc:NAME``).
+
+    Statistics come from the streamed per-step stats; target forwards are one per step
+    plus the prefill, exactly, since that is how the verifier works."""
+
+    remote = True
+
+    def __init__(self, client, spec: MethodSpec) -> None:
+        self.client = client
+        self.params: dict = {"proposer": spec.base_name if spec.base_name != "ar" else "none"}
+        options = dict(spec.options)
+        if "max_nodes" in options:
+            self.params.update(max_nodes=options.pop("max_nodes"), max_depth=options.pop("max_depth"))
+        if options:
+            raise ValueError(f"{spec.label}: only max_nodes and max_depth can be set for grpc: methods")
+
+    def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
+        from orchestrator.stats import RequestStats, StepStats
+
+        stats = RequestStats(prompt_tokens=len(prompt))
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        for chunk in self.client.stream(
+            prompt, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, seed=sampling.seed, stop=sampling.stop, stop_token_ids=sampling.stop_token_ids,
+            ignore_eos=sampling.ignore_eos, **self.params,
+        ):
+            tokens += chunk.token_ids
+            if chunk.step is not None:
+                s = chunk.step
+                stats.steps.append(StepStats(s.num_proposed, s.tree_depth, s.num_accepted, s.accepted_sources,
+                                             (), s.draft_ms / 1e3, s.verify_ms / 1e3, s.draft_error))
+        seconds = time.perf_counter() - t0
+        stats.total_seconds, stats.num_generated = seconds, len(tokens)
+        return RunOutput(tokens, seconds, target_forwards=stats.num_steps + 1, stats=stats)
+
+
+def method_runner(stack, spec: MethodSpec, client=None):
+    if spec.is_grpc:
+        return GrpcRunner(client, spec)
     return HFRunner(stack, spec) if spec.is_hf else SpecmeshRunner(stack, spec)
 
 
@@ -140,6 +180,8 @@ def measured_run(runner, prompt: list[int], sampling: SamplingParams, target: Fo
     """One run with the forward counts and times it caused."""
     t_calls, t_sec, d_calls, d_sec = target.calls, target.seconds, draft.calls, draft.seconds
     out = runner.run(prompt, sampling)
+    if getattr(runner, "remote", False):  # its forwards ran in other processes
+        return out
     out.target_forwards, out.target_forward_seconds = target.calls - t_calls, target.seconds - t_sec
     out.draft_forwards, out.draft_forward_seconds = draft.calls - d_calls, draft.seconds - d_sec
     return out

@@ -215,3 +215,29 @@ def test_spread():
     s = spread([1.0, 2.0, 3.0, 4.0])
     assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0 and math.isclose(s["p10"], 1.3)
     assert spread([]) is None
+
+
+def test_parse_grpc_methods():
+    known = method_names()
+    spec = parse_method("grpc:draft_model_tree:max_nodes=6", known)
+    assert spec.is_grpc and spec.base_name == "draft_model_tree"
+    assert dict(spec.options) == {"max_nodes": 6, "max_depth": 4}  # unset depth: the proposer's default
+    assert parse_method("grpc:ar", known).options == ()
+    with pytest.raises(ValueError):
+        parse_method("grpc:ar:max_nodes=2", known)
+
+
+def test_bench_through_a_spawned_mesh(pair, tmp_path):
+    """grpc: methods through verifier/drafter/serve processes: same tokens as in process, and the
+    per-step overhead is reported against the in-process twin."""
+    report = _bench(pair, tmp_path / "out.json", "--spawn-mesh", "--methods", "ar", "prompt_lookup",
+                    "grpc:prompt_lookup", "grpc:draft_model")
+    methods = report["methods"]
+    assert list(methods) == ["ar", "prompt_lookup", "grpc:prompt_lookup", "grpc:draft_model", "grpc:ar"]
+    for label in ("grpc:prompt_lookup", "grpc:draft_model", "grpc:ar"):
+        assert methods[label]["greedy_match_ar"] == 1.0, label
+        assert methods[label]["tau"] >= 1.0
+    assert methods["grpc:prompt_lookup"]["tau"] == methods["prompt_lookup"]["tau"]
+    assert methods["grpc:prompt_lookup"]["overhead_ms_per_step"] is not None
+    assert methods["grpc:ar"]["speedup_vs_grpc_ar"]["median"] == 1.0
+    assert report["config"]["server"].startswith("127.0.0.1:")
