@@ -122,3 +122,13 @@ def test_budget_round_trip_with_relative_deadline() -> None:
     assert (budget.max_nodes, budget.max_depth) == (8, 4)
     assert budget.deadline == pytest.approx(100.25)
     assert budget_from_proto(budget_to_proto(Budget(1, 1)), now=5.0).deadline is None
+
+
+def test_client_sdk_imports_without_torch():
+    """`specmesh.client` must work in a process that has no torch (a thin client machine)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nsys.modules['torch'] = None  # any import of torch now fails\n"
+            "import specmesh.client as c\nassert c.Client and c.AsyncClient\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
