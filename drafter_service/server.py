@@ -64,11 +64,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             prompt = list(opening.prompt)
             self._check_tokens(prompt)
-            await self._run(drafter.open, session, prompt, sampling_from_proto(opening.sampling))
+            sampling = sampling_from_proto(opening.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.num_sessions += 1
-        try:
+        try:  # from here on, however the stream ends (even cancelled during open), the session is closed
+            await self._run(drafter.open, session, prompt, sampling)
             async for request in request_iterator:
                 if request.WhichOneof("kind") != "propose":
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only `propose` may follow `open`")

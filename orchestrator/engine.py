@@ -64,9 +64,9 @@ class Engine:
         stopper = StopChecker(sampling, self.verifier.info.eos_token_ids, self.decode)
         session = uuid.uuid4().hex
         start = time.perf_counter()
-        prefill = self.verifier.prefill(session, prompt, sampling)
         drafter = self.drafter
-        try:
+        try:  # the finally releases the verifier session even when prefill itself fails
+            prefill = self.verifier.prefill(session, prompt, sampling)
             stats.prefill_seconds = prefill.seconds
             emitted = stopper.push([prefill.first_token])
             yield StepEvent(tuple(emitted), None)

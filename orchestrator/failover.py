@@ -3,8 +3,8 @@
 The orchestrator gives every request the replicas in least-loaded order, then a
 local model-free proposer. When the current drafter raises (dead, timed out,
 unreachable) or returns a tree that breaks the budget or the vocabulary, the next
-one is opened with every committed token so far and drafting continues; the
-step whose drafter failed is verified with an empty tree if its deadline passed.
+one is opened with every committed token so far and drafts from the next step
+on; the step whose drafter failed is verified with an empty tree.
 Only when every candidate failed does ``propose`` raise, and the engine decodes
 without drafts. None of this changes the output: drafts never do.
 """
@@ -12,7 +12,6 @@ without drafts. None of this changes the output: drafts never do.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,8 +72,10 @@ class FailoverDrafter:
                 return tree
             except Exception as exc:  # any failure of a drafter moves on to the next one
                 self._fail(session_id, session, name, exc)
-            if budget.deadline is not None and time.monotonic() >= budget.deadline:
-                return TokenTree.empty()  # this step's time is up; the next drafter starts next step
+                if session.drafter is not None:
+                    # the next drafter starts with the next step: its first proposal (connect,
+                    # draft prefill) gets a whole step's deadline instead of what is left of this one
+                    return TokenTree.empty()
         raise AllDraftersFailed("; ".join(session.errors))
 
     def close(self, session_id: str) -> None:

@@ -37,6 +37,7 @@ from specmesh import rpc, serving
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.wire import sampling_from_proto
 from verifier_service.remote import VerifierClient
+from verifier_service.verifier import UnknownSessionError
 
 log = logging.getLogger("specmesh.serve")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
@@ -46,6 +47,14 @@ _DONE = object()
 def least_loaded(clients: Sequence, rng: random.Random) -> list:
     """Clients ordered by the sessions they serve now; ties in random order."""
     return sorted(clients, key=lambda c: (c.num_sessions, rng.random()))
+
+
+def client_status(exc: rpc.UpstreamError) -> tuple[grpc.StatusCode, str]:
+    """The status a client sees for a failed call of ours to a verifier: its own credentials were
+    fine, so an auth failure between services is an INTERNAL misconfiguration, not UNAUTHENTICATED."""
+    if exc.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return grpc.StatusCode.INTERNAL, f"serve could not authenticate to an upstream service: {exc}"
+    return exc.code, str(exc)
 
 
 def step_to_proto(step: StepStats) -> common_pb2.StepStats:
@@ -73,6 +82,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         default_proposer: str | None = "draft_model",
         draft_timeout: float = 1.0,
         max_concurrent: int = 64,
+        max_queued: int = 256,
+        max_tree_nodes: int = 256,
     ) -> None:
         self.verifiers = list(verifiers)
         self.drafters = list(drafters)
@@ -82,6 +93,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self.draft_timeout = draft_timeout
         self._local = LocalDrafter(make_proposer("prompt_lookup"))  # last resort before plain decoding
         self._executor = ThreadPoolExecutor(max_concurrent, thread_name_prefix="engine")
+        self.max_requests = max_concurrent + max_queued  # beyond this: RESOURCE_EXHAUSTED
+        self.max_tree_nodes = max_tree_nodes  # the verifiers' limit: larger budgets are clamped
+        self.num_requests = 0  # touched only on the event loop
         self._rng = random.Random()
 
     # ------------------------------------------------------------- requests
@@ -110,6 +124,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             nodes, depth = request.spec.budget.max_nodes, request.spec.budget.max_depth
             if nodes < 0 or depth < 0:
                 raise ValueError("budget sizes must be >= 0")
+            nodes = min(nodes, self.max_tree_nodes)
         return prompt, sampling, proposer, (nodes, depth)
 
     def _engine(self, verifier: VerifierClient, proposer, budget, deadline, failures: list[str]) -> Engine:
@@ -131,6 +146,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         one; later failures end the request."""
         prompt, sampling, proposer, budget = request_args
         for attempt, verifier in enumerate(least_loaded(self.verifiers, self._rng)):
+            if cancelled.is_set():  # gone while queued: do not even prefill
+                return GenerationResult([], "aborted", RequestStats()), ""
             result = GenerationResult([], "", RequestStats())
             text = TextStream(self._decode, max((len(x) for x in sampling.stop), default=1) - 1)
             emitted = False
@@ -158,10 +175,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     async def _chunks(self, request, context):
         """The request's GenerateChunks as steps commit, then (GenerationResult, text not yet sent)."""
-        try:
-            args = self._parse(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.num_requests >= self.max_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.num_requests} requests in flight or queued; try again later")
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         loop = asyncio.get_running_loop()
@@ -175,21 +191,28 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
         def work() -> tuple[GenerationResult, str]:
-            try:
-                return self._run(args, deadline, cancelled, emit)
+            try:  # tokenizing happens here too: a huge prompt must not stall the event loop
+                return self._run(self._parse(request), deadline, cancelled, emit)
             finally:
                 loop.call_soon_threadsafe(chunks.put_nowait, _DONE)
 
+        self.num_requests += 1
         future = loop.run_in_executor(self._executor, work)
         try:
             while (chunk := await chunks.get()) is not _DONE:
                 yield chunk
             yield await future
         except rpc.UpstreamError as exc:
-            await context.abort(exc.code, str(exc))
-        except ValueError as exc:  # rejected by the verifier (e.g. prompt too long for the context)
+            await context.abort(*client_status(exc))
+        except UnknownSessionError as exc:  # the verifier restarted or reaped the session
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the verifier lost the session: {exc}")
+        except ValueError as exc:  # a bad request, or one the verifier rejected (e.g. past its context)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # a bug: say so instead of an opaque UNKNOWN
+            log.exception("request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
+            self.num_requests -= 1
             cancelled.set()  # the client went away, or we are done: the engine stops at its next step
 
     async def GenerateStream(self, request, context):
@@ -232,6 +255,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start-up for every verifier to answer (default: 60)")
     p.add_argument("--max-concurrent", type=int, default=64, help="requests decoded at once (default: 64)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting beyond --max-concurrent; more get RESOURCE_EXHAUSTED (default: 256)")
     serving.add_server_arguments(p)
 
 
@@ -272,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args, infos[0].model)
     proposer = None if args.proposer == "none" else args.proposer
     servicer = GenerateServicer(verifiers, drafters, tokenizer, proposer, args.draft_timeout_ms / 1000,
-                                args.max_concurrent)
+                                args.max_concurrent, args.max_queued, min(i.max_tree_nodes for i in infos))
 
     async def main() -> None:
         server = rpc.new_server(security)

@@ -2,7 +2,9 @@
 
 Used by `specmesh bench --spawn-mesh` and by the service tests. Every server binds
 127.0.0.1 port 0 and reports its port through --ready-file; children are killed
-when this process dies (Linux PR_SET_PDEATHSIG), and every wait is bounded.
+when this process dies (Linux PR_SET_PDEATHSIG, which fires when the *thread* that
+started them exits: start meshes from a thread that outlives them, e.g. the main
+thread), and every wait is bounded.
 """
 
 from __future__ import annotations

@@ -166,3 +166,21 @@ def test_out_of_vocabulary_prompt_is_invalid_argument(client):
         with pytest.raises(grpc.RpcError) as err:
             client.generate(ids, max_new_tokens=4)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_deadline_during_a_long_prefill_leaves_no_session(client, mesh):
+    """The caller gives up while the verifier is still prefilling: the session it then creates
+    must be freed at once, not by the idle reaper minutes later."""
+    long_prompt = [5 + i % 4000 for i in range(1800)]
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(long_prompt, max_new_tokens=8, timeout=0.02)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sh.wait_until(lambda: verifier_sessions(mesh["verifier"]) == 0, timeout=10)
+
+
+def test_oversized_budgets_are_clamped_not_failed(client, ar):
+    result = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="prompt_lookup_tree",
+                             max_nodes=100_000, max_depth=8)
+    assert result.token_ids == ar(PROMPTS[0])
+    assert result.stats["draft_errors"] == 0 and result.stats["steps"] < len(result.token_ids)

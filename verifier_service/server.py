@@ -46,6 +46,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             result = await self._run(self.verifier.prefill, request.session_id, list(request.prompt), sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except asyncio.CancelledError:
+            # the caller is gone (cancel, deadline) while the prefill ran: nobody will Release it;
+            # queued behind the prefill on the model thread, so it runs once the session exists
+            self._executor.submit(self.verifier.release, request.session_id)
+            raise
         self._last_call[request.session_id] = time.monotonic()
         return verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
 
@@ -92,6 +97,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self._last_call.setdefault(session_id, now)
             cutoff = now - self.session_ttl
             for session_id in [s for s, t in self._last_call.items() if t < cutoff]:
+                if self._last_call.get(session_id, now) >= cutoff:  # used while we released others
+                    continue
                 log.warning("releasing session %s: no call for %.0f s", session_id, self.session_ttl)
                 self._last_call.pop(session_id, None)
                 await self._run(self.verifier.release, session_id)
