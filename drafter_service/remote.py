@@ -31,17 +31,12 @@ class DraftTimeout(TimeoutError):
     pass
 
 
-class DrafterClient:
+class DrafterClient(rpc.ReplicaChannel):
     """One channel to one drafter replica, with the number of sessions it serves."""
 
     def __init__(self, address: str, security: rpc.Security, default_wait: float = 5.0) -> None:
-        self.address = address
+        super().__init__(address, security, drafter_pb2_grpc.DrafterStub, [(SERVICE_NAME, "Info")])
         self.default_wait = default_wait  # per proposal, when the budget carries no deadline
-        self._channel = rpc.insecure_or_secure_channel(address, security, rpc.channel_options([(SERVICE_NAME, "Info")]))
-        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
-        self._metadata = security.metadata()
-        self._lock = threading.Lock()
-        self.num_sessions = 0
 
     def info(self, timeout: float, wait_for_ready: bool = False) -> drafter_pb2.DrafterInfo:
         return self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout, metadata=self._metadata,
@@ -49,13 +44,6 @@ class DrafterClient:
 
     def drafter(self, proposer: str | None = None, deadline: float | None = None) -> RemoteDrafter:
         return RemoteDrafter(self, proposer, deadline)
-
-    def _add_sessions(self, n: int) -> None:
-        with self._lock:
-            self.num_sessions += n
-
-    def close(self) -> None:
-        self._channel.close()
 
 
 class RemoteDrafter:

@@ -19,7 +19,7 @@ import grpc
 
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import Proposer
-from specmesh import rpc, serving
+from specmesh import serving
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import budget_from_proto, sampling_from_proto, tree_to_proto
 
@@ -138,16 +138,8 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serving.setup_logging(args)
     security = serving.server_security(args)
     servicer = build_servicer(args)
     log.info("proposers: %s (default %s)", ", ".join(sorted(servicer._drafters)), servicer.default_proposer)
-
-    async def main() -> None:
-        server = rpc.new_server(security)
-        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-        await rpc.run_server(server, args.listen, security, [SERVICE_NAME], args.grace,
-                             serving.write_ready_file(args.ready_file))
-
-    asyncio.run(main())
-    return 0
+    return serving.serve(args, security, servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, SERVICE_NAME)

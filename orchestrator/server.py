@@ -149,7 +149,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             if cancelled.is_set():  # gone while queued: do not even prefill
                 return GenerationResult([], "aborted", RequestStats()), ""
             result = GenerationResult([], "", RequestStats())
-            text = TextStream(self._decode, max((len(x) for x in sampling.stop), default=1) - 1)
+            text = TextStream(self._decode, sampling.stop)
             emitted = False
             failures: list[str] = []  # drafter failovers, reported with the step they happened in
             engine = self._engine(verifier, proposer, budget, deadline, failures)
@@ -273,7 +273,7 @@ def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serving.setup_logging(args)
     security = serving.server_security(args)
     verifiers = [VerifierClient(a, security) for a in args.verifier]
     infos = []
@@ -298,12 +298,4 @@ def run(args: argparse.Namespace) -> int:
     proposer = None if args.proposer == "none" else args.proposer
     servicer = GenerateServicer(verifiers, drafters, tokenizer, proposer, args.draft_timeout_ms / 1000,
                                 args.max_concurrent, args.max_queued, min(i.max_tree_nodes for i in infos))
-
-    async def main() -> None:
-        server = rpc.new_server(security)
-        generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
-        await rpc.run_server(server, args.listen, security, [SERVICE_NAME], args.grace,
-                             serving.write_ready_file(args.ready_file))
-
-    asyncio.run(main())
-    return 0
+    return serving.serve(args, security, servicer, generate_pb2_grpc.add_GenerateServicer_to_server, SERVICE_NAME)

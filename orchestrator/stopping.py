@@ -66,12 +66,12 @@ class StopChecker:
 
 class TextStream:
     """Incremental detokenization. Text is emitted once stable: never half a multi-byte character,
-    and never the last ``holdback`` characters, which could still turn out to begin a stop string
-    (text once streamed cannot be taken back). ``flush`` emits the rest at the end."""
+    and never the last len(longest stop string) - 1 characters, which could still turn out to begin
+    a stop string (text once streamed cannot be taken back). ``flush`` emits the rest at the end."""
 
-    def __init__(self, decode, holdback: int = 0) -> None:
+    def __init__(self, decode, stop: Sequence[str] = ()) -> None:
         self.decode = decode
-        self.holdback = holdback
+        self.holdback = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
         self.printed = ""
 

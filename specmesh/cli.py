@@ -18,20 +18,12 @@ def demo_model(kind: str) -> Path:
 
 # ------------------------------------------------------------------ generate
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=None,
-                   help="target model: any local Hugging Face causal-LM directory (default: the bundled demo target)")
+    """Model options of `generate` and `bench`: a target and an optional draft in this process."""
+    add_target_arguments(p)
     p.add_argument("--draft", type=Path, default=None,
                    help="draft model directory for the draft_model proposers (default: the bundled demo draft "
                         "when --target is not given, else none)")
-    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
-                   help="forward implementation: 'fast' = specmesh's lean Llama-family path, 'hf' = transformers; "
-                        "'auto' picks fast where it applies (default: auto)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
-                   help="target weights dtype (default: float32)")
-    p.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
-                   help="draft weights dtype; drafts never change the output, so a faster dtype is safe. "
-                        "'auto' = bfloat16 on CPUs with native bf16 matmul (AVX512-BF16/AMX), else --dtype")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    _add_draft_dtype_argument(p, "else --dtype")
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None]:
@@ -39,10 +31,7 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None]:
     if target is None:
         target = demo_model("target")
         draft = draft if draft is not None else demo_model("draft")
-    for path in (target, draft):
-        if path is not None and not (path / "config.json").is_file():
-            raise SystemExit(f"specmesh: {path} is not a Hugging Face model directory (no config.json)")
-    return target, draft
+    return _model_dir(target, args.command), draft if draft is None else _model_dir(draft, args.command)
 
 
 def torch_dtype(name: str):
@@ -69,15 +58,26 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
+                   help="forward implementation: 'fast' = specmesh's lean Llama-family path, 'hf' = transformers; "
+                        "'auto' picks fast where it applies (default: auto)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def _add_draft_dtype_argument(p: argparse.ArgumentParser, otherwise: str) -> None:
+    p.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
+                   help="draft weights dtype; drafts never change the output, so a faster dtype is safe. "
+                        f"'auto' = bfloat16 on CPUs with native bf16 matmul (AVX512-BF16/AMX), {otherwise}")
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
-    """Model options of `specmesh verifier`."""
+    """Model options of `specmesh verifier` (and the target half of generate/bench)."""
     p.add_argument("--target", type=Path, default=None,
                    help="target model: any local Hugging Face causal-LM directory (default: the bundled demo target)")
-    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
-                   help="forward implementation (default: auto = fast where it applies, else hf)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
                    help="target weights dtype (default: float32)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    _add_runtime_arguments(p)
 
 
 def add_draft_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,12 +85,8 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="draft model directory for the draft_model proposers, or 'none' to serve model-free "
                         "proposers only (default: the bundled demo draft)")
-    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
-                   help="forward implementation (default: auto = fast where it applies, else hf)")
-    p.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
-                   help="draft weights dtype; never changes the output (default: auto = bfloat16 on CPUs with "
-                        "native bf16 matmul, else float32)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    _add_draft_dtype_argument(p, "else float32")
+    _add_runtime_arguments(p)
 
 
 def _model_dir(path, command: str) -> Path:
@@ -192,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from orchestrator.stopping import TextStream
 
     result = GenerationResult([], "", RequestStats())
-    text = TextStream(stack.decode, max((len(x) for x in sampling.stop), default=1) - 1)
+    text = TextStream(stack.decode, sampling.stop)
     for event in engine.stream(prompt_ids, sampling, result):
         sys.stdout.write(text.push(event.tokens, result.text_limit))
         sys.stdout.flush()

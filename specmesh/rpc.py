@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,26 @@ class UpstreamError(RuntimeError):
         self.service = service
         self.code = code
         self.details = details
+
+
+class ReplicaChannel:
+    """A channel to one replica of a service, its stub, the call metadata, and how many sessions
+    this process has open on it (what least-loaded placement sorts by)."""
+
+    def __init__(self, address: str, security: Security, stub_class, retry_methods: Sequence[tuple[str, str]]) -> None:
+        self.address = address
+        self._channel = insecure_or_secure_channel(address, security, channel_options(retry_methods))
+        self._stub = stub_class(self._channel)
+        self._metadata = security.metadata()
+        self._lock = threading.Lock()
+        self.num_sessions = 0
+
+    def _add_sessions(self, n: int) -> None:
+        with self._lock:
+            self.num_sessions += n
+
+    def close(self) -> None:
+        self._channel.close()
 
 
 def call_timeout(deadline: float | None, default: float) -> float:

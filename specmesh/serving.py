@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from specmesh import rpc
@@ -40,3 +43,33 @@ def write_ready_file(path: Path | None):
             tmp.replace(path)  # atomic: readers never see a partial file
 
     return on_started
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def serve(
+    args: argparse.Namespace,
+    security: rpc.Security,
+    servicer,
+    add_to_server: Callable,
+    service_name: str,
+    background: Callable[[], Awaitable[None]] | None = None,
+) -> int:
+    """Serve ``servicer`` (registered with its generated ``add_..._to_server``) until SIGTERM/SIGINT;
+    ``background()`` runs beside it and is cancelled at shutdown."""
+
+    async def main() -> None:
+        server = rpc.new_server(security)
+        add_to_server(servicer, server)
+        task = asyncio.ensure_future(background()) if background is not None else None
+        try:
+            await rpc.run_server(server, args.listen, security, [service_name], args.grace,
+                                 write_ready_file(args.ready_file))
+        finally:
+            if task is not None:
+                task.cancel()
+
+    asyncio.run(main())
+    return 0

@@ -56,3 +56,18 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool
 
 def channel(service: Service) -> grpc.Channel:
     return grpc.insecure_channel(service.address)
+
+
+def verifier_sessions(service: Service) -> int:
+    """Sessions holding a KV cache on a verifier, from its Info RPC."""
+    from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+
+    return verifier_pb2_grpc.VerifierStub(channel(service)).Info(verifier_pb2.InfoRequest(), timeout=5).num_sessions
+
+
+def drafter_sessions(service: Service) -> int:
+    """Open sessions on a drafter, from its Info RPC."""
+    from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+
+    stub = drafter_pb2_grpc.DrafterStub(channel(service))
+    return stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5).num_sessions

@@ -16,20 +16,10 @@ import service_helpers as sh
 
 from specmesh.client import Client
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 FAULT_DRAFTERS = str(Path(__file__).with_name("fault_drafters.py"))
 PROMPT = "def fibonacci(n):"
 LONG = 160  # tokens: long enough that a kill lands mid-request
-
-
-def verifier_sessions(service) -> int:
-    return verifier_pb2_grpc.VerifierStub(sh.channel(service)).Info(verifier_pb2.InfoRequest(), timeout=5).num_sessions
-
-
-def drafter_sessions(service) -> int:
-    stub = drafter_pb2_grpc.DrafterStub(sh.channel(service))
-    return stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5).num_sessions
 
 
 def fault_drafter(kind: str) -> sh.Service:
@@ -76,8 +66,8 @@ def test_killing_drafters_mid_request_keeps_the_tokens(verifier, ar):
         with Client(s.address, timeout=120) as client:
             stream = client.stream(PROMPT, max_new_tokens=LONG, ignore_eos=True, proposer="draft_model")
             ids = list(next(stream).token_ids) + list(next(stream).token_ids)
-            in_use = [d for d in (d1, d2) if drafter_sessions(d) == 1]
-            assert len(in_use) == 1 and verifier_sessions(verifier) == 1  # mid-request
+            in_use = [d for d in (d1, d2) if sh.drafter_sessions(d) == 1]
+            assert len(in_use) == 1 and sh.verifier_sessions(verifier) == 1  # mid-request
             first = in_use[0]
             other = d2 if first is d1 else d1
             first.kill()
@@ -85,7 +75,7 @@ def test_killing_drafters_mid_request_keeps_the_tokens(verifier, ar):
             for chunk in stream:
                 ids += chunk.token_ids
                 errors += [chunk.step.draft_error] if chunk.step is not None and chunk.step.draft_error else []
-                if drafter_sessions(other) == 1:
+                if sh.drafter_sessions(other) == 1:
                     break
             other.kill()
             rest, more_errors = collect(stream)
@@ -93,7 +83,7 @@ def test_killing_drafters_mid_request_keeps_the_tokens(verifier, ar):
             errors += more_errors
         assert any(first.address in e for e in errors) and any(other.address in e for e in errors)
         assert ids == ar(LONG)
-        assert verifier_sessions(verifier) == 0
+        assert sh.verifier_sessions(verifier) == 0
     finally:
         for svc in (s, d1, d2):
             svc.stop()
@@ -126,7 +116,7 @@ def test_a_stalling_or_lying_drafter_keeps_the_tokens(verifier, ar, kind):
         assert len(errors) == 1 and bad.address in errors[0]  # failed over once, not once per step
         assert ("DraftTimeout" if kind == "slow" else "InvalidTreeError") in errors[0]
         assert seconds < 30
-        assert sh.wait_until(lambda: drafter_sessions(bad) == 0)
+        assert sh.wait_until(lambda: sh.drafter_sessions(bad) == 0)
     finally:
         s.stop()
         bad.stop()
@@ -190,8 +180,8 @@ def test_verifier_reclaims_sessions_of_a_vanished_orchestrator(verifier):
         with Client(s.address, timeout=120) as client:
             stream = client.stream(PROMPT, max_new_tokens=1500, ignore_eos=True)
             next(stream)
-            assert verifier_sessions(verifier) == 1
+            assert sh.verifier_sessions(verifier) == 1
             s.kill()  # no Release will ever come
-            assert sh.wait_until(lambda: verifier_sessions(verifier) == 0, timeout=15)  # --session-ttl 2
+            assert sh.wait_until(lambda: sh.verifier_sessions(verifier) == 0, timeout=15)  # --session-ttl 2
     finally:
         s.stop()

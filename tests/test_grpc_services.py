@@ -16,7 +16,6 @@ import service_helpers as sh
 from orchestrator.embedded import default_budget
 from specmesh.client import AsyncClient, Client
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -25,16 +24,6 @@ PROMPTS = [
 ]
 PROPOSERS = ["draft_model", "draft_model_tree", "prompt_lookup", "prompt_lookup_tree"]
 MAX_NEW = 40
-
-
-def verifier_sessions(service) -> int:
-    stub = verifier_pb2_grpc.VerifierStub(sh.channel(service))
-    return stub.Info(verifier_pb2.InfoRequest(), timeout=5).num_sessions
-
-
-def drafter_sessions(service) -> int:
-    stub = drafter_pb2_grpc.DrafterStub(sh.channel(service))
-    return stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5).num_sessions
 
 
 def embedded_ids(stack, proposer, prompt, sampling: SamplingParams, budget=None) -> list[int]:
@@ -133,18 +122,18 @@ def test_async_client_streams_the_same_tokens(mesh, ar):
 def test_client_cancellation_frees_verifier_and_drafter_sessions(client, mesh):
     stream = client.stream(PROMPTS[0], max_new_tokens=1500, ignore_eos=True, proposer="draft_model")
     next(stream), next(stream)
-    assert verifier_sessions(mesh["verifier"]) == 1
+    assert sh.verifier_sessions(mesh["verifier"]) == 1
     stream.close()  # leaving the loop early cancels the call
-    assert sh.wait_until(lambda: verifier_sessions(mesh["verifier"]) == 0)
-    assert sh.wait_until(lambda: sum(drafter_sessions(d) for d in mesh["drafters"]) == 0)
+    assert sh.wait_until(lambda: sh.verifier_sessions(mesh["verifier"]) == 0)
+    assert sh.wait_until(lambda: sum(sh.drafter_sessions(d) for d in mesh["drafters"]) == 0)
 
 
 def test_deadline_is_enforced_and_frees_sessions(client, mesh):
     with pytest.raises(grpc.RpcError) as err:
         client.generate(PROMPTS[0], max_new_tokens=1500, ignore_eos=True, timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert sh.wait_until(lambda: verifier_sessions(mesh["verifier"]) == 0)
-    assert sh.wait_until(lambda: sum(drafter_sessions(d) for d in mesh["drafters"]) == 0)
+    assert sh.wait_until(lambda: sh.verifier_sessions(mesh["verifier"]) == 0)
+    assert sh.wait_until(lambda: sum(sh.drafter_sessions(d) for d in mesh["drafters"]) == 0)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -176,7 +165,7 @@ def test_deadline_during_a_long_prefill_leaves_no_session(client, mesh):
         with pytest.raises(grpc.RpcError) as err:
             client.generate(long_prompt, max_new_tokens=8, timeout=0.02)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert sh.wait_until(lambda: verifier_sessions(mesh["verifier"]) == 0, timeout=10)
+    assert sh.wait_until(lambda: sh.verifier_sessions(mesh["verifier"]) == 0, timeout=10)
 
 
 def test_oversized_budgets_are_clamped_not_failed(client, ar):

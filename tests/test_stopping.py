@@ -211,7 +211,7 @@ def test_streamed_text_never_shows_a_stop_string(model_sets, ar_reference, propo
         stop = decode(full[7:10])
         sp = SamplingParams(max_new_tokens=MAX_NEW, stop=(stop,), ignore_eos=True)
         result = GenerationResult([], "", RequestStats())
-        text = TextStream(decode, len(stop) - 1)
+        text = TextStream(decode, (stop,))
         pieces = [text.push(event.tokens, result.text_limit) for event in engine.stream(prompt, sp, result)]
         streamed = "".join(pieces)
         assert stop not in streamed
@@ -219,7 +219,7 @@ def test_streamed_text_never_shows_a_stop_string(model_sets, ar_reference, propo
 
 
 def test_text_stream_holds_back_nothing_without_stop_strings():
-    text = TextStream(decode, 0)
+    text = TextStream(decode)
     assert text.push([0, 6], None) == "abb"
     assert text.push([2], None) == "c"
     assert text.flush(None) == ""

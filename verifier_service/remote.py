@@ -8,7 +8,6 @@ serves (for least-loaded placement); ``bind(deadline)`` returns the per-request
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import grpc
@@ -26,17 +25,12 @@ log = logging.getLogger("specmesh.remote_verifier")
 RELEASE_TIMEOUT = 5.0  # Release runs even after the request's deadline passed
 
 
-class VerifierClient:
+class VerifierClient(rpc.ReplicaChannel):
     def __init__(self, address: str, security: rpc.Security, call_timeout: float = 60.0) -> None:
-        self.address = address
-        self.call_timeout = call_timeout
         # Info and Release change nothing that a retry could duplicate
-        options = rpc.channel_options([(SERVICE_NAME, "Info"), (SERVICE_NAME, "Release")])
-        self._channel = rpc.insecure_or_secure_channel(address, security, options)
-        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
-        self._metadata = security.metadata()
-        self._lock = threading.Lock()
-        self.num_sessions = 0
+        super().__init__(address, security, verifier_pb2_grpc.VerifierStub,
+                         [(SERVICE_NAME, "Info"), (SERVICE_NAME, "Release")])
+        self.call_timeout = call_timeout
         self.info: ModelInfo | None = None
 
     def fetch_info(self, timeout: float) -> verifier_pb2.VerifierInfo:
@@ -53,13 +47,6 @@ class VerifierClient:
         if self.info is None:
             raise RuntimeError("fetch_info() first")
         return RemoteVerifier(self, deadline)
-
-    def _add_sessions(self, n: int) -> None:
-        with self._lock:
-            self.num_sessions += n
-
-    def close(self) -> None:
-        self._channel.close()
 
 
 class RemoteVerifier:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specmesh import rpc, serving
+from specmesh import serving
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import sampling_from_proto, tree_from_proto
@@ -117,20 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specmesh.cli import load_target_runner
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serving.setup_logging(args)
     security = serving.server_security(args)
     runner, model_name = load_target_runner(args)
     servicer = VerifierServicer(LocalVerifier(runner, args.max_tree_nodes), model_name, args.session_ttl)
-
-    async def main() -> None:
-        server = rpc.new_server(security)
-        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-        reaper = asyncio.ensure_future(servicer.reap_idle_sessions())
-        try:
-            await rpc.run_server(server, args.listen, security, [SERVICE_NAME], args.grace,
-                                 serving.write_ready_file(args.ready_file))
-        finally:
-            reaper.cancel()
-
-    asyncio.run(main())
-    return 0
+    return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME,
+                         background=servicer.reap_idle_sessions)
