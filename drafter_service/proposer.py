@@ -8,6 +8,7 @@ every session and the drafter shell owns session lifetimes.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,16 +25,26 @@ class Budget:
     max_nodes: int  # nodes in the tree (not counting the root)
     max_depth: int  # longest root-to-leaf path
     deadline: float | None = None  # time.monotonic() by which the tree must be ready
+    # SpecDec++-style stop rule: stop extending a path once its estimated probability of being
+    # accepted whole (product of its nodes' draft probabilities) falls below this; 0 = off
+    min_path_prob: float = 0.0
+    # set by the orchestrator to end a pre-draft early (PEARL: the verification it overlaps is over)
+    stop: threading.Event | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_nodes < 0 or self.max_depth < 0:
             raise ValueError("budget sizes must be >= 0")
+        if not 0.0 <= self.min_path_prob <= 1.0:
+            raise ValueError("min_path_prob must be in [0, 1]")
 
     @property
     def is_zero(self) -> bool:
         return self.max_nodes == 0 or self.max_depth == 0
 
     def expired(self) -> bool:
+        """True once drafting should stop and return what it has: past the deadline, or told to stop."""
+        if self.stop is not None and self.stop.is_set():
+            return True
         return self.deadline is not None and time.monotonic() >= self.deadline
 
 

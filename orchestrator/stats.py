@@ -16,6 +16,13 @@ class StepStats:
     draft_seconds: float
     verify_seconds: float
     draft_error: str = ""  # why the drafter's tree was not used, if it was not
+    budget: tuple[int, int] = (0, 0)  # (max_nodes, max_depth) the policy chose for this step's tree
+    step_seconds: float = 0.0  # wall time of the whole step, drafting waits included
+    wait_seconds: float = 0.0  # time the verifier sat waiting for this step's tree
+    drafter_busy_seconds: float = 0.0  # time the drafter spent working during this step
+    predrafted: bool = False  # the tree was drafted while the previous step was being verified (PEARL)
+    predraft_nodes: int = 0  # nodes drafted during this step's verification for the next step
+    predraft_used: int = 0  # of those, nodes the next step's tree kept
 
 
 @dataclass
@@ -73,6 +80,36 @@ class RequestStats:
         return sum(s.verify_seconds for s in self.steps)
 
     @property
+    def wall_seconds(self) -> float:
+        return sum(s.step_seconds for s in self.steps)
+
+    @property
+    def verifier_idle_fraction(self) -> float:
+        """Share of the steps' wall time the verifier was not verifying (waiting for drafts, overhead)."""
+        wall = self.wall_seconds
+        return max(0.0, 1.0 - self.verify_seconds / wall) if wall > 0 else 0.0
+
+    @property
+    def drafter_idle_fraction(self) -> float:
+        wall = self.wall_seconds
+        busy = sum(s.drafter_busy_seconds for s in self.steps)
+        return max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
+
+    @property
+    def predraft_used_fraction(self) -> float:
+        """Of the nodes drafted ahead (during verification), the share that went into a verified tree."""
+        drafted = sum(s.predraft_nodes for s in self.steps)
+        return sum(s.predraft_used for s in self.steps) / drafted if drafted else 0.0
+
+    @property
+    def predrafted_steps(self) -> int:
+        return sum(1 for s in self.steps if s.predrafted)
+
+    def budgets(self) -> list[tuple[int, int]]:
+        """(max_nodes, max_depth) chosen for each step, in order."""
+        return [s.budget for s in self.steps]
+
+    @property
     def num_draft_errors(self) -> int:
         return sum(1 for s in self.steps if s.draft_error)
 
@@ -91,4 +128,9 @@ class RequestStats:
             "acceptance_per_position": self.acceptance_per_position(),
             "per_source": self.per_source(),
             "draft_errors": self.num_draft_errors,
+            "verifier_idle_fraction": self.verifier_idle_fraction,
+            "drafter_idle_fraction": self.drafter_idle_fraction,
+            "predrafted_steps": self.predrafted_steps,
+            "predraft_used_fraction": self.predraft_used_fraction,
+            "budgets": self.budgets(),
         }
