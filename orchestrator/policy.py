@@ -44,7 +44,9 @@ class StaticPolicy:
     restart_depth: int | None = None  # depth of a ``restart`` draft (pre-verify); None = max_depth
 
     def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget:
-        wanted = self.restart_depth if phase == "restart" and self.restart_depth is not None else self.max_depth
-        depth = depth_limit(wanted, remaining_tokens)
-        nodes = min(self.max_nodes, max(depth, self.max_nodes * depth // max(self.max_depth, 1))) if depth else 0
-        return Budget(nodes, depth, deadline_in(self.draft_timeout_s))
+        nodes, depth = self.max_nodes, self.max_depth
+        if phase == "restart" and self.restart_depth is not None and self.restart_depth < depth:
+            # a shallower tree keeps the same share of nodes per level
+            nodes, depth = max(self.restart_depth, nodes * self.restart_depth // depth), self.restart_depth
+        depth = depth_limit(depth, remaining_tokens)
+        return Budget(nodes if depth else 0, depth, deadline_in(self.draft_timeout_s))
