@@ -20,7 +20,7 @@ from specmesh.tree import TokenTree
 class Drafter(Protocol):
     def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None: ...
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget) -> TokenTree: ...
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree: ...
 
     def close(self, session_id: str) -> None: ...
 
@@ -43,10 +43,17 @@ class LocalDrafter:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
         self._sessions[session_id] = DraftSessionState(session_id, list(prompt), sampling, generator)
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget) -> TokenTree:
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
         state = self._sessions[session_id]
+        if not 0 <= rollback < len(state.tokens):
+            raise ValueError(f"cannot roll back {rollback} of the session's {len(state.tokens)} tokens")
+        if rollback:
+            del state.tokens[-rollback:]
         state.tokens.extend(new_tokens)
         return self.proposer.propose(state, budget)
+
+    def context_length(self, session_id: str) -> int:
+        return len(self._sessions[session_id].tokens)
 
     def close(self, session_id: str) -> None:
         state = self._sessions.pop(session_id, None)

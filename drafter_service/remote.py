@@ -63,9 +63,9 @@ class RemoteDrafter:
         self._streams[session_id] = _DraftStream(self.client, opening, timeout)
         self.client._add_sessions(1)
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget) -> TokenTree:
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
         deadline = budget.deadline if budget.deadline is not None else time.monotonic() + self.client.default_wait
-        return self._streams[session_id].propose(new_tokens, budget, deadline)
+        return self._streams[session_id].propose(new_tokens, budget, deadline, rollback)
 
     def close(self, session_id: str) -> None:
         stream = self._streams.pop(session_id, None)
@@ -94,10 +94,11 @@ class _DraftStream:
         except grpc.RpcError as exc:
             self._responses.put(rpc.UpstreamError(f"drafter {self.address}", exc.code(), exc.details()))
 
-    def propose(self, new_tokens: Sequence[int], budget: Budget, deadline: float) -> TokenTree:
+    def propose(self, new_tokens: Sequence[int], budget: Budget, deadline: float, rollback: int) -> TokenTree:
         self._step += 1
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        propose = drafter_pb2.Propose(step=self._step, new_tokens=new_tokens, budget=budget_to_proto(budget, timeout_ms))
+        propose = drafter_pb2.Propose(step=self._step, new_tokens=new_tokens, budget=budget_to_proto(budget, timeout_ms),
+                                      rollback=rollback)
         self._requests.put(drafter_pb2.DraftRequest(propose=propose))
         while True:
             try:

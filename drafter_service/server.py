@@ -78,13 +78,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     new_tokens = list(propose.new_tokens)
                     self._check_tokens(new_tokens)
                     budget = budget_from_proto(propose.budget, time.monotonic())
+                    if propose.rollback >= drafter.context_length(session):  # proposals run one at a time
+                        raise ValueError(f"cannot roll back {propose.rollback} of the session's "
+                                         f"{drafter.context_length(session)} tokens")
                     if budget.max_nodes > self.max_tree_nodes:
                         raise ValueError(f"budget of {budget.max_nodes} nodes exceeds this drafter's "
                                          f"limit of {self.max_tree_nodes}")
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 start = time.perf_counter()
-                tree = await self._run(drafter.propose, session, new_tokens, budget)
+                tree = await self._run(drafter.propose, session, new_tokens, budget, propose.rollback)
                 yield drafter_pb2.DraftResponse(
                     step=propose.step, tree=tree_to_proto(tree), draft_ms=(time.perf_counter() - start) * 1e3
                 )

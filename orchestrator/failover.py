@@ -59,13 +59,21 @@ class FailoverDrafter:
         self._sessions[session_id] = session
         self._next(session_id, session)
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget) -> TokenTree:
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
         session = self._sessions[session_id]
+        if not 0 <= rollback < len(session.tokens):
+            raise ValueError(f"cannot roll back {rollback} of the session's {len(session.tokens)} tokens")
+        if rollback:
+            del session.tokens[-rollback:]
         session.tokens.extend(new_tokens)
         while session.drafter is not None:
             name = self.candidates[session.index][0]
+            # the current drafter holds tokens[:num_seen] as of its last call: edit it from there
+            keep = min(session.num_seen, len(session.tokens) - len(new_tokens))
             try:
-                tree = session.drafter.propose(session_id, session.tokens[session.num_seen:], budget)
+                tree = session.drafter.propose(
+                    session_id, session.tokens[keep:], budget, rollback=session.num_seen - keep
+                )
                 session.num_seen = len(session.tokens)
                 if self.vocab_size is not None:
                     tree.validate(self.vocab_size, budget.max_nodes, budget.max_depth)

@@ -7,16 +7,21 @@ The engine asks for a budget in one of three phases:
   verifier waits for this tree. A short draft here is PEARL's pre-verify: the verifier
   starts on the first token(s) while the drafter drafts on behind them.
 - ``predraft``: drafted while the verifier checks the current tree; its cost is hidden.
+
+StaticPolicy asks for the same budget every step. AdaptivePolicy picks the depth that maximises committed
+tokens per second under the request's measured acceptance and costs (pure functions below, then the class).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from statistics import fmean, median
 from typing import Literal, Protocol
 
 from drafter_service.proposer import Budget
-from orchestrator.stats import RequestStats
+from orchestrator.stats import RequestStats, StepStats
 
 Phase = Literal["sequential", "restart", "predraft"]
 
@@ -50,3 +55,191 @@ class StaticPolicy:
             nodes, depth = max(self.restart_depth, nodes * self.restart_depth // depth), self.restart_depth
         depth = depth_limit(depth, remaining_tokens)
         return Budget(nodes if depth else 0, depth, deadline_in(self.draft_timeout_s))
+
+
+# ------------------------------------------------------------------ adaptive policy: estimates
+# Units: seconds, fitted from the request's own steps. Before any history the priors are in units of
+# one verification (a = 1.0): only the ratios between costs matter to the choice.
+NODE_COST_FRACTION = 1 / 64  # b = a/64 when the window shows no spread in tree size: a verifier at small
+#                              trees is bound by reading its weights, so one more node costs little
+PROBE_DEPTH = 2  # depth of the probe drafted after ``probe_every`` steps without a tree
+_TIE = 1e-12  # relative: a deeper tree must beat a shallower one by more than rounding
+
+
+def conditional_acceptance(
+    steps: Sequence[StepStats], max_depth: int, prior: float = 0.6, prior_weight: float = 2.0
+) -> list[float]:
+    """[max_depth] alpha[j] = P(draft position j+1 accepted | positions 1..j accepted, tree reached depth j+1).
+
+    A step with tree depth D and a accepted draft tokens tried position j+1 (j < D) if a >= j, and had it
+    accepted if a > j; empty trees say nothing. Each position is shrunk towards the estimate of the one
+    before it (the first towards ``prior``) with ``prior_weight`` pseudo-steps, so alpha is defined with no
+    data and a depth not tried yet inherits the rate measured above it rather than the global prior.
+    """
+    tried, accepted = [0] * max_depth, [0] * max_depth
+    for s in steps:
+        for j in range(min(s.tree_depth, s.num_accepted + 1, max_depth)):
+            tried[j] += 1
+            accepted[j] += j < s.num_accepted
+    alpha, mean = [], prior
+    for t, a in zip(tried, accepted, strict=True):
+        if t + prior_weight > 0:
+            mean = (a + prior_weight * mean) / (t + prior_weight)
+        alpha.append(mean)
+    return alpha
+
+
+def expected_tokens(alpha: Sequence[float], depth: int) -> float:
+    """Tokens committed per step with a tree ``depth`` levels deep: 1 (bonus) + sum_i prod_{j<=i} alpha[j-1]."""
+    assert 0 <= depth <= len(alpha), (depth, len(alpha))
+    total, path = 1.0, 1.0
+    for a in alpha[:depth]:
+        path *= a
+        total += path
+    return total
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one step's parts."""
+
+    verify_fixed: float  # a: a verification of an empty tree
+    verify_per_node: float  # b: each tree node on top
+    draft_per_level: float  # one drafted depth level (a drafter call's fixed cost is spread over its levels)
+    overhead: float  # the rest of a step: network round trips, orchestration
+
+    def verify(self, num_nodes: int) -> float:
+        return self.verify_fixed + self.verify_per_node * num_nodes
+
+
+def fit_costs(steps: Sequence[StepStats], draft_cost_ratio: float = 0.1) -> CostModel:
+    """Least-squares verify = a + b*num_proposed; median draft seconds per level of the trees drafted while
+    the verifier waited (not pre-drafted); median step overhead (step - verify - wait, clamped >= 0).
+    Missing data falls back to priors: a = 1 unit, b = a * NODE_COST_FRACTION, a draft level =
+    ``draft_cost_ratio`` * a, no overhead."""
+    points = [(s.num_proposed, s.verify_seconds) for s in steps if s.verify_seconds > 0]
+    a, b = 1.0, NODE_COST_FRACTION
+    if points:
+        n_mean, v_mean = fmean(n for n, _ in points), fmean(v for _, v in points)
+        var = sum((n - n_mean) ** 2 for n, _ in points)
+        b = max(0.0, sum((n - n_mean) * (v - v_mean) for n, v in points) / var) if var > 0 else -1.0
+        a = v_mean - b * n_mean
+        if b < 0 or a <= 0:  # no spread in tree size, or a line through or below the origin (noise)
+            a = v_mean / (1 + NODE_COST_FRACTION * n_mean)
+            b = NODE_COST_FRACTION * a
+    levels = [s.draft_seconds / s.tree_depth for s in steps if s.tree_depth > 0 and not s.predrafted]
+    overheads = [max(0.0, s.step_seconds - s.verify_seconds - s.wait_seconds) for s in steps if s.step_seconds > 0]
+    return CostModel(a, b, median(levels) if levels else draft_cost_ratio * a, median(overheads) if overheads else 0.0)
+
+
+# ------------------------------------------------------------------ adaptive policy: choices
+def nodes_for_depth(depth: int, max_nodes: int, max_depth: int) -> int:
+    """Nodes of a tree ``depth`` deep under caps (max_nodes, max_depth): chains stay chains, trees keep width."""
+    if depth <= 0:
+        return 0
+    return min(max_nodes, max(depth, round(max_nodes * depth / max_depth)))
+
+
+def step_time(depth: int, verify_seconds: float, draft_level_cost: float, overhead: float, hidden: bool) -> float:
+    """Seconds of a step with a tree ``depth`` deep. ``hidden``: drafted during the previous verification
+    (phase "predraft"), so only drafting beyond the verification's length costs."""
+    draft = draft_level_cost * depth
+    return overhead + (max(verify_seconds, draft) if hidden else verify_seconds + draft)
+
+
+def choose_depth(
+    alpha: Sequence[float],
+    verify_cost: Callable[[int], float],  # num_nodes -> seconds
+    draft_level_cost: float,
+    overhead: float,
+    nodes_for_depth: Callable[[int], int],
+    phase: Phase,
+    max_depth: int,
+) -> int:
+    """argmax over d in 0..max_depth of expected_tokens(d) / step_time(d): committed tokens per second.
+    0 (plain decoding) when speculation does not pay; the shallower tree on ties."""
+    hidden = phase == "predraft"
+    rates, tokens, path = [], 1.0, 1.0
+    for d in range(max_depth + 1):
+        if d:
+            path *= alpha[d - 1]
+            tokens += path
+        rates.append(tokens / step_time(d, verify_cost(nodes_for_depth(d)), draft_level_cost, overhead, hidden))
+    best = max(rates)
+    return next(d for d, r in enumerate(rates) if r >= best * (1 - _TIE))
+
+
+def node_cost(costs: CostModel, depth: int, num_nodes: int, hidden: bool) -> float:
+    """Seconds one more node adds to a step of ``depth`` levels and ``num_nodes`` nodes: its share of a draft
+    level (a level has num_nodes/depth nodes) plus its verification. With drafting hidden (predraft) only
+    the longer of the two grows."""
+    draft = costs.draft_per_level * depth / num_nodes
+    if not hidden:
+        return draft + costs.verify_per_node
+    return draft if costs.draft_per_level * depth > costs.verify(num_nodes) else costs.verify_per_node
+
+
+def stop_threshold(node_seconds: float, seconds_per_token: float, max_stop: float = 0.5) -> float:
+    """SpecDec++ stop rule for Budget.min_path_prob. A node whose path is accepted whole with probability P
+    saves P * seconds_per_token (the step's seconds per committed token) and costs ``node_seconds``; drafting
+    it pays while P > node_seconds / seconds_per_token. Clamped to [0, max_stop]."""
+    if seconds_per_token <= 0:
+        return 0.0
+    return min(max_stop, max(0.0, node_seconds / seconds_per_token))
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """Chooses each step's budget from the request's own recent steps (the functions above).
+
+    Stateless apart from its configuration: each call recomputes from the last ``window`` steps, in
+    O(window * max_depth), and history older than that (a stretch where drafting did not pay) drops out.
+    After ``probe_every`` steps in a row with no tree chosen, it drafts a depth-PROBE_DEPTH probe so acceptance
+    keeps being measured, unless speculation could not pay even if every draft token were accepted.
+    """
+
+    max_nodes: int = 8  # caps, e.g. the proposer's default budget
+    max_depth: int = 8
+    draft_timeout_s: float | None = None
+    window: int = 32  # recent steps the estimates use
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0  # pseudo-steps behind the prior
+    draft_cost_ratio: float = 0.1  # before any drafted tree: a draft level costs this share of a verification
+    probe_every: int = 8  # 0 = never probe
+    max_stop: float = 0.5  # cap on Budget.min_path_prob
+
+    def __post_init__(self) -> None:
+        if min(self.max_nodes, self.max_depth) < 0 or self.window < 1 or self.prior_weight <= 0:
+            raise ValueError("caps must be >= 0, window >= 1, prior_weight > 0")
+        if not 0 <= self.probe_every <= self.window:
+            raise ValueError("probe_every must be in [0, window]")
+        if not (0 <= self.prior_acceptance <= 1 and 0 <= self.max_stop <= 1):
+            raise ValueError("prior_acceptance and max_stop must be in [0, 1]")
+
+    def nodes(self, depth: int) -> int:
+        return nodes_for_depth(depth, self.max_nodes, self.max_depth)
+
+    def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget:
+        deadline = deadline_in(self.draft_timeout_s)
+        limit = depth_limit(min(self.max_depth, self.max_nodes), remaining_tokens)
+        if limit == 0:
+            return Budget(0, 0, deadline)
+        steps = stats.steps[-self.window:]
+        alpha = conditional_acceptance(steps, limit, self.prior_acceptance, self.prior_weight)
+        costs = fit_costs(steps, self.draft_cost_ratio)
+        model = (costs.verify, costs.draft_per_level, costs.overhead, self.nodes, phase, limit)
+        depth = choose_depth(alpha, *model)
+        if depth == 0:
+            if self._probe_due(steps) and choose_depth([1.0] * limit, *model) > 0:
+                depth = min(PROBE_DEPTH, limit)
+                return Budget(self.nodes(depth), depth, deadline)
+            return Budget(0, 0, deadline)
+        nodes, hidden = self.nodes(depth), phase == "predraft"
+        seconds = step_time(depth, costs.verify(nodes), costs.draft_per_level, costs.overhead, hidden)
+        per_token = seconds / expected_tokens(alpha, depth)
+        threshold = stop_threshold(node_cost(costs, depth, nodes, hidden), per_token, self.max_stop)
+        return Budget(nodes, depth, deadline, threshold)
+
+    def _probe_due(self, steps: Sequence[StepStats]) -> bool:
+        recent = steps[-self.probe_every:] if self.probe_every else ()
+        return len(recent) == self.probe_every > 0 and all(s.budget[1] == 0 and s.tree_depth == 0 for s in recent)

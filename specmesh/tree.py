@@ -114,6 +114,54 @@ class TokenTree:
         """Every root-to-leaf path, as node indices."""
         return [self.path_to(leaf) for leaf in self.leaves]
 
+    def main_path(self) -> list[int]:
+        """Node indices of the tree's most likely line: from the root, always the child with the
+        highest draft probability (the first such child on ties), down to a leaf."""
+        path: list[int] = []
+        kids = self.children_of(-1)
+        while kids:
+            best = max(kids, key=lambda c: self.draft_probs[c])  # max keeps the first of equals
+            path.append(best)
+            kids = self.children_of(best)
+        return path
+
+    def subtree(self, node: int) -> TokenTree:
+        """The descendants of ``node`` as a tree of their own: node's children become the root's.
+
+        Used when ``node``'s token has just been committed, so what was drafted below it is a
+        draft for the new context. Node order, draft probabilities, sources and draft
+        distributions are kept."""
+        if not 0 <= node < self.num_nodes:
+            raise IndexError(f"node {node} is not in a tree of {self.num_nodes} nodes")
+        below = self.ancestor_mask[:, node].copy()
+        below[node] = False
+        keep = np.flatnonzero(below)
+        new_index = np.full(self.num_nodes, -1, np.int64)
+        new_index[keep] = np.arange(keep.size)
+        parents = self.parents[keep]
+        parents = np.where(parents == node, -1, new_index[np.maximum(parents, 0)])
+        q_cu = q_ids = q_probs = None
+        if self.q_cu is not None:
+            spans = [np.arange(self.q_cu[i], self.q_cu[i + 1]) for i in keep]
+            picked = np.concatenate(spans) if spans else np.zeros(0, np.int64)
+            q_cu = np.concatenate([[0], np.cumsum([len(x) for x in spans])]).astype(np.int64)
+            q_ids, q_probs = self.q_ids[picked], self.q_probs[picked]
+        return TokenTree(
+            self.tokens[keep], parents.astype(np.int64), self.draft_probs[keep],
+            tuple(self.sources[i] for i in keep) if self.sources else (), q_cu, q_ids, q_probs,
+        )
+
+    def head(self, num_nodes: int) -> TokenTree:
+        """The first ``num_nodes`` nodes: still a tree, since every parent comes before its children."""
+        if num_nodes >= self.num_nodes:
+            return self
+        k = max(0, num_nodes)
+        q_cu = q_ids = q_probs = None
+        if self.q_cu is not None:
+            q_cu = self.q_cu[: k + 1]
+            q_ids, q_probs = self.q_ids[: q_cu[-1]], self.q_probs[: q_cu[-1]]
+        return TokenTree(self.tokens[:k], self.parents[:k], self.draft_probs[:k], self.sources[:k], q_cu, q_ids, q_probs)
+
     def draft_dist(self, node: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, probs) of the distribution node's token was drawn from; a point mass if none shipped."""
         if self.q_cu is None:

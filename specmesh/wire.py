@@ -91,10 +91,11 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
 
 # -------------------------------------------------------------------- budget
 def budget_to_proto(budget: Budget, timeout_ms: int = 0) -> common_pb2.Budget:
-    return common_pb2.Budget(max_nodes=budget.max_nodes, max_depth=budget.max_depth, timeout_ms=timeout_ms)
+    return common_pb2.Budget(max_nodes=budget.max_nodes, max_depth=budget.max_depth, timeout_ms=timeout_ms,
+                             min_path_prob=budget.min_path_prob)
 
 
 def budget_from_proto(msg: common_pb2.Budget, now: float) -> Budget:
     """``now``: time.monotonic() when the message arrived; the deadline is relative to it."""
     deadline = now + msg.timeout_ms / 1000.0 if msg.timeout_ms > 0 else None
-    return Budget(msg.max_nodes, msg.max_depth, deadline)
+    return Budget(msg.max_nodes, msg.max_depth, deadline, msg.min_path_prob)

@@ -47,25 +47,31 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Budget(_message.Message):
-    __slots__ = ("max_nodes", "max_depth", "timeout_ms")
+    __slots__ = ("max_nodes", "max_depth", "timeout_ms", "min_path_prob")
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MIN_PATH_PROB_FIELD_NUMBER: _ClassVar[int]
     max_nodes: int
     max_depth: int
     timeout_ms: int
-    def __init__(self, max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    min_path_prob: float
+    def __init__(self, max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., min_path_prob: _Optional[float] = ...) -> None: ...
 
 class SpecParams(_message.Message):
-    __slots__ = ("proposer", "budget")
+    __slots__ = ("proposer", "budget", "overlap", "policy")
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     proposer: str
     budget: Budget
-    def __init__(self, proposer: _Optional[str] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
+    overlap: bool
+    policy: str
+    def __init__(self, proposer: _Optional[str] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ..., overlap: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("num_proposed", "tree_depth", "num_accepted", "accepted_sources", "draft_ms", "verify_ms", "draft_error")
+    __slots__ = ("num_proposed", "tree_depth", "num_accepted", "accepted_sources", "draft_ms", "verify_ms", "draft_error", "budget_nodes", "budget_depth", "predrafted", "wait_ms")
     NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +79,10 @@ class StepStats(_message.Message):
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_NODES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     num_proposed: int
     tree_depth: int
     num_accepted: int
@@ -80,4 +90,8 @@ class StepStats(_message.Message):
     draft_ms: float
     verify_ms: float
     draft_error: str
-    def __init__(self, num_proposed: _Optional[int] = ..., tree_depth: _Optional[int] = ..., num_accepted: _Optional[int] = ..., accepted_sources: _Optional[_Iterable[str]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_error: _Optional[str] = ...) -> None: ...
+    budget_nodes: int
+    budget_depth: int
+    predrafted: bool
+    wait_ms: float
+    def __init__(self, num_proposed: _Optional[int] = ..., tree_depth: _Optional[int] = ..., num_accepted: _Optional[int] = ..., accepted_sources: _Optional[_Iterable[str]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_error: _Optional[str] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., predrafted: _Optional[bool] = ..., wait_ms: _Optional[float] = ...) -> None: ...

@@ -36,14 +36,16 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., proposer: _Optional[str] = ...) -> None: ...
 
 class Propose(_message.Message):
-    __slots__ = ("step", "new_tokens", "budget")
+    __slots__ = ("step", "new_tokens", "budget", "rollback")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: _common_pb2.Budget
-    def __init__(self, step: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ...) -> None: ...
+    rollback: int
+    def __init__(self, step: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., rollback: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")

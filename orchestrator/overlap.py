@@ -1,0 +1,97 @@
+"""Pieces of the overlapped (PEARL) loop: the drafter's view of the context, a
+background draft worker, and the rule that decides whether drafted-ahead work is used.
+
+While the verifier checks tree t, the drafter drafts on the assumption that t's main
+line (``TokenTree.main_path``) is accepted whole. The tree it drafts then starts one
+level early: its root children are guesses of the bonus token the verifier will add
+after that line. If the verifier accepts exactly the main line and its bonus token is
+one of those guesses, the guess's subtree is a draft for the new context and is
+verified next without waiting for the drafter; otherwise it is dropped and the
+drafter is rolled back to the verified context.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from drafter_service.drafter import Drafter
+from drafter_service.proposer import Budget
+from specmesh.tree import TokenTree
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class DraftContext:
+    """What a drafter session holds, as seen by the engine: the committed tokens up to
+    ``mark`` (counted after the prompt), followed by ``tail``, which is either committed
+    tokens it has not been told about yet or a hypothesis it drafted ahead on."""
+
+    mark: int = 0
+    tail: list[int] = field(default_factory=list)
+
+    def edit(self, committed: Sequence[int], hypothesis: Sequence[int] = ()) -> tuple[int, list[int]]:
+        """(rollback, new_tokens) that bring the drafter to ``committed + hypothesis``; records it.
+        ``committed`` is every token committed after the prompt."""
+        target = list(committed[self.mark :]) + list(hypothesis)
+        keep = common_prefix_len(self.tail, target)
+        rollback, append = len(self.tail) - keep, target[keep:]
+        self.mark, self.tail = len(committed), list(hypothesis)
+        return rollback, append
+
+
+def reusable_subtree(
+    pre_tree: TokenTree, path: Sequence[int], accepted: Sequence[int], bonus: int, max_nodes: int
+) -> TokenTree | None:
+    """The part of a tree drafted ahead on ``path`` (node indices of the tree being verified)
+    that is a valid draft after verification accepted ``accepted`` and added ``bonus``, cut to
+    ``max_nodes``; None if nothing is usable."""
+    if tuple(accepted) != tuple(path):
+        return None
+    for child in pre_tree.children_of(-1):
+        if int(pre_tree.tokens[child]) == bonus:
+            sub = pre_tree.subtree(child).head(max_nodes)
+            return sub if sub.num_nodes else None
+    return None
+
+
+def predraft_budget(budget: Budget, stop) -> Budget:
+    """Budget for drafting ahead: one level more than the next tree, for the bonus-token guesses."""
+    extra = max(1, budget.max_nodes // max(budget.max_depth, 1))
+    return Budget(budget.max_nodes + extra, budget.max_depth + 1, budget.deadline, budget.min_path_prob, stop)
+
+
+class DraftWorker:
+    """Runs every call to one drafter on a single background thread, in submission order,
+    so drafting overlaps the verifier's work on the caller's thread. A drafter is never
+    called from two threads at once."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft-worker")
+
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int) -> Future:
+        """Future of (tree, seconds the drafter worked on it)."""
+        return self._pool.submit(self._timed, session_id, list(new_tokens), budget, rollback)
+
+    def _timed(self, session_id: str, new_tokens: list[int], budget: Budget, rollback: int) -> tuple[TokenTree, float]:
+        t0 = time.perf_counter()
+        # rollback only when needed, so drafters that predate it still work without overlap edits
+        tree = self.drafter.propose(session_id, new_tokens, budget, *((rollback,) if rollback else ()))
+        return tree, time.perf_counter() - t0
+
+    def call(self, method: str, *args):
+        """Run another drafter method (open, close) on the worker, after what is queued; wait for it."""
+        return self._pool.submit(getattr(self.drafter, method), *args).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
