@@ -12,6 +12,10 @@ verification. Drafting stops early after a token whose draft probability is
 below ``min_confidence`` (as HF assisted generation's confidence threshold does);
 the choice depends only on the draft, so it cannot bias the output.
 
+Both honour ``Budget.min_path_prob`` (SpecDec++'s stop rule, with the draft probability as
+the acceptance estimate): a path is not extended once the product of its draft
+probabilities is below it.
+
 Tree: level by level, the ``expand_width`` highest-scoring frontier nodes (score =
 cumulative draft log-probability) are run in one forward with a tree mask and
 each proposes its ``branching`` most likely children; at the end the
@@ -22,6 +26,7 @@ point masses for lossless sampling.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +94,7 @@ class DraftModelProposer:
         tokens: list[int] = []
         probs: list[float] = []
         dists: list[tuple[np.ndarray, np.ndarray]] = []
+        path_prob = 1.0
         for step in range(length):
             if sp.greedy:
                 x = int(logits.argmax())  # host sync
@@ -100,9 +106,12 @@ class DraftModelProposer:
                 dists.append((ids.numpy(), q[ids].numpy()))
                 probs.append(float(q[x]))
             tokens.append(x)
+            path_prob *= probs[-1]
             # a token the draft itself doubts is likely the last one accepted: drafting on wastes
-            # draft forwards and widens the target's verification
-            if step == length - 1 or probs[-1] < self.min_confidence or budget.expired():
+            # draft forwards and widens the target's verification (SpecDec++: stop once the
+            # whole path's chance of acceptance is below the policy's threshold)
+            if (step == length - 1 or probs[-1] < self.min_confidence or path_prob < budget.min_path_prob
+                    or budget.expired()):
                 break
             pos = len(dc.cached)
             logits = self.runner.forward(dc.cache, [x], [pos])[-1]
@@ -164,6 +173,8 @@ class DraftModelProposer:
             frontier = []
             for row, c in enumerate(expand):
                 frontier += add_children(c, log_q[row], cand_score[c], depth)
+            if budget.min_path_prob > 0:  # SpecDec++ stop rule: paths too unlikely to be accepted whole
+                frontier = [c for c in frontier if cand_score[c] >= math.log(budget.min_path_prob)]
         dc.cache.truncate(base)  # drop the drafted nodes; accepted ones are re-fed with the next sync
         # Best max_nodes candidates; a parent outranks its children (ties broken by depth).
         order = sorted(range(len(cand_token)), key=lambda c: (-cand_score[c], cand_depth[c], c))

@@ -14,7 +14,7 @@ import torch
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import make_proposer
 from orchestrator.engine import Engine
-from orchestrator.policy import StaticPolicy
+from orchestrator.policy import SpeculationPolicy, StaticPolicy
 from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner, load_model, load_tokenizer
 from verifier_service.verifier import LocalVerifier
@@ -32,6 +32,25 @@ DEFAULT_BUDGETS: dict[str, tuple[int, int]] = {
 
 def default_budget(proposer: str | None) -> tuple[int, int]:
     return DEFAULT_BUDGETS.get(proposer or "", (8, 8))
+
+
+POLICIES = ("static", "adaptive")
+DEFAULT_OVERLAP = False
+DEFAULT_POLICY = "static"
+
+
+def build_policy(
+    name: str, max_nodes: int, max_depth: int, draft_timeout_s: float | None = None, restart_depth: int | None = None
+) -> SpeculationPolicy:
+    """``static``: the budget every step; ``adaptive``: chosen per step from acceptance and costs,
+    with the budget as its cap."""
+    if name == "static":
+        return StaticPolicy(max_nodes, max_depth, draft_timeout_s, restart_depth)
+    if name == "adaptive":
+        from orchestrator.policy import AdaptivePolicy
+
+        return AdaptivePolicy(max_nodes=max_nodes, max_depth=max_depth, draft_timeout_s=draft_timeout_s)
+    raise ValueError(f"unknown speculation policy {name!r}; choose from {', '.join(POLICIES)}")
 
 
 @dataclass
@@ -63,16 +82,29 @@ class EmbeddedStack:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def engine(self, proposer: str | None, max_nodes: int | None = None, max_depth: int | None = None, **proposer_opts) -> Engine:
-        """An engine with ``proposer`` (None or "none" = plain autoregressive decoding)."""
+    def engine(
+        self,
+        proposer: str | None,
+        max_nodes: int | None = None,
+        max_depth: int | None = None,
+        overlap: bool | None = None,
+        policy: str | None = None,
+        restart_depth: int | None = None,
+        **proposer_opts,
+    ) -> Engine:
+        """An engine with ``proposer`` (None or "none" = plain autoregressive decoding).
+        ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
+        ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
+        has to wait for (pre-verify; None = the full depth)."""
         drafter = None
         if proposer not in (None, "none", "ar"):
             if proposer in NEEDS_DRAFT_MODEL and self.draft_runner is None:
                 raise ValueError(f"proposer {proposer!r} needs a draft model (--draft DIR)")
             drafter = LocalDrafter(make_proposer(proposer, draft_runner=self.draft_runner, **proposer_opts))
         nodes, depth = default_budget(proposer)
-        policy = StaticPolicy(max_nodes if max_nodes is not None else nodes, max_depth if max_depth is not None else depth)
-        return Engine(LocalVerifier(self.target_runner), drafter, policy, self.decode)
+        chosen = build_policy(policy or DEFAULT_POLICY, max_nodes if max_nodes is not None else nodes,
+                              max_depth if max_depth is not None else depth, restart_depth=restart_depth)
+        return Engine(LocalVerifier(self.target_runner), drafter, chosen, self.decode, overlap=DEFAULT_OVERLAP if overlap is None else bool(overlap))
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:

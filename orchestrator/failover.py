@@ -71,9 +71,8 @@ class FailoverDrafter:
             # the current drafter holds tokens[:num_seen] as of its last call: edit it from there
             keep = min(session.num_seen, len(session.tokens) - len(new_tokens))
             try:
-                tree = session.drafter.propose(
-                    session_id, session.tokens[keep:], budget, rollback=session.num_seen - keep
-                )
+                rollback = session.num_seen - keep  # passed only when needed, like the engine does
+                tree = session.drafter.propose(session_id, session.tokens[keep:], budget, *((rollback,) if rollback else ()))
                 session.num_seen = len(session.tokens)
                 if self.vocab_size is not None:
                     tree.validate(self.vocab_size, budget.max_nodes, budget.max_depth)

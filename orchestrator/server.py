@@ -27,10 +27,9 @@ import grpc
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import make_proposer, proposer_names
 from drafter_service.remote import DrafterClient
-from orchestrator.embedded import default_budget
+from orchestrator.embedded import DEFAULT_OVERLAP, DEFAULT_POLICY, POLICIES, build_policy, default_budget
 from orchestrator.engine import Engine, GenerationResult, StepEvent
 from orchestrator.failover import FailoverDrafter
-from orchestrator.policy import StaticPolicy
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import TextStream
 from specmesh import rpc, serving
@@ -61,7 +60,10 @@ def step_to_proto(step: StepStats) -> common_pb2.StepStats:
     return common_pb2.StepStats(
         num_proposed=step.num_proposed, tree_depth=step.tree_depth, num_accepted=step.num_accepted,
         accepted_sources=step.accepted_sources, draft_ms=step.draft_seconds * 1e3,
-        verify_ms=step.verify_seconds * 1e3, draft_error=step.draft_error,
+        verify_ms=step.verify_seconds * 1e3, draft_error=step.draft_error, budget_nodes=step.budget[0],
+        budget_depth=step.budget[1], predrafted=step.predrafted, wait_ms=step.wait_seconds * 1e3,
+        step_ms=step.step_seconds * 1e3, drafter_busy_ms=step.drafter_busy_seconds * 1e3,
+        predraft_nodes=step.predraft_nodes, predraft_used=step.predraft_used,
     )
 
 
@@ -84,8 +86,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         max_concurrent: int = 64,
         max_queued: int = 256,
         max_tree_nodes: int = 256,
+        overlap: bool = DEFAULT_OVERLAP,
+        policy: str = DEFAULT_POLICY,
+        restart_depth: int | None = None,
     ) -> None:
         self.verifiers = list(verifiers)
+        self.overlap, self.policy, self.restart_depth = overlap, policy, restart_depth  # for requests that do not choose
         self.drafters = list(drafters)
         self.tokenizer = tokenizer
         self.info = self.verifiers[0].info
@@ -100,7 +106,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     # ------------------------------------------------------------- requests
     def _parse(self, request):
-        """(prompt ids, sampling, proposer, budget) or ValueError."""
+        """(prompt ids, sampling, proposer, budget, overlap, policy) or ValueError."""
         if request.WhichOneof("input") == "prompt":
             if not request.prompt:
                 raise ValueError("empty prompt")
@@ -125,17 +131,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             if nodes < 0 or depth < 0:
                 raise ValueError("budget sizes must be >= 0")
             nodes = min(nodes, self.max_tree_nodes)
-        return prompt, sampling, proposer, (nodes, depth)
+        overlap = request.spec.overlap if request.spec.HasField("overlap") else self.overlap
+        policy = request.spec.policy or self.policy
+        if policy not in POLICIES:
+            raise ValueError(f"unknown speculation policy {policy!r}; choose from {', '.join(POLICIES)}")
+        return prompt, sampling, proposer, (nodes, depth), overlap, policy
 
-    def _engine(self, verifier: VerifierClient, proposer, budget, deadline, failures: list[str]) -> Engine:
+    def _engine(self, verifier: VerifierClient, proposer, budget, overlap, policy, deadline,
+                failures: list[str]) -> Engine:
         drafter = None
         if proposer is not None and budget[0] > 0:
             candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(proposer, deadline))
                           for c in least_loaded(self.drafters, self._rng)]
             candidates.append(("local prompt_lookup", lambda: self._local))
             drafter = FailoverDrafter(candidates, self.info.vocab_size, lambda _, message: failures.append(message))
-        policy = StaticPolicy(budget[0], budget[1], self.draft_timeout)
-        return Engine(verifier.bind(deadline), drafter, policy, self._decode)
+        chosen = build_policy(policy, budget[0], budget[1], self.draft_timeout, self.restart_depth)
+        return Engine(verifier.bind(deadline), drafter, chosen, self._decode, overlap=overlap)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -144,7 +155,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         """Worker thread: run the engine, calling ``emit(event, text)`` per step; returns the result and the
         text not yet emitted. A verifier that fails before anything was emitted is replaced by the next
         one; later failures end the request."""
-        prompt, sampling, proposer, budget = request_args
+        prompt, sampling, proposer, budget, overlap, policy = request_args
         for attempt, verifier in enumerate(least_loaded(self.verifiers, self._rng)):
             if cancelled.is_set():  # gone while queued: do not even prefill
                 return GenerationResult([], "aborted", RequestStats()), ""
@@ -152,7 +163,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             text = TextStream(self._decode, sampling.stop)
             emitted = False
             failures: list[str] = []  # drafter failovers, reported with the step they happened in
-            engine = self._engine(verifier, proposer, budget, deadline, failures)
+            engine = self._engine(verifier, proposer, budget, overlap, policy, deadline, failures)
             try:
                 with contextlib.closing(engine.stream(prompt, sampling, result)) as events:
                     for event in events:
@@ -257,6 +268,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent", type=int, default=64, help="requests decoded at once (default: 64)")
     p.add_argument("--max-queued", type=int, default=256,
                    help="requests waiting beyond --max-concurrent; more get RESOURCE_EXHAUSTED (default: 256)")
+    from specmesh.cli import add_speculation_arguments
+
+    add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
     serving.add_server_arguments(p)
 
 
@@ -297,5 +311,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args, infos[0].model)
     proposer = None if args.proposer == "none" else args.proposer
     servicer = GenerateServicer(verifiers, drafters, tokenizer, proposer, args.draft_timeout_ms / 1000,
-                                args.max_concurrent, args.max_queued, min(i.max_tree_nodes for i in infos))
+                                args.max_concurrent, args.max_queued, min(i.max_tree_nodes for i in infos),
+                                overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
+                                policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth)
     return serving.serve(args, security, servicer, generate_pb2_grpc.add_GenerateServicer_to_server, SERVICE_NAME)

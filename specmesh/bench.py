@@ -241,6 +241,7 @@ def aggregate(records: list[dict], greedy: bool) -> dict:
         out["draft_time_fraction"] = _ratio(sum(r["draft_seconds"] for r in records), seconds)
         out["verify_time_fraction"] = _ratio(sum(r["verify_seconds"] for r in records), seconds)
         out["draft_errors"] = sum(r["draft_errors"] for r in records)
+        out.update(overlap_figures(records))
     out["tokens_per_second"] = _ratio(gen, seconds)
     out["target_forwards_per_token"] = _ratio(sum(r["target_forwards"] for r in records), gen)
     out["draft_forwards_per_token"] = _ratio(sum(r["draft_forwards"] for r in records), gen)
@@ -260,6 +261,19 @@ def aggregate(records: list[dict], greedy: bool) -> dict:
         out["greedy_match_hf_ar"] = float(np.mean([r["match_hf_ar"] for r in records])) if greedy else None
     out["loop_fraction"] = float(np.mean([r["loops"] for r in records]))
     return out
+
+
+def overlap_figures(records: list[dict]) -> dict:
+    """Idle fractions of the two sides, how much drafted-ahead work was used, the budgets chosen."""
+    wall = sum(r["wall_seconds"] for r in records)
+    depths = [d for r in records for d in r["budget_depths"]]
+    return {
+        "verifier_idle_fraction": 1 - _ratio(sum(r["verify_seconds"] for r in records), wall) if wall else None,
+        "drafter_idle_fraction": 1 - _ratio(sum(r["drafter_busy_seconds"] for r in records), wall) if wall else None,
+        "predrafted_step_fraction": _ratio(sum(r["predrafted_steps"] for r in records), sum(r["steps"] for r in records)),
+        "predraft_used_fraction": _ratio(sum(r["predraft_used"] for r in records), sum(r["predraft_nodes"] for r in records)),
+        "mean_budget_depth": float(np.mean(depths)) if depths else None,
+    }
 
 
 # ----------------------------------------------------------------- runners
@@ -297,6 +311,12 @@ def make_record(prompt_id: str, prompt_tokens: int, spec: MethodSpec, runs: list
             draft_seconds=st.draft_seconds,
             verify_seconds=st.verify_seconds,
             draft_errors=st.num_draft_errors,
+            wall_seconds=st.wall_seconds,
+            drafter_busy_seconds=sum(s.drafter_busy_seconds for s in st.steps),
+            predrafted_steps=st.predrafted_steps,
+            predraft_nodes=sum(s.predraft_nodes for s in st.steps),
+            predraft_used=sum(s.predraft_used for s in st.steps),
+            budget_depths=[b[1] for b in st.budgets()],
         )
     else:
         rec["tau"] = _ratio(len(tokens), best.target_forwards)
@@ -490,6 +510,12 @@ def markdown_table(report: dict) -> str:
             for k, m in methods.items() if m.get("overhead_ms_per_step")]
     if over:
         notes.append("gRPC overhead per step vs in-process (median, share of the step): " + ", ".join(over))
+    idle = [f"{k} {m['verifier_idle_fraction']:.0%}/{m['drafter_idle_fraction']:.0%}"
+            + (f" (ahead: {m['predrafted_step_fraction']:.0%} of steps, {m['predraft_used_fraction']:.0%} of nodes used)"
+               if m.get("predraft_used_fraction") is not None and m.get("predrafted_step_fraction") else "")
+            for k, m in methods.items() if m.get("verifier_idle_fraction") is not None and k not in ("ar", "grpc:ar")]
+    if idle:
+        notes.append("idle verifier/drafter: " + ", ".join(idle))
     hf = [f"{k} {m['speedup_vs_hf_ar']['median']:.2f}" for k, m in methods.items() if m.get("speedup_vs_hf_ar")]
     if hf:
         notes.append("speedup vs hf_ar (median): " + ", ".join(hf))

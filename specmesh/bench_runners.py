@@ -146,8 +146,11 @@ class GrpcRunner:
         options = dict(spec.options)
         if "max_nodes" in options:
             self.params.update(max_nodes=options.pop("max_nodes"), max_depth=options.pop("max_depth"))
+        for key in ("overlap", "policy"):
+            if key in options:
+                self.params[key] = options.pop(key)
         if options:
-            raise ValueError(f"{spec.label}: only max_nodes and max_depth can be set for grpc: methods")
+            raise ValueError(f"{spec.label}: only max_nodes, max_depth, overlap and policy can be set for grpc: methods")
 
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
         from orchestrator.stats import RequestStats, StepStats
@@ -164,7 +167,10 @@ class GrpcRunner:
             if chunk.step is not None:
                 s = chunk.step
                 stats.steps.append(StepStats(s.num_proposed, s.tree_depth, s.num_accepted, s.accepted_sources,
-                                             (), s.draft_ms / 1e3, s.verify_ms / 1e3, s.draft_error))
+                                             (), s.draft_ms / 1e3, s.verify_ms / 1e3, s.draft_error, s.budget,
+                                             wait_seconds=s.wait_ms / 1e3, predrafted=s.predrafted,
+                                             step_seconds=s.step_ms / 1e3, drafter_busy_seconds=s.drafter_busy_ms / 1e3,
+                                             predraft_nodes=s.predraft_nodes, predraft_used=s.predraft_used))
         seconds = time.perf_counter() - t0
         stats.total_seconds, stats.num_generated = seconds, len(tokens)
         return RunOutput(tokens, seconds, target_forwards=stats.num_steps + 1, stats=stats)

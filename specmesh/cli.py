@@ -126,6 +126,23 @@ def resolve_draft_dtype(draft_dtype: str | None, dtype: str):
     return torch_dtype(draft_dtype)
 
 
+def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    """How the loop speculates: overlap (PEARL), the policy, the pre-verify depth. Unset options take
+    the embedded defaults (orchestrator/embedded.py) or, through a server, the server's."""
+    from orchestrator.embedded import DEFAULT_OVERLAP, DEFAULT_POLICY, POLICIES
+
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="PEARL: draft the next tree while the current one is verified "
+                        f"(default: {'on' if DEFAULT_OVERLAP else 'off'})")
+    p.add_argument("--policy", choices=POLICIES, default=None,
+                   help="speculation policy: static = the budget every step; adaptive = chosen per step from "
+                        "acceptance and measured costs, with the budget as cap and 0 when drafting does not pay "
+                        f"(default: {DEFAULT_POLICY})")
+    p.add_argument("--restart-depth", type=int, default=None,
+                   help="with --overlap and the static policy: depth of a tree the verifier has to wait for "
+                        "(pre-verify; default: the full depth)")
+
+
 def _add_generate(sub) -> None:
     from drafter_service.proposer import proposer_names
 
@@ -139,6 +156,7 @@ def _add_generate(sub) -> None:
                         "(default: draft_model when a draft model is available, else prompt_lookup)")
     p.add_argument("--max-nodes", type=int, default=None, help="tree budget: nodes per step (default: per proposer)")
     p.add_argument("--max-depth", type=int, default=None, help="tree budget: depth per step (default: per proposer)")
+    add_speculation_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
@@ -180,7 +198,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stack = load_stack(args)
     proposer = args.proposer or ("draft_model" if stack.draft_runner is not None else "prompt_lookup")
     nodes, depth = default_budget(proposer)
-    engine = stack.engine(proposer, args.max_nodes or nodes, args.max_depth or depth)
+    engine = stack.engine(proposer, args.max_nodes or nodes, args.max_depth or depth, overlap=args.overlap,
+                          policy=args.policy, restart_depth=args.restart_depth)
     prompt_ids = stack.tokenizer.encode(prompt)
 
     from orchestrator.engine import GenerationResult
@@ -221,7 +240,8 @@ def generate_remote(args: argparse.Namespace, prompt: str) -> int:
     from specmesh.client import Client
 
     params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                  top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                  overlap=args.overlap, policy=args.policy)
     if args.max_nodes is not None or args.max_depth is not None:
         params.update(max_nodes=args.max_nodes or 8, max_depth=args.max_depth or 8)
     try:

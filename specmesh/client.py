@@ -37,6 +37,13 @@ class StepInfo:
     draft_ms: float
     verify_ms: float
     draft_error: str
+    budget: tuple[int, int] = (0, 0)  # (max_nodes, max_depth) the server's policy chose
+    predrafted: bool = False  # drafted while the previous step was verified (PEARL overlap)
+    wait_ms: float = 0.0  # time the verifier waited for this step's tree
+    step_ms: float = 0.0  # wall time of the step in the server
+    drafter_busy_ms: float = 0.0  # time the drafter worked during the step
+    predraft_nodes: int = 0  # nodes drafted ahead during this step's verification
+    predraft_used: int = 0  # of those, nodes the next step verified
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ def _request(
     proposer: str | None = None,
     max_nodes: int | None = None,
     max_depth: int | None = None,
+    overlap: bool | None = None,
+    policy: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     if (max_nodes is None) != (max_depth is None):
         raise ValueError("give both max_nodes and max_depth, or neither")
@@ -88,6 +97,10 @@ def _request(
     if max_nodes is not None:
         request.spec.budget.max_nodes = max_nodes
         request.spec.budget.max_depth = max_depth
+    if overlap is not None:
+        request.spec.overlap = overlap
+    if policy is not None:
+        request.spec.policy = policy
     return request
 
 
@@ -96,7 +109,8 @@ def _chunk(msg: generate_pb2.GenerateChunk) -> Chunk:
     if msg.HasField("step"):
         s = msg.step
         step = StepInfo(s.num_proposed, s.tree_depth, s.num_accepted, tuple(s.accepted_sources), s.draft_ms,
-                        s.verify_ms, s.draft_error)
+                        s.verify_ms, s.draft_error, (s.budget_nodes, s.budget_depth), s.predrafted, s.wait_ms,
+                        s.step_ms, s.drafter_busy_ms, s.predraft_nodes, s.predraft_used)
     return Chunk(tuple(msg.token_ids), msg.text, step, msg.finish_reason)
 
 
@@ -155,7 +169,8 @@ class Client(_Base):
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
         """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes and max_depth."""
+        stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes and max_depth, overlap
+        (PEARL on/off) and policy ("static" | "adaptive"); unset = the server's defaults."""
         msg = self._stub.Generate(_request(prompt, **params), timeout=self._timeout(timeout), metadata=self._metadata)
         return _completion(msg)
 
