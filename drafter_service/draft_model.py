@@ -51,7 +51,7 @@ def _sync(runner: ModelRunner, dc: _DraftCache, committed: list[int]) -> torch.T
     while common < limit and dc.cached[common] == committed[common]:
         common += 1
     dc.cache.truncate(common)
-    logits = runner.forward(dc.cache, committed[common:], range(common, len(committed)))[-1]
+    logits = runner.forward(dc.cache, committed[common:], range(common, len(committed)), last_only=True)[-1]
     dc.cached = list(committed)
     return logits
 
@@ -83,6 +83,13 @@ class DraftModelProposer:
         if self.tree:
             return self._tree(dc, logits, state, budget)
         return self._chain(dc, logits, state, budget)
+
+    def prepare(self, state: DraftSessionState) -> None:
+        """Prefill the prompt (all but its last token, which the first proposal feeds)."""
+        if 1 < len(state.tokens) <= self.runner.info.max_positions:
+            dc = state.scratch[self.name] = _DraftCache(self.runner.new_cache())
+            self.runner.forward(dc.cache, state.tokens[:-1], range(len(state.tokens) - 1), last_only=True)
+            dc.cached = list(state.tokens[:-1])
 
     def release(self, state: DraftSessionState) -> None:
         state.scratch.pop(self.name, None)

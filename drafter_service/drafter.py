@@ -41,7 +41,10 @@ class LocalDrafter:
                 generator.manual_seed(sampling.seed + 0x5DEECE66D)
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
-        self._sessions[session_id] = DraftSessionState(session_id, list(prompt), sampling, generator)
+        state = self._sessions[session_id] = DraftSessionState(session_id, list(prompt), sampling, generator)
+        prepare = getattr(self.proposer, "prepare", None)
+        if prepare is not None:
+            prepare(state)
 
     def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
         state = self._sessions[session_id]

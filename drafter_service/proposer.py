@@ -58,6 +58,10 @@ class DraftSessionState:
 
 
 class Proposer(Protocol):
+    """``propose`` and ``release`` are required. A proposer may also define ``prepare(state)``, run when
+    a session opens (a draft model prefills the prompt there, so the first step does not pay for it
+    and the prefill can overlap the verifier's)."""
+
     name: str
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree: ...

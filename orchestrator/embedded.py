@@ -90,6 +90,7 @@ class EmbeddedStack:
         overlap: bool | None = None,
         policy: str | None = None,
         restart_depth: int | None = None,
+        ahead_from: str = "path",
         **proposer_opts,
     ) -> Engine:
         """An engine with ``proposer`` (None or "none" = plain autoregressive decoding).
@@ -104,7 +105,7 @@ class EmbeddedStack:
         nodes, depth = default_budget(proposer)
         chosen = build_policy(policy or DEFAULT_POLICY, max_nodes if max_nodes is not None else nodes,
                               max_depth if max_depth is not None else depth, restart_depth=restart_depth)
-        return Engine(LocalVerifier(self.target_runner), drafter, chosen, self.decode, overlap=DEFAULT_OVERLAP if overlap is None else bool(overlap))
+        return Engine(LocalVerifier(self.target_runner), drafter, chosen, self.decode, overlap=DEFAULT_OVERLAP if overlap is None else bool(overlap), ahead_from=ahead_from)
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:

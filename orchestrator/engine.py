@@ -59,12 +59,16 @@ class Engine:
         policy: SpeculationPolicy | None = None,
         decode: Callable[[list[int]], str] | None = None,
         overlap: bool = False,
+        ahead_from: str = "path",
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self.policy = policy or StaticPolicy()
         self.decode = decode
         self.overlap = overlap  # PEARL: draft the next tree while the current one is verified
+        # what drafting ahead assumes: "path" = the tree's main line is accepted (PEARL);
+        # "context" = nothing: a deeper tree from the committed context covers every outcome
+        self.ahead_from = ahead_from
 
     def stream(
         self, prompt: Sequence[int], sampling: SamplingParams, result: GenerationResult | None = None
@@ -79,15 +83,14 @@ class Engine:
             req.worker = DraftWorker(self.drafter)
         start = time.perf_counter()
         try:  # the finally releases the verifier session even when prefill itself fails
+            # the drafter opens first: its own prefill (draft model) runs on the worker, or in the
+            # drafter's process, while the verifier prefills
+            opening = req.open(prompt, sampling)
             prefill = self.verifier.prefill(req.session, prompt, sampling)
             stats.prefill_seconds = prefill.seconds
             req.committed.append(prefill.first_token)
             yield StepEvent(tuple(stopper.push([prefill.first_token])), None)
-            if req.drafter is not None:
-                try:
-                    req.call(req.drafter, "open", req.session, prompt, sampling)
-                except Exception as exc:  # an unreachable drafter: decode without it
-                    req.fail(exc)
+            req.opened(opening)
             steps = self._overlapped(req) if req.worker is not None else self._sequential(req)
             for step, tokens in steps:
                 stats.steps.append(step)
@@ -143,25 +146,28 @@ class Engine:
                 draft_seconds = busy
             # draft ahead, assuming the verifier accepts this tree's main line
             path = tree.main_path()
+            hypothesis = tree.tokens[path].tolist() if self.ahead_from == "path" else []
             pending, ahead, pre_budget = None, Budget(0, 0), Budget(0, 0)
             if req.drafter is not None:
                 ahead = self.policy.next_budget(req.stats, req.stopper.remaining - len(path) - 1, "predraft")
                 if not ahead.is_zero:
                     req.stop_event = threading.Event()
-                    pre_budget = predraft_budget(ahead, req.stop_event)
-                    pending = req.start_draft(pre_budget, tree.tokens[path].tolist())
+                    pre_budget = predraft_budget(ahead, req.stop_event, len(path) + 1 - len(hypothesis))
+                    pending = req.start_draft(pre_budget, hypothesis)
             tree, verified = req.verify(tree)
             pre_tree, pre_seconds = req.collect(pending, pre_budget)
             busy += pre_seconds
             ready = None
             if pre_tree is not None and req.drafter is not None:
-                ready = reusable_subtree(pre_tree, path, verified.accepted_nodes, verified.tokens[-1], ahead.max_nodes)
+                ready = reusable_subtree(pre_tree, hypothesis, verified.tokens, ahead.max_nodes)
             ready_budget, ready_seconds = ahead, pre_seconds
             yield req.step_stats(
                 tree, verified, budget, t_step, draft_seconds=draft_seconds, wait_seconds=wait,
                 drafter_busy_seconds=busy, predrafted=predrafted,
                 predraft_nodes=pre_tree.num_nodes if pre_tree is not None else 0,
                 predraft_used=ready.num_nodes if ready is not None else 0,
+                ahead_confirmed=pre_tree is not None and len(verified.tokens) > len(hypothesis)
+                and list(verified.tokens[: len(hypothesis)]) == hypothesis,
             ), verified.tokens
 
 
@@ -180,6 +186,25 @@ class _Request:
     view: DraftContext = field(default_factory=DraftContext)
     error: str = ""  # a drafter failure not yet reported in a step
     stop_event: threading.Event | None = None  # ends the pre-draft in flight
+
+    def open(self, prompt: Sequence[int], sampling: SamplingParams):
+        """Start opening the drafter session; pass the result to ``opened``."""
+        if self.drafter is None:
+            return None
+        if self.worker is not None:
+            return self.worker.submit("open", self.session, prompt, sampling)
+        try:
+            self.drafter.open(self.session, prompt, sampling)
+        except Exception as exc:  # an unreachable drafter: decode without it
+            self.fail(exc)
+        return None
+
+    def opened(self, opening) -> None:
+        if opening is not None:
+            try:
+                opening.result()
+            except Exception as exc:
+                self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
         """Record a drafter failure and decode without it from now on."""

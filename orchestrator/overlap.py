@@ -50,24 +50,29 @@ class DraftContext:
 
 
 def reusable_subtree(
-    pre_tree: TokenTree, path: Sequence[int], accepted: Sequence[int], bonus: int, max_nodes: int
+    pre_tree: TokenTree, hypothesis: Sequence[int], committed: Sequence[int], max_nodes: int
 ) -> TokenTree | None:
-    """The part of a tree drafted ahead on ``path`` (node indices of the tree being verified)
-    that is a valid draft after verification accepted ``accepted`` and added ``bonus``, cut to
-    ``max_nodes``; None if nothing is usable."""
-    if tuple(accepted) != tuple(path):
+    """The part of a tree drafted ahead from the context + ``hypothesis`` that is a draft for the
+    context after this step committed ``committed`` (accepted tokens + bonus): the subtree below
+    the node whose path spells what was committed beyond the hypothesis, cut to ``max_nodes``.
+    None if the step did not confirm the hypothesis, the tree has no such node, or nothing is below it."""
+    if len(committed) <= len(hypothesis) or list(committed[: len(hypothesis)]) != list(hypothesis):
         return None
-    for child in pre_tree.children_of(-1):
-        if int(pre_tree.tokens[child]) == bonus:
-            sub = pre_tree.subtree(child).head(max_nodes)
-            return sub if sub.num_nodes else None
-    return None
+    node = -1
+    for token in committed[len(hypothesis):]:
+        node = next((c for c in pre_tree.children_of(node) if int(pre_tree.tokens[c]) == token), -2)
+        if node == -2:
+            return None
+    sub = pre_tree.subtree(node).head(max_nodes)
+    return sub if sub.num_nodes else None
 
 
-def predraft_budget(budget: Budget, stop) -> Budget:
-    """Budget for drafting ahead: one level more than the next tree, for the bonus-token guesses."""
-    extra = max(1, budget.max_nodes // max(budget.max_depth, 1))
-    return Budget(budget.max_nodes + extra, budget.max_depth + 1, budget.deadline, budget.min_path_prob, stop)
+def predraft_budget(budget: Budget, stop, levels: int = 1) -> Budget:
+    """Budget for drafting ahead: ``levels`` more than the next tree (the levels the step will
+    commit: the bonus token, plus the main line when drafting from the context)."""
+    per_level = max(1, budget.max_nodes // max(budget.max_depth, 1))
+    return Budget(budget.max_nodes + per_level * levels, budget.max_depth + levels, budget.deadline,
+                  budget.min_path_prob, stop)
 
 
 class DraftWorker:
@@ -89,9 +94,13 @@ class DraftWorker:
         tree = self.drafter.propose(session_id, new_tokens, budget, *((rollback,) if rollback else ()))
         return tree, time.perf_counter() - t0
 
+    def submit(self, method: str, *args) -> Future:
+        """Queue another drafter method (open, close) on the worker, after what is queued."""
+        return self._pool.submit(getattr(self.drafter, method), *args)
+
     def call(self, method: str, *args):
-        """Run another drafter method (open, close) on the worker, after what is queued; wait for it."""
-        return self._pool.submit(getattr(self.drafter, method), *args).result()
+        """``submit`` and wait for it."""
+        return self.submit(method, *args).result()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)

@@ -119,7 +119,14 @@ def fit_costs(steps: Sequence[StepStats], draft_cost_ratio: float = 0.1) -> Cost
     ``draft_cost_ratio`` * a, no overhead."""
     points = [(s.num_proposed, s.verify_seconds) for s in steps if s.verify_seconds > 0]
     a, b = 1.0, NODE_COST_FRACTION
-    if points:
+    plain = [v for n, v in points if n == 0]
+    drafted = [(n, v) for n, v in points if n > 0]
+    if len(plain) >= 2 and drafted:
+        # robust when plain steps exist (a policy that mostly decodes plainly, the restarts of the
+        # overlapped loop): a = their median, b = the median extra per node of the others
+        a = median(plain)
+        b = max(0.0, median((v - a) / n for n, v in drafted))
+    elif points:
         n_mean, v_mean = fmean(n for n, _ in points), fmean(v for _, v in points)
         var = sum((n - n_mean) ** 2 for n, _ in points)
         b = max(0.0, sum((n - n_mean) * (v - v_mean) for n, v in points) / var) if var > 0 else -1.0
@@ -169,6 +176,56 @@ def choose_depth(
     return next(d for d, r in enumerate(rates) if r >= best * (1 - _TIE))
 
 
+def bonus_guess_rate(steps: Sequence[StepStats], prior: float = 0.6, prior_weight: float = 2.0) -> float:
+    """g: of the steps whose drafted-ahead line the verifier confirmed, the share whose pre-draft also
+    guessed the bonus token (so the next step started without waiting), shrunk towards ``prior``."""
+    confirmed = [s for s in steps if s.ahead_confirmed]
+    hits = sum(1 for s in confirmed if s.predraft_used > 0)
+    return (hits + prior_weight * prior) / (len(confirmed) + prior_weight)
+
+
+def overlap_rate(
+    restart_depth: int, ahead_depth: int, alpha: Sequence[float], guess: float, wait_time: float, ahead_time: float
+) -> float:
+    """Committed tokens per second of the overlapped loop in its steady state.
+
+    Two kinds of step: a restart (nothing drafted ahead was usable; the verifier waits for a tree
+    ``restart_depth`` deep, 0 = it verifies none) and an ahead step (its tree, ``ahead_depth`` deep,
+    was drafted during the previous verification). After any step the next one is an ahead step when
+    the verifier confirmed the whole line of the current tree (prob. prod(alpha[:depth])) and the
+    pre-draft guessed the bonus token (prob. ``guess``). With P_r, P_a those chances for the two depths,
+    ahead steps per restart are r = guess * P_r / (1 - guess * P_a) (a geometric run), and the rate is
+    (E(restart) + r E(ahead)) / (wait_time + r ahead_time)."""
+    p_restart = p_ahead = 1.0
+    for a in alpha[:restart_depth]:
+        p_restart *= a
+    for a in alpha[:ahead_depth]:
+        p_ahead *= a
+    r = guess * p_restart / max(1e-9, 1 - guess * p_ahead)
+    tokens = expected_tokens(alpha, restart_depth) + r * expected_tokens(alpha, ahead_depth)
+    return tokens / (wait_time + r * ahead_time)
+
+
+def choose_overlap(
+    alpha: Sequence[float], guess: float, costs: CostModel, nodes_for_depth: Callable[[int], int], max_depth: int
+) -> tuple[int, int]:
+    """(restart depth, ahead depth) with the best ``overlap_rate``. A restart pays for its drafting; an
+    ahead step's drafting (one level more: the bonus guesses) is hidden unless it outlasts the verification."""
+    def wait_time(d: int) -> float:
+        return costs.overhead + costs.draft_per_level * d + costs.verify(nodes_for_depth(d))
+
+    def ahead_time(d: int) -> float:
+        return costs.overhead + max(costs.verify(nodes_for_depth(d)), costs.draft_per_level * (d + 1))
+
+    best, choice = -1.0, (0, 0)
+    for dr in range(max_depth + 1):
+        for da in range(max_depth + 1):
+            rate = overlap_rate(dr, da, alpha, guess, wait_time(dr), ahead_time(da))
+            if rate > best * (1 + _TIE):
+                best, choice = rate, (dr, da)
+    return choice
+
+
 def node_cost(costs: CostModel, depth: int, num_nodes: int, hidden: bool) -> float:
     """Seconds one more node adds to a step of ``depth`` levels and ``num_nodes`` nodes: its share of a draft
     level (a level has num_nodes/depth nodes) plus its verification. With drafting hidden (predraft) only
@@ -203,10 +260,10 @@ class AdaptivePolicy:
     draft_timeout_s: float | None = None
     window: int = 32  # recent steps the estimates use
     prior_acceptance: float = 0.6
-    prior_weight: float = 2.0  # pseudo-steps behind the prior
+    prior_weight: float = 4.0  # pseudo-steps behind the prior
     draft_cost_ratio: float = 0.1  # before any drafted tree: a draft level costs this share of a verification
     probe_every: int = 8  # 0 = never probe
-    max_stop: float = 0.5  # cap on Budget.min_path_prob
+    max_stop: float = 0.1  # cap on Budget.min_path_prob (draft probabilities are not calibrated acceptance rates)
 
     def __post_init__(self) -> None:
         if min(self.max_nodes, self.max_depth) < 0 or self.window < 1 or self.prior_weight <= 0:
@@ -228,7 +285,12 @@ class AdaptivePolicy:
         alpha = conditional_acceptance(steps, limit, self.prior_acceptance, self.prior_weight)
         costs = fit_costs(steps, self.draft_cost_ratio)
         model = (costs.verify, costs.draft_per_level, costs.overhead, self.nodes, phase, limit)
-        depth = choose_depth(alpha, *model)
+        if phase == "sequential":
+            depth = choose_depth(alpha, *model)
+        else:  # the overlapped loop: restarts and ahead steps are chosen together, for the steady state
+            guess = bonus_guess_rate(steps, self.prior_acceptance, self.prior_weight)
+            restart, ahead = choose_overlap(alpha, guess, costs, self.nodes, limit)
+            depth = restart if phase == "restart" else ahead
         if depth == 0:
             if self._probe_due(steps) and choose_depth([1.0] * limit, *model) > 0:
                 depth = min(PROBE_DEPTH, limit)

@@ -106,7 +106,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     # ------------------------------------------------------------- requests
     def _parse(self, request):
-        """(prompt ids, sampling, proposer, budget, overlap, policy) or ValueError."""
+        """(prompt ids, sampling, proposer, budget, overlap, (policy, restart depth)) or ValueError."""
         if request.WhichOneof("input") == "prompt":
             if not request.prompt:
                 raise ValueError("empty prompt")
@@ -135,7 +135,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         policy = request.spec.policy or self.policy
         if policy not in POLICIES:
             raise ValueError(f"unknown speculation policy {policy!r}; choose from {', '.join(POLICIES)}")
-        return prompt, sampling, proposer, (nodes, depth), overlap, policy
+        restart = request.spec.restart_depth if request.spec.HasField("restart_depth") else self.restart_depth
+        if restart is not None and restart < 0:
+            raise ValueError("restart_depth must be >= 0")
+        return prompt, sampling, proposer, (nodes, depth), overlap, (policy, restart)
 
     def _engine(self, verifier: VerifierClient, proposer, budget, overlap, policy, deadline,
                 failures: list[str]) -> Engine:
@@ -145,7 +148,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                           for c in least_loaded(self.drafters, self._rng)]
             candidates.append(("local prompt_lookup", lambda: self._local))
             drafter = FailoverDrafter(candidates, self.info.vocab_size, lambda _, message: failures.append(message))
-        chosen = build_policy(policy, budget[0], budget[1], self.draft_timeout, self.restart_depth)
+        chosen = build_policy(policy[0], budget[0], budget[1], self.draft_timeout, policy[1])
         return Engine(verifier.bind(deadline), drafter, chosen, self._decode, overlap=overlap)
 
     def _decode(self, ids: list[int]) -> str:

@@ -146,11 +146,11 @@ class GrpcRunner:
         options = dict(spec.options)
         if "max_nodes" in options:
             self.params.update(max_nodes=options.pop("max_nodes"), max_depth=options.pop("max_depth"))
-        for key in ("overlap", "policy"):
+        for key in ("overlap", "policy", "restart_depth"):
             if key in options:
                 self.params[key] = options.pop(key)
         if options:
-            raise ValueError(f"{spec.label}: only max_nodes, max_depth, overlap and policy can be set for grpc: methods")
+            raise ValueError(f"{spec.label}: only max_nodes, max_depth, overlap, policy and restart_depth can be set for grpc: methods")
 
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
         from orchestrator.stats import RequestStats, StepStats

@@ -241,7 +241,7 @@ def generate_remote(args: argparse.Namespace, prompt: str) -> int:
 
     params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                  overlap=args.overlap, policy=args.policy)
+                  overlap=args.overlap, policy=args.policy, restart_depth=args.restart_depth)
     if args.max_nodes is not None or args.max_depth is not None:
         params.update(max_nodes=args.max_nodes or 8, max_depth=args.max_depth or 8)
     try:

@@ -78,6 +78,7 @@ def _request(
     max_depth: int | None = None,
     overlap: bool | None = None,
     policy: str | None = None,
+    restart_depth: int | None = None,
 ) -> generate_pb2.GenerateRequest:
     if (max_nodes is None) != (max_depth is None):
         raise ValueError("give both max_nodes and max_depth, or neither")
@@ -101,6 +102,8 @@ def _request(
         request.spec.overlap = overlap
     if policy is not None:
         request.spec.policy = policy
+    if restart_depth is not None:
+        request.spec.restart_depth = restart_depth
     return request
 
 
@@ -170,7 +173,7 @@ class Client(_Base):
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
         """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes and max_depth, overlap
-        (PEARL on/off) and policy ("static" | "adaptive"); unset = the server's defaults."""
+        (PEARL on/off), policy ("static" | "adaptive") and restart_depth; unset = the server's defaults."""
         msg = self._stub.Generate(_request(prompt, **params), timeout=self._timeout(timeout), metadata=self._metadata)
         return _completion(msg)
 

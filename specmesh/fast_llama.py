@@ -154,8 +154,10 @@ class FastLlamaRunner(ModelRunner):
         input_ids: Sequence[int] | torch.Tensor,  # [num_new]
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
         attend: torch.Tensor | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Append ``input_ids`` to ``cache``; return their logits, [num_new, vocab] float32."""
+        """Append ``input_ids`` to ``cache``; return their logits, [num_new, vocab] float32
+        (``last_only``: the last token's, [1, vocab]; a prefill skips the output layer for the rest)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(-1)
         num_new = ids.shape[0]
@@ -192,6 +194,8 @@ class FastLlamaRunner(ModelRunner):
             gate, up = gu.chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, down)
         cache.length = end
+        if last_only:
+            x = x[-1:]
         logits = F.linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias)
         return logits.float()
 

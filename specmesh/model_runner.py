@@ -89,8 +89,10 @@ class ModelRunner:
         input_ids: Sequence[int] | torch.Tensor,  # [num_new]
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
         attend: torch.Tensor | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Append ``input_ids`` to ``cache`` and return their logits, [num_new, vocab] float32."""
+        """Append ``input_ids`` to ``cache`` and return their logits, [num_new, vocab] float32
+        (``last_only``: the last token's, [1, vocab]; a prefill skips the output layer for the rest)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         num_new = ids.shape[1]
@@ -106,6 +108,7 @@ class ModelRunner:
             attention_mask=mask,
             past_key_values=cache.hf_cache,
             use_cache=True,
+            logits_to_keep=1 if last_only else 0,
         )
         cache.length += num_new
         return out.logits[0].float()

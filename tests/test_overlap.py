@@ -214,9 +214,13 @@ def test_draft_context_edits_reach_the_target(prompt_tail, ops):
 
 def test_reusable_subtree_rules():
     tree = TokenTree(np.array([7, 8, 9, 3]), np.array([-1, -1, 0, 2]), np.array([0.6, 0.3, 0.5, 0.5]), ("p",) * 4)
-    # used only if the verifier accepted exactly the line drafted on, and a root guess is the bonus
-    assert reusable_subtree(tree, [0], [0], 7, 8).tokens.tolist() == [9, 3]
-    assert reusable_subtree(tree, [0], [], 7, 8) is None
-    assert reusable_subtree(tree, [0], [0], 5, 8) is None
-    assert reusable_subtree(tree, [], [], 8, 8) is None  # a guess with nothing below it
-    assert reusable_subtree(tree, [0], [0], 7, 1).tokens.tolist() == [9]
+    # drafted ahead on hypothesis [5]: usable when the step committed 5, then a token the tree guessed
+    assert reusable_subtree(tree, [5], [5, 7], 8).tokens.tolist() == [9, 3]
+    assert reusable_subtree(tree, [5], [7], 8) is None  # the hypothesis was not confirmed
+    assert reusable_subtree(tree, [5], [5, 4], 8) is None  # the bonus was not guessed
+    assert reusable_subtree(tree, [], [8], 8) is None  # a guess with nothing below it
+    assert reusable_subtree(tree, [5], [5, 7], 1).tokens.tolist() == [9]
+    # drafted from the context: any committed path the tree holds
+    assert reusable_subtree(tree, [], [7, 9], 8).tokens.tolist() == [3]
+    assert reusable_subtree(tree, [], [7], 8).tokens.tolist() == [9, 3]
+    assert reusable_subtree(tree, [], [7, 9, 3], 8) is None

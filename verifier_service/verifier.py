@@ -95,7 +95,7 @@ class LocalVerifier:
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
         cache = self.runner.new_cache()
-        logits = self.runner.forward(cache, prompt, range(len(prompt)))[-1:]  # [1, vocab]
+        logits = self.runner.forward(cache, prompt, range(len(prompt)), last_only=True)  # [1, vocab]
         session = _Session(cache, -1, sampling, generator)
         first = self._accept(session, TokenTree.empty(), logits).bonus_token
         session.pending = first

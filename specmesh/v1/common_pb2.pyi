@@ -59,16 +59,18 @@ class Budget(_message.Message):
     def __init__(self, max_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., min_path_prob: _Optional[float] = ...) -> None: ...
 
 class SpecParams(_message.Message):
-    __slots__ = ("proposer", "budget", "overlap", "policy")
+    __slots__ = ("proposer", "budget", "overlap", "policy", "restart_depth")
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    RESTART_DEPTH_FIELD_NUMBER: _ClassVar[int]
     proposer: str
     budget: Budget
     overlap: bool
     policy: str
-    def __init__(self, proposer: _Optional[str] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ..., overlap: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
+    restart_depth: int
+    def __init__(self, proposer: _Optional[str] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ..., overlap: _Optional[bool] = ..., policy: _Optional[str] = ..., restart_depth: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("num_proposed", "tree_depth", "num_accepted", "accepted_sources", "draft_ms", "verify_ms", "draft_error", "budget_nodes", "budget_depth", "predrafted", "wait_ms", "step_ms", "drafter_busy_ms", "predraft_nodes", "predraft_used")
