@@ -61,6 +61,31 @@ def test_disaggregated_greedy_equals_embedded_and_ar(client, demo_stack, ar, pro
         assert remote.stats["steps"] < len(remote.token_ids)  # drafts were accepted: speculation really ran
 
 
+@pytest.mark.parametrize("spec", [dict(overlap=True), dict(overlap=True, restart_depth=0),
+                                  dict(overlap=True, policy="adaptive"), dict(policy="adaptive")],
+                         ids=["overlap", "overlap-restart0", "overlap-adaptive", "adaptive"])
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_overlapped_and_adaptive_greedy_equal_ar(client, ar, proposer, spec):
+    """PEARL over gRPC: the drafter process drafts ahead while the verifier process verifies."""
+    predrafted = 0
+    for prompt in PROMPTS:
+        chunks = list(client.stream(prompt, max_new_tokens=MAX_NEW, proposer=proposer, **spec))
+        assert [t for c in chunks for t in c.token_ids] == ar(prompt), (proposer, prompt)
+        steps = [c.step for c in chunks if c.step is not None]
+        assert not any(s.draft_error for s in steps)
+        predrafted += sum(s.predrafted for s in steps)
+        assert all(s.wait_ms == 0 for s in steps if s.predrafted)
+    if spec.get("overlap"):
+        assert predrafted > 0  # trees drafted ahead were verified
+
+
+def test_bad_speculation_options_are_invalid_argument(client):
+    for spec in (dict(policy="bogus"), dict(overlap=True, restart_depth=-1)):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(PROMPTS[0], max_new_tokens=4, **spec)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 @pytest.mark.parametrize("budget", [(1, 1), (12, 5), (24, 8)])
 def test_explicit_budgets_keep_greedy_output(client, ar, budget):
     for proposer in ("draft_model_tree", "prompt_lookup_tree"):
@@ -173,3 +198,28 @@ def test_oversized_budgets_are_clamped_not_failed(client, ar):
                              max_nodes=100_000, max_depth=8)
     assert result.token_ids == ar(PROMPTS[0])
     assert result.stats["draft_errors"] == 0 and result.stats["steps"] < len(result.token_ids)
+
+
+def test_drafter_applies_rollbacks_and_rejects_one_past_the_context(mesh):
+    """Propose.rollback takes back a hypothesis; more than the context holds is INVALID_ARGUMENT."""
+    from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+    stub = drafter_pb2_grpc.DrafterStub(sh.channel(mesh["drafters"][0]))
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+
+    def session(*proposes):
+        msgs = [drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id="rb", prompt=prompt,
+                                                                      proposer="prompt_lookup"))]
+        msgs += [drafter_pb2.DraftRequest(propose=p) for p in proposes]
+        return list(stub.Session(iter(msgs), timeout=30))
+
+    budget = common_pb2.Budget(max_nodes=4, max_depth=4)
+    # context 5 6 7 5 6 7 5 6 | +9 (hypothesis) | rollback 1, +7: lookup continues the cycle again
+    out = session(drafter_pb2.Propose(step=1, new_tokens=[9], budget=budget),
+                  drafter_pb2.Propose(step=2, new_tokens=[7], budget=budget, rollback=1))
+    first, second = (list(r.tree.tokens) for r in out)
+    assert first == []  # nothing follows a 9 anywhere
+    assert second[:2] == [5, 6]  # without the 9 the context is the cycle again
+    with pytest.raises(grpc.RpcError) as err:
+        session(drafter_pb2.Propose(step=1, new_tokens=[1], budget=budget, rollback=len(prompt)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -397,11 +397,13 @@ def exact_pair_law(model, prompt: list[int], warp: tuple[float, int, float]) -> 
     return {(b, c): float(law[b, c]) for b in range(v) for c in range(v)}
 
 
-def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int) -> tuple[Counter, float]:
+def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int,
+                 overlap: bool = False) -> tuple[Counter, float]:
     from spec_helpers import engine_for
 
     temperature, top_k, top_p = warp
     engine = engine_for(target_runner, proposer, 4, 2, draft_runner=draft_runner)
+    engine.overlap = overlap  # PEARL: trees drafted ahead, reused when the bonus token was guessed
     counts: Counter = Counter()
     accepted = steps = 0
     for i in range(n):
@@ -430,13 +432,15 @@ def ar_pairs(e2e_models):
 
 
 @pytest.mark.parametrize(
-    "proposer,warp",
-    [("draft_model", "plain"), ("draft_model_tree", "plain"), ("prompt_lookup", "plain"), ("draft_model", "topk_topp")],
+    "proposer,warp,overlap",
+    [("draft_model", "plain", False), ("draft_model_tree", "plain", False), ("prompt_lookup", "plain", False),
+     ("draft_model", "topk_topp", False), ("draft_model", "plain", True), ("draft_model_tree", "plain", True)],
 )
-def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp):
+def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
     model, target_runner, draft_runner = e2e_models
     law = exact_pair_law(model, E2E_PROMPT, WARPS[warp])
-    counts, acceptance = sample_pairs(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES, seed0=0)
+    counts, acceptance = sample_pairs(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES, seed0=0,
+                                      overlap=overlap)
     assert acceptance > 0.05  # speculation was really exercised (not all rejected)
     assert chisquare_p(counts, law) > P_PASS
     # two-sample test against autoregressive samples of the same stack
