@@ -60,6 +60,7 @@ class Engine:
         decode: Callable[[list[int]], str] | None = None,
         overlap: bool = False,
         ahead_from: str = "path",
+        max_draft_nodes: int | None = None,
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
@@ -69,6 +70,7 @@ class Engine:
         # what drafting ahead assumes: "path" = the tree's main line is accepted (PEARL);
         # "context" = nothing: a deeper tree from the committed context covers every outcome
         self.ahead_from = ahead_from
+        self.max_draft_nodes = max_draft_nodes  # the drafter's limit: drafting ahead asks for a bigger tree
 
     def stream(
         self, prompt: Sequence[int], sampling: SamplingParams, result: GenerationResult | None = None
@@ -78,7 +80,7 @@ class Engine:
         stats = result.stats
         stats.prompt_tokens = len(prompt)
         stopper = StopChecker(sampling, self.verifier.info.eos_token_ids, self.decode)
-        req = _Request(self, uuid.uuid4().hex, self.drafter, stopper, stats)
+        req = _Request(self, uuid.uuid4().hex, self.drafter, stopper, stats, sampling.greedy)
         if self.overlap and self.drafter is not None:
             req.worker = DraftWorker(self.drafter)
         start = time.perf_counter()
@@ -151,8 +153,11 @@ class Engine:
             if req.drafter is not None:
                 ahead = self.policy.next_budget(req.stats, req.stopper.remaining - len(path) - 1, "predraft")
                 if not ahead.is_zero:
-                    req.stop_event = threading.Event()
-                    pre_budget = predraft_budget(ahead, req.stop_event, len(path) + 1 - len(hypothesis))
+                    # greedy: the pre-draft stops when the verification ends (the tree's contents never
+                    # change the output); sampling: it runs to its budget, so a seed reproduces the output
+                    req.stop_event = threading.Event() if req.greedy else None
+                    pre_budget = predraft_budget(ahead, req.stop_event, len(path) + 1 - len(hypothesis),
+                                                 self.max_draft_nodes)
                     pending = req.start_draft(pre_budget, hypothesis)
             tree, verified = req.verify(tree)
             pre_tree, pre_seconds = req.collect(pending, pre_budget)
@@ -181,6 +186,7 @@ class _Request:
     drafter: Drafter | None
     stopper: StopChecker
     stats: RequestStats
+    greedy: bool
     worker: DraftWorker | None = None
     committed: list[int] = field(default_factory=list)  # every token committed after the prompt
     view: DraftContext = field(default_factory=DraftContext)

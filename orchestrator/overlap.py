@@ -67,12 +67,14 @@ def reusable_subtree(
     return sub if sub.num_nodes else None
 
 
-def predraft_budget(budget: Budget, stop, levels: int = 1) -> Budget:
+def predraft_budget(budget: Budget, stop, levels: int = 1, max_nodes: int | None = None) -> Budget:
     """Budget for drafting ahead: ``levels`` more than the next tree (the levels the step will
-    commit: the bonus token, plus the main line when drafting from the context)."""
+    commit: the bonus token, plus the main line when drafting from the context), within ``max_nodes``."""
     per_level = max(1, budget.max_nodes // max(budget.max_depth, 1))
-    return Budget(budget.max_nodes + per_level * levels, budget.max_depth + levels, budget.deadline,
-                  budget.min_path_prob, stop)
+    nodes = budget.max_nodes + per_level * levels
+    if max_nodes is not None:
+        nodes = min(nodes, max_nodes)
+    return Budget(nodes, budget.max_depth + levels, budget.deadline, budget.min_path_prob, stop)
 
 
 class DraftWorker:

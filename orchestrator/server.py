@@ -149,7 +149,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             candidates.append(("local prompt_lookup", lambda: self._local))
             drafter = FailoverDrafter(candidates, self.info.vocab_size, lambda _, message: failures.append(message))
         chosen = build_policy(policy[0], budget[0], budget[1], self.draft_timeout, policy[1])
-        return Engine(verifier.bind(deadline), drafter, chosen, self._decode, overlap=overlap)
+        return Engine(verifier.bind(deadline), drafter, chosen, self._decode, overlap=overlap,
+                      max_draft_nodes=self.max_tree_nodes)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -129,7 +129,7 @@ def resolve_draft_dtype(draft_dtype: str | None, dtype: str):
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     """How the loop speculates: overlap (PEARL), the policy, the pre-verify depth. Unset options take
     the embedded defaults (orchestrator/embedded.py) or, through a server, the server's."""
-    from orchestrator.embedded import DEFAULT_OVERLAP, DEFAULT_POLICY, POLICIES
+    from orchestrator.embedded import DEFAULT_OVERLAP, DEFAULT_POLICY, DEFAULT_RESTART_DEPTH, POLICIES
 
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="PEARL: draft the next tree while the current one is verified "
@@ -139,8 +139,9 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "acceptance and measured costs, with the budget as cap and 0 when drafting does not pay "
                         f"(default: {DEFAULT_POLICY})")
     p.add_argument("--restart-depth", type=int, default=None,
-                   help="with --overlap and the static policy: depth of a tree the verifier has to wait for "
-                        "(pre-verify; default: the full depth)")
+                   help="with --overlap and the static policy: depth of a tree the verifier has to wait for when "
+                        "nothing drafted ahead was usable; 0 = it verifies the pending token alone while the "
+                        f"drafter drafts ahead (default: {DEFAULT_RESTART_DEPTH})")
 
 
 def _add_generate(sub) -> None:

@@ -136,9 +136,10 @@ def test_bench_greedy_report(pair, tmp_path, capsys):
 def test_bench_always_accept_drafter(pair, tmp_path):
     """Draft = target: every drafted token is accepted, so τ is the budget-limited maximum.
 
-    Confidence cut-offs are off on both sides: a random model is rarely confident.
+    Confidence cut-offs are off on both sides: a random model is rarely confident. Sequential
+    loop (overlap=0): with overlap, how much is drafted ahead depends on timing.
     """
-    chain = "draft_model:max_nodes=4,max_depth=4,min_confidence=0"
+    chain = "draft_model:max_nodes=4,max_depth=4,min_confidence=0,overlap=0"
     report = _bench(
         pair, tmp_path / "out.json", "--methods", chain,
         "hf_assisted:assistant_confidence_threshold=0", "--limit", "1", draft="same",
