@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -81,9 +82,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     if propose.rollback >= drafter.context_length(session):  # proposals run one at a time
                         raise ValueError(f"cannot roll back {propose.rollback} of the session's "
                                          f"{drafter.context_length(session)} tokens")
-                    if budget.max_nodes > self.max_tree_nodes:
-                        raise ValueError(f"budget of {budget.max_nodes} nodes exceeds this drafter's "
-                                         f"limit of {self.max_tree_nodes}")
+                    if budget.max_nodes > self.max_tree_nodes:  # a smaller tree fits any budget: clamp
+                        budget = dataclasses.replace(budget, max_nodes=self.max_tree_nodes)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 start = time.perf_counter()
@@ -116,7 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-proposer", default=None,
                    help="proposer for sessions that name none (default: draft_model with a draft model, "
                         "else prompt_lookup)")
-    p.add_argument("--max-tree-nodes", type=int, default=256, help="largest budget accepted (default: 256)")
+    p.add_argument("--max-tree-nodes", type=int, default=256,
+                   help="largest tree drafted; larger budgets are clamped to it (default: 256)")
     serving.add_server_arguments(p)
 
 

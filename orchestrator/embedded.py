@@ -102,7 +102,7 @@ class EmbeddedStack:
         """An engine with ``proposer`` (None or "none" = plain autoregressive decoding).
         ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
         ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
-        has to wait for (pre-verify; None = the full depth)."""
+        has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH)."""
         drafter = None
         if proposer not in (None, "none", "ar"):
             if proposer in NEEDS_DRAFT_MODEL and self.draft_runner is None:

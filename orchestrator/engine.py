@@ -85,13 +85,16 @@ class Engine:
             req.worker = DraftWorker(self.drafter)
         start = time.perf_counter()
         try:  # the finally releases the verifier session even when prefill itself fails
-            # the drafter opens first: its own prefill (draft model) runs on the worker, or in the
-            # drafter's process, while the verifier prefills
-            opening = req.open(prompt, sampling)
+            # with a worker the drafter opens first: its prefill (draft model) runs on the worker, or
+            # in the drafter's process, while the verifier prefills; without one it opens after the
+            # first token is out, so that token does not wait for the draft prefill
+            opening = req.open(prompt, sampling) if req.worker is not None else None
             prefill = self.verifier.prefill(req.session, prompt, sampling)
             stats.prefill_seconds = prefill.seconds
             req.committed.append(prefill.first_token)
             yield StepEvent(tuple(stopper.push([prefill.first_token])), None)
+            if req.worker is None:
+                req.open(prompt, sampling)
             req.opened(opening)
             steps = self._overlapped(req) if req.worker is not None else self._sequential(req)
             for step, tokens in steps:
@@ -154,8 +157,9 @@ class Engine:
                 ahead = self.policy.next_budget(req.stats, req.stopper.remaining - len(path) - 1, "predraft")
                 if not ahead.is_zero:
                     # greedy: the pre-draft stops when the verification ends (the tree's contents never
-                    # change the output); sampling: it runs to its budget, so a seed reproduces the output
-                    req.stop_event = threading.Event() if req.greedy else None
+                    # change the output); sampling: it runs to its budget (static policy, no draft
+                    # deadline: a seed reproduces the output), stopped early only when the request ends
+                    req.stop_event = threading.Event()
                     pre_budget = predraft_budget(ahead, req.stop_event, len(path) + 1 - len(hypothesis),
                                                  self.max_draft_nodes)
                     pending = req.start_draft(pre_budget, hypothesis)
@@ -171,6 +175,8 @@ class Engine:
                 drafter_busy_seconds=busy, predrafted=predrafted,
                 predraft_nodes=pre_tree.num_nodes if pre_tree is not None else 0,
                 predraft_used=ready.num_nodes if ready is not None else 0,
+                predraft_levels=pre_tree.max_depth if pre_tree is not None else 0,
+                predraft_seconds=pre_seconds,
                 ahead_confirmed=pre_tree is not None and len(verified.tokens) > len(hypothesis)
                 and list(verified.tokens[: len(hypothesis)]) == hypothesis,
             ), verified.tokens
@@ -254,9 +260,10 @@ class _Request:
         return (tree if tree is not None else TokenTree.empty()), seconds
 
     def collect(self, pending, budget: Budget) -> tuple[TokenTree | None, float]:
-        """Wait for a queued draft (telling a pre-draft to stop first); (tree or None, drafter seconds)."""
+        """Wait for a queued draft (telling a greedy pre-draft to stop first); (tree or None, drafter seconds)."""
         if self.stop_event is not None:
-            self.stop_event.set()
+            if self.greedy:
+                self.stop_event.set()
             self.stop_event = None
         if pending is None:
             return None, 0.0
@@ -275,7 +282,8 @@ class _Request:
         try:
             verified = verifier.verify(self.session, tree)
         except InvalidTreeError as exc:
-            self.collect(None, Budget(0, 0))  # stop a pre-draft in flight before closing the drafter
+            if self.stop_event is not None:  # stop a pre-draft in flight before closing the drafter
+                self.stop_event.set()
             self.fail(InvalidTreeError(str(exc)))
             tree = TokenTree.empty()
             verified = verifier.verify(self.session, tree)

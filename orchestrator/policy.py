@@ -113,8 +113,9 @@ class CostModel:
 
 
 def fit_costs(steps: Sequence[StepStats], draft_cost_ratio: float = 0.1) -> CostModel:
-    """Least-squares verify = a + b*num_proposed; median draft seconds per level of the trees drafted while
-    the verifier waited (not pre-drafted); median step overhead (step - verify - wait, clamped >= 0).
+    """Least-squares verify = a + b*num_proposed (robust variant when plain steps exist); median draft
+    seconds per level of the trees drafted, whether the verifier waited for them or they were drafted
+    ahead; median step overhead (step - verify - wait, clamped >= 0).
     Missing data falls back to priors: a = 1 unit, b = a * NODE_COST_FRACTION, a draft level =
     ``draft_cost_ratio`` * a, no overhead."""
     points = [(s.num_proposed, s.verify_seconds) for s in steps if s.verify_seconds > 0]
@@ -135,6 +136,8 @@ def fit_costs(steps: Sequence[StepStats], draft_cost_ratio: float = 0.1) -> Cost
             a = v_mean / (1 + NODE_COST_FRACTION * n_mean)
             b = NODE_COST_FRACTION * a
     levels = [s.draft_seconds / s.tree_depth for s in steps if s.tree_depth > 0 and not s.predrafted]
+    # drafts made ahead count too: with restarts at depth 0 they are the only drafting there is
+    levels += [s.predraft_seconds / s.predraft_levels for s in steps if s.predraft_levels > 0]
     overheads = [max(0.0, s.step_seconds - s.verify_seconds - s.wait_seconds) for s in steps if s.step_seconds > 0]
     return CostModel(a, b, median(levels) if levels else draft_cost_ratio * a, median(overheads) if overheads else 0.0)
 

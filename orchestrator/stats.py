@@ -23,6 +23,8 @@ class StepStats:
     predrafted: bool = False  # the tree was drafted while the previous step was being verified (PEARL)
     predraft_nodes: int = 0  # nodes drafted during this step's verification for the next step
     predraft_used: int = 0  # of those, nodes the next step's tree kept
+    predraft_levels: int = 0  # depth of the tree drafted ahead (0 = none)
+    predraft_seconds: float = 0.0  # drafter time it took
     ahead_confirmed: bool = False  # the verifier accepted the whole line drafted ahead on (usable if the bonus was guessed)
 
 

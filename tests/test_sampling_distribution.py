@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from orchestrator.policy import StaticPolicy
 from specmesh.sampling import SamplingParams, warp_probs
 from specmesh.tree import TokenTree
 from verifier_service import verification
@@ -399,13 +400,16 @@ def exact_pair_law(model, prompt: list[int], warp: tuple[float, int, float]) -> 
 
 def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int,
                  overlap: bool = False) -> tuple[Counter, float]:
+    """(counts of the 2nd and 3rd generated tokens, acceptance: draft tokens accepted per step, or with
+    ``overlap`` draft tokens accepted from drafted-ahead trees per request)."""
     from spec_helpers import engine_for
 
     temperature, top_k, top_p = warp
     engine = engine_for(target_runner, proposer, 4, 2, draft_runner=draft_runner)
-    engine.overlap = overlap  # PEARL: trees drafted ahead, reused when the bonus token was guessed
+    if overlap:  # PEARL as shipped: restarts verify no tree; trees drafted ahead, reused when the bonus was guessed
+        engine.overlap, engine.policy = True, StaticPolicy(4, 2, restart_depth=0)
     counts: Counter = Counter()
-    accepted = steps = 0
+    accepted = steps = reused = 0
     for i in range(n):
         sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + i,
                             max_new_tokens=4, ignore_eos=True)
@@ -414,6 +418,9 @@ def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int
         counts[tuple(res.token_ids[1:3])] += 1
         accepted += sum(s.num_accepted for s in res.stats.steps)
         steps += res.stats.num_steps
+        reused += sum(s.num_accepted for s in res.stats.steps if s.predrafted)
+    if overlap:  # the point of these runs: drafted-ahead trees were verified and (partly) accepted
+        return counts, reused / n
     return counts, accepted / max(steps, 1)
 
 
@@ -441,7 +448,9 @@ def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, 
     law = exact_pair_law(model, E2E_PROMPT, WARPS[warp])
     counts, acceptance = sample_pairs(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES, seed0=0,
                                       overlap=overlap)
-    assert acceptance > 0.05  # speculation was really exercised (not all rejected)
+    # speculation was really exercised (not all rejected); with overlap: tokens accepted from reused
+    # drafted-ahead trees per request (a sampled guess of the bonus token is right ~7% of the time here)
+    assert acceptance > (0.02 if overlap else 0.05)
     assert chisquare_p(counts, law) > P_PASS
     # two-sample test against autoregressive samples of the same stack
     ar = ar_pairs(warp)
