@@ -162,7 +162,7 @@ def choose_depth(
     verify_cost: Callable[[int], float],  # num_nodes -> seconds
     draft_level_cost: float,
     overhead: float,
-    nodes_for_depth: Callable[[int], int],
+    nodes_for_depth: Callable[[int], float],  # depth -> nodes the verifier checks
     phase: Phase,
     max_depth: int,
 ) -> int:
@@ -177,6 +177,14 @@ def choose_depth(
         rates.append(tokens / step_time(d, verify_cost(nodes_for_depth(d)), draft_level_cost, overhead, hidden))
     best = max(rates)
     return next(d for d, r in enumerate(rates) if r >= best * (1 - _TIE))
+
+
+def fill_ratio(steps: Sequence[StepStats], prior_nodes: float = 4.0) -> float:
+    """Share of the budgeted nodes the drafter really proposed (prompt lookup proposes fewer, or none when
+    nothing matches), shrunk towards 1 with ``prior_nodes`` pseudo-nodes; the verifier pays for these."""
+    asked = sum(s.budget[0] for s in steps if s.budget[0] > 0)
+    got = sum(s.num_proposed for s in steps if s.budget[0] > 0)
+    return (got + prior_nodes) / (asked + prior_nodes)
 
 
 def bonus_guess_rate(steps: Sequence[StepStats], prior: float = 0.6, prior_weight: float = 2.0) -> float:
@@ -210,7 +218,7 @@ def overlap_rate(
 
 
 def choose_overlap(
-    alpha: Sequence[float], guess: float, costs: CostModel, nodes_for_depth: Callable[[int], int], max_depth: int
+    alpha: Sequence[float], guess: float, costs: CostModel, nodes_for_depth: Callable[[int], float], max_depth: int
 ) -> tuple[int, int]:
     """(restart depth, ahead depth) with the best ``overlap_rate``. A restart pays for its drafting; an
     ahead step's drafting (one level more: the bonus guesses) is hidden unless it outlasts the verification."""
@@ -265,7 +273,7 @@ class AdaptivePolicy:
     prior_acceptance: float = 0.6
     prior_weight: float = 4.0  # pseudo-steps behind the prior
     draft_cost_ratio: float = 0.1  # before any drafted tree: a draft level costs this share of a verification
-    probe_every: int = 8  # 0 = never probe
+    probe_every: int = 4  # 0 = never probe
     max_stop: float = 0.1  # cap on Budget.min_path_prob (draft probabilities are not calibrated acceptance rates)
 
     def __post_init__(self) -> None:
@@ -287,12 +295,17 @@ class AdaptivePolicy:
         steps = stats.steps[-self.window:]
         alpha = conditional_acceptance(steps, limit, self.prior_acceptance, self.prior_weight)
         costs = fit_costs(steps, self.draft_cost_ratio)
-        model = (costs.verify, costs.draft_per_level, costs.overhead, self.nodes, phase, limit)
+        fill = fill_ratio(steps)
+
+        def verified_nodes(depth: int) -> float:  # what a budget of this depth costs the verifier
+            return self.nodes(depth) * fill
+
+        model = (costs.verify, costs.draft_per_level, costs.overhead, verified_nodes, phase, limit)
         if phase == "sequential":
             depth = choose_depth(alpha, *model)
         else:  # the overlapped loop: restarts and ahead steps are chosen together, for the steady state
             guess = bonus_guess_rate(steps, self.prior_acceptance, self.prior_weight)
-            restart, ahead = choose_overlap(alpha, guess, costs, self.nodes, limit)
+            restart, ahead = choose_overlap(alpha, guess, costs, verified_nodes, limit)
             depth = restart if phase == "restart" else ahead
         if depth == 0:
             if self._probe_due(steps) and choose_depth([1.0] * limit, *model) > 0:
