@@ -196,42 +196,41 @@ def bonus_guess_rate(steps: Sequence[StepStats], prior: float = 0.6, prior_weigh
 
 
 def overlap_rate(
-    restart_depth: int, ahead_depth: int, alpha: Sequence[float], guess: float, wait_time: float, ahead_time: float
+    restart: tuple[float, float, float], ahead: tuple[float, float, float], guess: float
 ) -> float:
     """Committed tokens per second of the overlapped loop in its steady state.
 
-    Two kinds of step: a restart (nothing drafted ahead was usable; the verifier waits for a tree
-    ``restart_depth`` deep, 0 = it verifies none) and an ahead step (its tree, ``ahead_depth`` deep,
-    was drafted during the previous verification). After any step the next one is an ahead step when
-    the verifier confirmed the whole line of the current tree (prob. prod(alpha[:depth])) and the
-    pre-draft guessed the bonus token (prob. ``guess``). With P_r, P_a those chances for the two depths,
-    ahead steps per restart are r = guess * P_r / (1 - guess * P_a) (a geometric run), and the rate is
-    (E(restart) + r E(ahead)) / (wait_time + r ahead_time)."""
-    p_restart = p_ahead = 1.0
-    for a in alpha[:restart_depth]:
-        p_restart *= a
-    for a in alpha[:ahead_depth]:
-        p_ahead *= a
-    r = guess * p_restart / max(1e-9, 1 - guess * p_ahead)
-    tokens = expected_tokens(alpha, restart_depth) + r * expected_tokens(alpha, ahead_depth)
-    return tokens / (wait_time + r * ahead_time)
+    Two kinds of step, each given as (expected tokens E, chance P that the verifier confirms the
+    tree's whole line, seconds): a restart (nothing drafted ahead was usable; the verifier waits
+    for its tree, or verifies none) and an ahead step (its tree was drafted during the previous
+    verification). After any step the next one is an ahead step when its line was confirmed and the
+    pre-draft guessed the bonus token (prob. ``guess``). Ahead steps per restart are then
+    r = guess * P_restart / (1 - guess * P_ahead) (a geometric run), and the rate is
+    (E_restart + r E_ahead) / (seconds_restart + r seconds_ahead)."""
+    (e_r, p_r, t_r), (e_a, p_a, t_a) = restart, ahead
+    r = guess * p_r / max(1e-9, 1 - guess * p_a)
+    return (e_r + r * e_a) / (t_r + r * t_a)
 
 
 def choose_overlap(
     alpha: Sequence[float], guess: float, costs: CostModel, nodes_for_depth: Callable[[int], float], max_depth: int
 ) -> tuple[int, int]:
     """(restart depth, ahead depth) with the best ``overlap_rate``. A restart pays for its drafting; an
-    ahead step's drafting (one level more: the bonus guesses) is hidden unless it outlasts the verification."""
-    def wait_time(d: int) -> float:
-        return costs.overhead + costs.draft_per_level * d + costs.verify(nodes_for_depth(d))
-
-    def ahead_time(d: int) -> float:
-        return costs.overhead + max(costs.verify(nodes_for_depth(d)), costs.draft_per_level * (d + 1))
-
+    ahead step's drafting (one level more: the bonus guesses) is hidden unless it outlasts the verification.
+    The per-depth figures are computed once, so the (max_depth + 1)^2 grid is plain arithmetic."""
+    tokens, confirmed = [1.0], [1.0]  # E(d) and prod(alpha[:d]) for d = 0..max_depth
+    for a in alpha[:max_depth]:
+        confirmed.append(confirmed[-1] * a)
+        tokens.append(tokens[-1] + confirmed[-1])
+    restarts, aheads = [], []
+    for d in range(max_depth + 1):
+        verify = costs.verify(nodes_for_depth(d))
+        restarts.append((tokens[d], confirmed[d], costs.overhead + costs.draft_per_level * d + verify))
+        aheads.append((tokens[d], confirmed[d], costs.overhead + max(verify, costs.draft_per_level * (d + 1))))
     best, choice = -1.0, (0, 0)
-    for dr in range(max_depth + 1):
-        for da in range(max_depth + 1):
-            rate = overlap_rate(dr, da, alpha, guess, wait_time(dr), ahead_time(da))
+    for dr, restart in enumerate(restarts):
+        for da, ahead in enumerate(aheads):
+            rate = overlap_rate(restart, ahead, guess)
             if rate > best * (1 + _TIE):
                 best, choice = rate, (dr, da)
     return choice

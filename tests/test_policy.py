@@ -15,12 +15,16 @@ from orchestrator.policy import (
     PROBE_DEPTH,
     AdaptivePolicy,
     CostModel,
+    bonus_guess_rate,
     choose_depth,
+    choose_overlap,
     conditional_acceptance,
     expected_tokens,
+    fill_ratio,
     fit_costs,
     node_cost,
     nodes_for_depth,
+    overlap_rate,
     step_time,
     stop_threshold,
 )
@@ -349,3 +353,44 @@ def test_next_budget_is_cheap():
         policy.next_budget(stats, 100)
     per_call = (time.perf_counter() - t0) / n
     assert per_call < 2e-3, per_call  # ~100 µs on an idle core; generous for a busy machine
+
+
+# ------------------------------------------------------------------ the overlapped loop
+def test_bonus_guess_rate_and_fill_ratio_start_at_their_priors_and_follow_the_data():
+    assert bonus_guess_rate([], prior=0.6) == pytest.approx(0.6)
+    hits = [_step(2, 2, ahead_confirmed=True, predraft_used=2)] * 50
+    misses = [_step(2, 2, ahead_confirmed=True, predraft_used=0)] * 50
+    unconfirmed = [_step(2, 0, ahead_confirmed=False, predraft_used=0)] * 50  # say nothing about guessing
+    assert bonus_guess_rate(hits + misses + unconfirmed) == pytest.approx(0.5, abs=0.01)
+    assert fill_ratio([]) == 1.0
+    half = [_step(4, 0, nodes=4, budget=(8, 4))] * 50  # the drafter proposed half of its budget
+    assert fill_ratio(half) == pytest.approx(0.5, abs=0.01)
+
+
+def test_overlap_rate_without_hits_is_the_restart_rate():
+    assert overlap_rate((2.0, 0.5, 0.02), (5.0, 0.9, 0.01), guess=0.0) == pytest.approx(2.0 / 0.02)
+    # always confirmed and guessed: ahead steps run forever, the rate tends to theirs
+    assert overlap_rate((1.0, 1.0, 0.02), (5.0, 1.0, 0.01), guess=1.0) == pytest.approx(5.0 / 0.01, rel=1e-3)
+
+
+@given(alpha=st.lists(st.floats(0, 1), min_size=0, max_size=8), guess=st.floats(0, 1),
+       a=st.floats(1e-3, 0.05), b=st.floats(0, 0.01), draft=st.floats(0, 0.02), overhead=st.floats(0, 0.01))
+def test_choose_overlap_picks_the_best_pair_of_the_grid(alpha, guess, a, b, draft, overhead):
+    costs = CostModel(a, b, draft, overhead)
+    depth = len(alpha)
+    nodes = partial(nodes_for_depth, max_nodes=2 * max(depth, 1), max_depth=max(depth, 1))
+    dr, da = choose_overlap(alpha, guess, costs, nodes, depth)
+
+    def figures(d, hidden):
+        verify = costs.verify(nodes(d))
+        seconds = overhead + (max(verify, draft * (d + 1)) if hidden else draft * d + verify)
+        return expected_tokens(alpha, d), float(np.prod(alpha[:d])), seconds
+
+    rates = {(r, h): overlap_rate(figures(r, False), figures(h, True), guess)
+             for r in range(depth + 1) for h in range(depth + 1)}
+    assert rates[dr, da] >= max(rates.values()) * (1 - 1e-9)
+
+
+def test_choose_overlap_stops_drafting_when_nothing_is_accepted():
+    costs = CostModel(0.01, 0.002, 0.002, 0.001)
+    assert choose_overlap([0.0] * 4, 0.9, costs, lambda d: d, 4) == (0, 0)
