@@ -25,6 +25,20 @@ class Drafter(Protocol):
     def close(self, session_id: str) -> None: ...
 
 
+def check_rollback(rollback: int, context_length: int) -> None:
+    """A rollback must leave at least one token of the context; ValueError otherwise."""
+    if not 0 <= rollback < context_length:
+        raise ValueError(f"cannot roll back {rollback} of the session's {context_length} tokens")
+
+
+def edit_context(tokens: list[int], new_tokens: Sequence[int], rollback: int) -> None:
+    """Apply a context edit in place: drop ``rollback`` tokens from the end, then append ``new_tokens``."""
+    check_rollback(rollback, len(tokens))
+    if rollback:
+        del tokens[-rollback:]
+    tokens.extend(new_tokens)
+
+
 class LocalDrafter:
     """Drafter running one proposer in this process."""
 
@@ -48,11 +62,7 @@ class LocalDrafter:
 
     def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
         state = self._sessions[session_id]
-        if not 0 <= rollback < len(state.tokens):
-            raise ValueError(f"cannot roll back {rollback} of the session's {len(state.tokens)} tokens")
-        if rollback:
-            del state.tokens[-rollback:]
-        state.tokens.extend(new_tokens)
+        edit_context(state.tokens, new_tokens, rollback)
         return self.proposer.propose(state, budget)
 
     def context_length(self, session_id: str) -> int:

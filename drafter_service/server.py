@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from drafter_service.drafter import LocalDrafter
+from drafter_service.drafter import LocalDrafter, check_rollback
 from drafter_service.proposer import Proposer
 from specmesh import serving
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
@@ -79,9 +79,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     new_tokens = list(propose.new_tokens)
                     self._check_tokens(new_tokens)
                     budget = budget_from_proto(propose.budget, time.monotonic())
-                    if propose.rollback >= drafter.context_length(session):  # proposals run one at a time
-                        raise ValueError(f"cannot roll back {propose.rollback} of the session's "
-                                         f"{drafter.context_length(session)} tokens")
+                    # checked here, as it will be applied (proposals run one at a time), to answer
+                    # INVALID_ARGUMENT rather than fail on the model thread
+                    check_rollback(propose.rollback, drafter.context_length(session))
                     if budget.max_nodes > self.max_tree_nodes:  # a smaller tree fits any budget: clamp
                         budget = dataclasses.replace(budget, max_nodes=self.max_tree_nodes)
                 except ValueError as exc:

@@ -244,8 +244,7 @@ class _Request:
         """Draft from the committed context on this thread; an empty tree if the drafter fails."""
         rollback, new = self.view.edit(self.committed)
         try:
-            args = (rollback,) if rollback else ()
-            return self._validate(self.drafter.propose(self.session, new, budget, *args), budget)
+            return self._validate(self.drafter.propose(self.session, new, budget, rollback), budget)
         except Exception as exc:  # a broken drafter must not break the request
             self.fail(exc)
             return TokenTree.empty()

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from drafter_service.drafter import Drafter
+from drafter_service.drafter import Drafter, edit_context
 from drafter_service.proposer import Budget
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -61,18 +61,13 @@ class FailoverDrafter:
 
     def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
         session = self._sessions[session_id]
-        if not 0 <= rollback < len(session.tokens):
-            raise ValueError(f"cannot roll back {rollback} of the session's {len(session.tokens)} tokens")
-        if rollback:
-            del session.tokens[-rollback:]
-        session.tokens.extend(new_tokens)
+        edit_context(session.tokens, new_tokens, rollback)
         while session.drafter is not None:
             name = self.candidates[session.index][0]
             # the current drafter holds tokens[:num_seen] as of its last call: edit it from there
             keep = min(session.num_seen, len(session.tokens) - len(new_tokens))
             try:
-                rollback = session.num_seen - keep  # passed only when needed, like the engine does
-                tree = session.drafter.propose(session_id, session.tokens[keep:], budget, *((rollback,) if rollback else ()))
+                tree = session.drafter.propose(session_id, session.tokens[keep:], budget, session.num_seen - keep)
                 session.num_seen = len(session.tokens)
                 if self.vocab_size is not None:
                     tree.validate(self.vocab_size, budget.max_nodes, budget.max_depth)

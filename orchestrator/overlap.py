@@ -92,8 +92,7 @@ class DraftWorker:
 
     def _timed(self, session_id: str, new_tokens: list[int], budget: Budget, rollback: int) -> tuple[TokenTree, float]:
         t0 = time.perf_counter()
-        # rollback only when needed, so drafters that predate it still work without overlap edits
-        tree = self.drafter.propose(session_id, new_tokens, budget, *((rollback,) if rollback else ()))
+        tree = self.drafter.propose(session_id, new_tokens, budget, rollback)
         return tree, time.perf_counter() - t0
 
     def submit(self, method: str, *args) -> Future:
