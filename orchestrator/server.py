@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -27,12 +27,14 @@ import grpc
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import make_proposer, proposer_names
 from drafter_service.remote import DrafterClient
-from orchestrator.embedded import DEFAULT_OVERLAP, DEFAULT_POLICY, POLICIES, build_policy, default_budget
+from orchestrator.embedded import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, default_budget
 from orchestrator.engine import Engine, GenerationResult, StepEvent
 from orchestrator.failover import FailoverDrafter
+from orchestrator.policy import SpeculationPolicy
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import TextStream
 from specmesh import rpc, serving
+from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.wire import sampling_from_proto
 from verifier_service.remote import VerifierClient
@@ -75,6 +77,18 @@ def stats_to_proto(stats: RequestStats) -> generate_pb2.RequestStats:
     )
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A Generate request, checked, with the server's defaults filled in."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    proposer: str | None  # None = plain decoding
+    max_nodes: int  # of the budget (0 = no drafter)
+    overlap: bool
+    policy: SpeculationPolicy  # carries the budget
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(
         self,
@@ -106,7 +120,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     # ------------------------------------------------------------- requests
     def _parse(self, request):
-        """(prompt ids, sampling, proposer, budget, overlap, (policy, restart depth)) or ValueError."""
+        """The request checked and resolved against this server's defaults, or ValueError."""
         if request.WhichOneof("input") == "prompt":
             if not request.prompt:
                 raise ValueError("empty prompt")
@@ -132,34 +146,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 raise ValueError("budget sizes must be >= 0")
             nodes = min(nodes, self.max_tree_nodes)
         overlap = request.spec.overlap if request.spec.HasField("overlap") else self.overlap
-        policy = request.spec.policy or self.policy
-        if policy not in POLICIES:
-            raise ValueError(f"unknown speculation policy {policy!r}; choose from {', '.join(POLICIES)}")
         restart = request.spec.restart_depth if request.spec.HasField("restart_depth") else self.restart_depth
         if restart is not None and restart < 0:
             raise ValueError("restart_depth must be >= 0")
-        return prompt, sampling, proposer, (nodes, depth), overlap, (policy, restart)
+        policy = build_policy(request.spec.policy or self.policy, nodes, depth, self.draft_timeout, restart)
+        return _Plan(prompt, sampling, proposer, nodes, overlap, policy)
 
-    def _engine(self, verifier: VerifierClient, proposer, budget, overlap, policy, deadline,
-                failures: list[str]) -> Engine:
+    def _engine(self, verifier: VerifierClient, plan: _Plan, deadline, failures: list[str]) -> Engine:
         drafter = None
-        if proposer is not None and budget[0] > 0:
-            candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(proposer, deadline))
+        if plan.proposer is not None and plan.max_nodes > 0:
+            candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
                           for c in least_loaded(self.drafters, self._rng)]
             candidates.append(("local prompt_lookup", lambda: self._local))
             drafter = FailoverDrafter(candidates, self.info.vocab_size, lambda _, message: failures.append(message))
-        chosen = build_policy(policy[0], budget[0], budget[1], self.draft_timeout, policy[1])
-        return Engine(verifier.bind(deadline), drafter, chosen, self._decode, overlap=overlap,
+        return Engine(verifier.bind(deadline), drafter, plan.policy, self._decode, overlap=plan.overlap,
                       max_draft_nodes=self.max_tree_nodes)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _run(self, request_args, deadline, cancelled: threading.Event, emit) -> tuple[GenerationResult, str]:
+    def _run(self, plan: _Plan, deadline, cancelled: threading.Event, emit) -> tuple[GenerationResult, str]:
         """Worker thread: run the engine, calling ``emit(event, text)`` per step; returns the result and the
         text not yet emitted. A verifier that fails before anything was emitted is replaced by the next
         one; later failures end the request."""
-        prompt, sampling, proposer, budget, overlap, policy = request_args
+        sampling = plan.sampling
         for attempt, verifier in enumerate(least_loaded(self.verifiers, self._rng)):
             if cancelled.is_set():  # gone while queued: do not even prefill
                 return GenerationResult([], "aborted", RequestStats()), ""
@@ -167,9 +177,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             text = TextStream(self._decode, sampling.stop)
             emitted = False
             failures: list[str] = []  # drafter failovers, reported with the step they happened in
-            engine = self._engine(verifier, proposer, budget, overlap, policy, deadline, failures)
+            engine = self._engine(verifier, plan, deadline, failures)
             try:
-                with contextlib.closing(engine.stream(prompt, sampling, result)) as events:
+                with contextlib.closing(engine.stream(plan.prompt, sampling, result)) as events:
                     for event in events:
                         emitted = True
                         if failures and event.step is not None:
