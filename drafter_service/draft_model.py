@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from drafter_service.drafter import common_prefix_len
 from drafter_service.proposer import Budget, DraftSessionState, register
 from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
 from specmesh.sampling import warp_probs
@@ -46,10 +47,8 @@ class _DraftCache:
 
 def _sync(runner: ModelRunner, dc: _DraftCache, committed: list[int]) -> torch.Tensor:
     """Bring the draft cache to ``committed``; return the logits after its last token, [vocab]."""
-    common = 0
-    limit = min(len(dc.cached), len(committed) - 1)  # always re-feed at least the last committed token
-    while common < limit and dc.cached[common] == committed[common]:
-        common += 1
+    # always re-feed at least the last committed token
+    common = common_prefix_len(dc.cached, committed, limit=len(committed) - 1)
     dc.cache.truncate(common)
     logits = runner.forward(dc.cache, committed[common:], range(common, len(committed)), last_only=True)[-1]
     dc.cached = list(committed)

@@ -25,6 +25,15 @@ class Drafter(Protocol):
     def close(self, session_id: str) -> None: ...
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def check_rollback(rollback: int, context_length: int) -> None:
     """A rollback must leave at least one token of the context; ValueError otherwise."""
     if not 0 <= rollback < context_length:

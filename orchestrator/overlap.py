@@ -17,17 +17,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from drafter_service.drafter import Drafter
+from drafter_service.drafter import Drafter, common_prefix_len
 from drafter_service.proposer import Budget
 from specmesh.tree import TokenTree
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
