@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from drafter_service.proposer import Budget
+from specmesh.feedback import DraftFeedback, VerifyFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import common_pb2
@@ -99,3 +100,34 @@ def budget_from_proto(msg: common_pb2.Budget, now: float) -> Budget:
     """``now``: time.monotonic() when the message arrived; the deadline is relative to it."""
     deadline = now + msg.timeout_ms / 1000.0 if msg.timeout_ms > 0 else None
     return Budget(msg.max_nodes, msg.max_depth, deadline, msg.min_path_prob)
+
+
+# ------------------------------------------------------------------ feedback
+def feedback_to_proto(fb: VerifyFeedback) -> common_pb2.VerifyFeedback:
+    msg = common_pb2.VerifyFeedback(inputs=fb.inputs.tolist(), k=fb.k, topk=fb.topk.reshape(-1).tolist())
+    for gram in fb.ngrams:
+        msg.ngram_tokens.extend(gram)
+        msg.ngram_lengths.append(len(gram))
+    return msg
+
+
+def feedback_from_proto(msg: common_pb2.VerifyFeedback) -> VerifyFeedback:
+    rows, k = len(msg.inputs), msg.k
+    if k < 0 or len(msg.topk) != rows * k:
+        raise ValueError(f"feedback top-k has {len(msg.topk)} ids for {rows} rows of width {k}")
+    if any(n < 1 for n in msg.ngram_lengths) or sum(msg.ngram_lengths) != len(msg.ngram_tokens):
+        raise ValueError("feedback n-gram lengths must be positive and add up to the n-gram tokens")
+    tokens, grams, at = list(msg.ngram_tokens), [], 0
+    for n in msg.ngram_lengths:
+        grams.append(tuple(tokens[at : at + n]))
+        at += n
+    topk = np.asarray(msg.topk, np.int64).reshape(rows, k)
+    return VerifyFeedback(np.asarray(msg.inputs, np.int64), topk, tuple(grams))
+
+
+def draft_feedback_from_proto(msgs, committed_len: int) -> DraftFeedback | None:
+    """The feedback fields of a Propose; None when it carries none."""
+    verified = tuple(feedback_from_proto(m) for m in msgs)
+    if not verified and committed_len == 0:
+        return None
+    return DraftFeedback(int(committed_len), verified)

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specmesh.feedback import VerifyFeedback
 from specmesh.model_runner import KVCache, ModelInfo, ModelRunner, tree_attend_mask
 from specmesh.sampling import SamplingParams, warp_probs
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
@@ -38,6 +39,7 @@ class VerifyResult:
     accepted_nodes: tuple[int, ...]  # tree node indices along the accepted path
     tokens: tuple[int, ...]  # accepted draft tokens + the bonus token (newly committed)
     seconds: float  # time spent in the verifier (forward + acceptance + compaction)
+    feedback: VerifyFeedback | None = None  # top-k rows / Jacobi n-grams, when the verifier is configured for them
 
     @property
     def num_accepted(self) -> int:

@@ -105,3 +105,17 @@ class StepStats(_message.Message):
     predraft_nodes: int
     predraft_used: int
     def __init__(self, num_proposed: _Optional[int] = ..., tree_depth: _Optional[int] = ..., num_accepted: _Optional[int] = ..., accepted_sources: _Optional[_Iterable[str]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_error: _Optional[str] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., predrafted: _Optional[bool] = ..., wait_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., drafter_busy_ms: _Optional[float] = ..., predraft_nodes: _Optional[int] = ..., predraft_used: _Optional[int] = ...) -> None: ...
+
+class VerifyFeedback(_message.Message):
+    __slots__ = ("inputs", "k", "topk", "ngram_tokens", "ngram_lengths")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedScalarFieldContainer[int]
+    k: int
+    topk: _containers.RepeatedScalarFieldContainer[int]
+    ngram_tokens: _containers.RepeatedScalarFieldContainer[int]
+    ngram_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, inputs: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., topk: _Optional[_Iterable[int]] = ..., ngram_tokens: _Optional[_Iterable[int]] = ..., ngram_lengths: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -36,16 +36,20 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., proposer: _Optional[str] = ...) -> None: ...
 
 class Propose(_message.Message):
-    __slots__ = ("step", "new_tokens", "budget", "rollback")
+    __slots__ = ("step", "new_tokens", "budget", "rollback", "feedback", "committed_len")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: _common_pb2.Budget
     rollback: int
-    def __init__(self, step: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., rollback: _Optional[int] = ...) -> None: ...
+    feedback: _containers.RepeatedCompositeFieldContainer[_common_pb2.VerifyFeedback]
+    committed_len: int
+    def __init__(self, step: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., rollback: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[_common_pb2.VerifyFeedback, _Mapping]]] = ..., committed_len: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")
