@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from drafter_service.proposer import Budget, DraftSessionState, Proposer
+from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 
@@ -20,7 +21,11 @@ from specmesh.tree import TokenTree
 class Drafter(Protocol):
     def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None: ...
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree: ...
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,
+                feedback: DraftFeedback | None = None) -> TokenTree:
+        """Edit the context (drop ``rollback`` tokens, append ``new_tokens``), hand ``feedback`` (what the
+        verifier saw, how much of the context is committed) to the proposer, and draft within ``budget``."""
+        ...
 
     def close(self, session_id: str) -> None: ...
 
@@ -69,9 +74,18 @@ class LocalDrafter:
         if prepare is not None:
             prepare(state)
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,
+                feedback: DraftFeedback | None = None) -> TokenTree:
         state = self._sessions[session_id]
         edit_context(state.tokens, new_tokens, rollback)
+        if feedback is not None:
+            if feedback.committed_len:
+                state.committed_len = min(feedback.committed_len, len(state.tokens))
+            observe = getattr(self.proposer, "observe", None)
+            if observe is not None:
+                observe(state, feedback)
+        if budget.is_zero:  # a context sync (the orchestrator's last call before close)
+            return TokenTree.empty()
         return self.proposer.propose(state, budget)
 
     def context_length(self, session_id: str) -> int:

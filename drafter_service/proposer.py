@@ -55,12 +55,27 @@ class DraftSessionState:
     sampling: SamplingParams
     generator: torch.Generator | None = None  # for sampled drafts
     scratch: dict[str, Any] = field(default_factory=dict)  # per-proposer state
+    # tokens[:committed_len] are committed (the rest a hypothesis drafted ahead on), as last told by
+    # the orchestrator; 0 = never told
+    committed_len: int = 0
+
+    @property
+    def committed(self) -> list[int]:
+        """The committed part of the context (all of it when the orchestrator never said)."""
+        return self.tokens[: self.committed_len] if self.committed_len else self.tokens
 
 
 class Proposer(Protocol):
-    """``propose`` and ``release`` are required. A proposer may also define ``prepare(state)``, run when
-    a session opens (a draft model prefills the prompt there, so the first step does not pay for it
-    and the prefill can overlap the verifier's)."""
+    """``propose`` and ``release`` are required. Optional hooks:
+
+    - ``prepare(state)``, run when a session opens (a draft model prefills the prompt there, so the
+      first step does not pay for it and the prefill can overlap the verifier's);
+    - ``observe(state, feedback: DraftFeedback)``, run before ``propose`` when the orchestrator sends
+      feedback: the verifications since the last call (target top-k rows, Jacobi n-grams) and how
+      much of the context is committed. Learning proposers (token recycling, n-gram stores) use it.
+
+    ``release(state)`` runs at close; the orchestrator syncs the context to exactly the committed
+    tokens first, so a proposer may learn from ``state.tokens`` there."""
 
     name: str
 
@@ -97,4 +112,4 @@ def make_proposer(name: str, **resources: Any) -> Proposer:
 
 def _import_builtin() -> None:
     # Importing the modules runs their @register lines.
-    from drafter_service import draft_model, prompt_lookup  # noqa: F401
+    from drafter_service import copy_proposer, draft_model, prompt_lookup  # noqa: F401

@@ -18,10 +18,11 @@ import grpc
 from drafter_service.proposer import Budget
 from drafter_service.server import SERVICE_NAME
 from specmesh import rpc
+from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
-from specmesh.wire import budget_to_proto, sampling_to_proto, tree_from_proto
+from specmesh.wire import budget_to_proto, feedback_to_proto, sampling_to_proto, tree_from_proto
 
 log = logging.getLogger("specmesh.remote_drafter")
 _END = object()
@@ -63,9 +64,10 @@ class RemoteDrafter:
         self._streams[session_id] = _DraftStream(self.client, opening, timeout)
         self.client._add_sessions(1)
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,
+                feedback: DraftFeedback | None = None) -> TokenTree:
         deadline = budget.deadline if budget.deadline is not None else time.monotonic() + self.client.default_wait
-        return self._streams[session_id].propose(new_tokens, budget, deadline, rollback)
+        return self._streams[session_id].propose(new_tokens, budget, deadline, rollback, feedback)
 
     def close(self, session_id: str) -> None:
         stream = self._streams.pop(session_id, None)
@@ -94,11 +96,15 @@ class _DraftStream:
         except grpc.RpcError as exc:
             self._responses.put(rpc.UpstreamError(f"drafter {self.address}", exc.code(), exc.details()))
 
-    def propose(self, new_tokens: Sequence[int], budget: Budget, deadline: float, rollback: int) -> TokenTree:
+    def propose(self, new_tokens: Sequence[int], budget: Budget, deadline: float, rollback: int,
+                feedback: DraftFeedback | None = None) -> TokenTree:
         self._step += 1
         timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
         propose = drafter_pb2.Propose(step=self._step, new_tokens=new_tokens, budget=budget_to_proto(budget, timeout_ms),
                                       rollback=rollback)
+        if feedback is not None:
+            propose.committed_len = feedback.committed_len
+            propose.feedback.extend(feedback_to_proto(v) for v in feedback.verified)
         self._requests.put(drafter_pb2.DraftRequest(propose=propose))
         while True:
             try:

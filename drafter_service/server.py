@@ -22,7 +22,7 @@ from drafter_service.drafter import LocalDrafter, check_rollback
 from drafter_service.proposer import Proposer
 from specmesh import serving
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
-from specmesh.wire import budget_from_proto, sampling_from_proto, tree_to_proto
+from specmesh.wire import budget_from_proto, draft_feedback_from_proto, sampling_from_proto, tree_to_proto
 
 log = logging.getLogger("specmesh.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -82,12 +82,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     # checked here, as it will be applied (proposals run one at a time), to answer
                     # INVALID_ARGUMENT rather than fail on the model thread
                     check_rollback(propose.rollback, drafter.context_length(session))
+                    feedback = draft_feedback_from_proto(propose.feedback, propose.committed_len)
                     if budget.max_nodes > self.max_tree_nodes:  # a smaller tree fits any budget: clamp
                         budget = dataclasses.replace(budget, max_nodes=self.max_tree_nodes)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 start = time.perf_counter()
-                tree = await self._run(drafter.propose, session, new_tokens, budget, propose.rollback)
+                tree = await self._run(drafter.propose, session, new_tokens, budget, propose.rollback, feedback)
                 yield drafter_pb2.DraftResponse(
                     step=propose.step, tree=tree_to_proto(tree), draft_ms=(time.perf_counter() - start) * 1e3
                 )

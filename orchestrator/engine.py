@@ -31,6 +31,7 @@ from orchestrator.overlap import DraftContext, DraftWorker, predraft_budget, reu
 from orchestrator.policy import SpeculationPolicy, StaticPolicy
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
+from specmesh.feedback import DraftFeedback, VerifyFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from verifier_service.verifier import Verifier, VerifyResult
@@ -80,7 +81,7 @@ class Engine:
         stats = result.stats
         stats.prompt_tokens = len(prompt)
         stopper = StopChecker(sampling, self.verifier.info.eos_token_ids, self.decode)
-        req = _Request(self, uuid.uuid4().hex, self.drafter, stopper, stats, sampling.greedy)
+        req = _Request(self, uuid.uuid4().hex, self.drafter, stopper, stats, sampling.greedy, len(prompt))
         if self.overlap and self.drafter is not None:
             req.worker = DraftWorker(self.drafter)
         start = time.perf_counter()
@@ -193,11 +194,13 @@ class _Request:
     stopper: StopChecker
     stats: RequestStats
     greedy: bool
+    prompt_len: int
     worker: DraftWorker | None = None
     committed: list[int] = field(default_factory=list)  # every token committed after the prompt
     view: DraftContext = field(default_factory=DraftContext)
     error: str = ""  # a drafter failure not yet reported in a step
     stop_event: threading.Event | None = None  # ends the pre-draft in flight
+    unsent: list[VerifyFeedback] = field(default_factory=list)  # verifier feedback not yet given to the drafter
 
     def open(self, prompt: Sequence[int], sampling: SamplingParams):
         """Start opening the drafter session; pass the result to ``opened``."""
@@ -223,10 +226,15 @@ class _Request:
         self.error = f"{type(exc).__name__}: {exc}"
         self.close_drafter()
 
-    def close_drafter(self) -> None:
+    def close_drafter(self, sync: bool = False) -> None:
+        """Close the drafter session; with ``sync``, first bring its context to exactly the committed
+        tokens (with the last feedback), so proposers that learn from finished sessions see them."""
         drafter, self.drafter = self.drafter, None
         if drafter is not None:
             try:
+                if sync:
+                    rollback, new = self.view.edit(self.committed)
+                    self.call(drafter, "propose", self.session, new, Budget(0, 0), rollback, self.feedback())
                 self.call(drafter, "close", self.session)
             except Exception:  # closing is best effort: the drafter may be gone
                 pass
@@ -240,11 +248,16 @@ class _Request:
     def _validate(self, tree: TokenTree, budget: Budget) -> TokenTree:
         return tree.validate(self.engine.verifier.info.vocab_size, budget.max_nodes, budget.max_depth)
 
+    def feedback(self) -> DraftFeedback:
+        """What goes with the next drafter call: the committed length and the feedback not yet sent."""
+        verified, self.unsent = tuple(self.unsent), []
+        return DraftFeedback(self.prompt_len + len(self.committed), verified)
+
     def draft_now(self, budget: Budget) -> TokenTree:
         """Draft from the committed context on this thread; an empty tree if the drafter fails."""
         rollback, new = self.view.edit(self.committed)
         try:
-            return self._validate(self.drafter.propose(self.session, new, budget, rollback), budget)
+            return self._validate(self.drafter.propose(self.session, new, budget, rollback, self.feedback()), budget)
         except Exception as exc:  # a broken drafter must not break the request
             self.fail(exc)
             return TokenTree.empty()
@@ -252,7 +265,7 @@ class _Request:
     def start_draft(self, budget: Budget, hypothesis: Sequence[int] = ()):
         """Queue a draft from the committed context + ``hypothesis`` on the worker; a Future."""
         rollback, new = self.view.edit(self.committed, hypothesis)
-        return self.worker.propose(self.session, new, budget, rollback)
+        return self.worker.propose(self.session, new, budget, rollback, self.feedback())
 
     def draft_on_worker(self, budget: Budget) -> tuple[TokenTree, float]:
         tree, seconds = self.collect(self.start_draft(budget), budget)
@@ -287,6 +300,8 @@ class _Request:
             tree = TokenTree.empty()
             verified = verifier.verify(self.session, tree)
         self.committed += verified.tokens
+        if verified.feedback is not None and self.drafter is not None:
+            self.unsent.append(verified.feedback)
         return tree, verified
 
     def step_stats(self, tree: TokenTree, verified: VerifyResult, budget: Budget, t_step: float, **extra) -> StepStats:
@@ -308,6 +323,6 @@ class _Request:
         """Stop drafting ahead, close the drafter session and the worker."""
         if self.stop_event is not None:
             self.stop_event.set()
-        self.close_drafter()
+        self.close_drafter(sync=True)
         if self.worker is not None:
             self.worker.shutdown()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from drafter_service.drafter import Drafter, edit_context
 from drafter_service.proposer import Budget
+from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 
@@ -59,7 +60,8 @@ class FailoverDrafter:
         self._sessions[session_id] = session
         self._next(session_id, session)
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0) -> TokenTree:
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,
+                feedback: DraftFeedback | None = None) -> TokenTree:
         session = self._sessions[session_id]
         edit_context(session.tokens, new_tokens, rollback)
         while session.drafter is not None:
@@ -67,7 +69,8 @@ class FailoverDrafter:
             # the current drafter holds tokens[:num_seen] as of its last call: edit it from there
             keep = min(session.num_seen, len(session.tokens) - len(new_tokens))
             try:
-                tree = session.drafter.propose(session_id, session.tokens[keep:], budget, session.num_seen - keep)
+                tree = session.drafter.propose(session_id, session.tokens[keep:], budget, session.num_seen - keep,
+                                               feedback)
                 session.num_seen = len(session.tokens)
                 if self.vocab_size is not None:
                     tree.validate(self.vocab_size, budget.max_nodes, budget.max_depth)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from drafter_service.drafter import Drafter, common_prefix_len
 from drafter_service.proposer import Budget
+from specmesh.feedback import DraftFeedback
 from specmesh.tree import TokenTree
 
 
@@ -78,13 +79,15 @@ class DraftWorker:
         self.drafter = drafter
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft-worker")
 
-    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int) -> Future:
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int,
+                feedback: DraftFeedback | None = None) -> Future:
         """Future of (tree, seconds the drafter worked on it)."""
-        return self._pool.submit(self._timed, session_id, list(new_tokens), budget, rollback)
+        return self._pool.submit(self._timed, session_id, list(new_tokens), budget, rollback, feedback)
 
-    def _timed(self, session_id: str, new_tokens: list[int], budget: Budget, rollback: int) -> tuple[TokenTree, float]:
+    def _timed(self, session_id: str, new_tokens: list[int], budget: Budget, rollback: int,
+               feedback: DraftFeedback | None) -> tuple[TokenTree, float]:
         t0 = time.perf_counter()
-        tree = self.drafter.propose(session_id, new_tokens, budget, rollback)
+        tree = self.drafter.propose(session_id, new_tokens, budget, rollback, feedback)
         return tree, time.perf_counter() - t0
 
     def submit(self, method: str, *args) -> Future:

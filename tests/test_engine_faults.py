@@ -162,9 +162,9 @@ class _DeadDrafter:
         self._maybe("open")
         self.inner.open(session_id, prompt, sampling)
 
-    def propose(self, session_id, new_tokens, budget, rollback=0):
+    def propose(self, session_id, new_tokens, budget, rollback=0, feedback=None):
         self._maybe("propose")
-        return self.inner.propose(session_id, new_tokens, budget, rollback)
+        return self.inner.propose(session_id, new_tokens, budget, rollback, feedback)
 
     def close(self, session_id):
         self._maybe("close")

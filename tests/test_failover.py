@@ -35,10 +35,10 @@ class Flaky:
             raise ConnectionError("refused")
         self.inner.open(session_id, prompt, sampling)
 
-    def propose(self, session_id, new_tokens, budget, rollback=0):
+    def propose(self, session_id, new_tokens, budget, rollback=0, feedback=None):
         self.calls += 1
         self.log.append(("propose", list(new_tokens)))
-        tree = self.inner.propose(session_id, new_tokens, budget, rollback)
+        tree = self.inner.propose(session_id, new_tokens, budget, rollback, feedback)
         if self.calls < self.fail_at:
             return tree
         if self.how == "raise":

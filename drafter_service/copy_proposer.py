@@ -1,0 +1,227 @@
+"""Copy proposer (CopySpec): continue the context the way its longest repeated suffix continued before.
+
+Every earlier position e of the context (prompt and earlier turns included) whose
+preceding tokens agree with the context's suffix for at least ``min_match`` tokens is
+a candidate; its match length L(e) is how far back they agree (capped at
+``max_match``). What followed e is proposed. A candidate less than ``max_depth``
+tokens before the end continues into the tokens being proposed, which repeat it
+(an LZ77 overlapping copy: a loop of period n - 1 - e is continued as a loop).
+
+Ranking: longest match first, most recent first among equals; the first
+``max_matches`` distinct continuations are merged into one tree sharing prefixes,
+best first, within the budget's nodes and depth.
+
+Draft probabilities (metadata: the tree carries no draft distributions, so the
+verifier uses the point-mass rule, which keeps the target distribution): a node's
+is the share of candidates, weighted by match length, agreeing with its path among
+those agreeing with its parent's path. So a path's product is the weighted share of
+candidates that continue exactly that way, ``main_path`` follows the weighted
+majority, and ``Budget.min_path_prob`` stops paths too few candidates support.
+
+Per-session index (``state.scratch["copy"]``): every position of the context by
+the k-gram (k = ``min_match``) ending there, in increasing order. The context is
+edited only at its end (appends; rollbacks of a drafted-ahead hypothesis), so
+syncing with it pops the positions of removed tokens and appends the new ones:
+O(edit) per step, plus one comparison of the common prefix. A query looks up
+the suffix's k-gram and measures the candidates' match lengths vectorised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from drafter_service.drafter import common_prefix_len
+from drafter_service.proposer import Budget, DraftSessionState, register
+from specmesh.tree import TokenTree, TreeBuilder
+
+SYNC_TAIL = 64  # a context edit is assumed to touch at most this many last tokens before a full compare
+
+
+# ------------------------------------------------------------------ pure core
+def match_lengths(
+    context: np.ndarray,  # [num_tokens] int64
+    ends: np.ndarray,  # [num_candidates] int64, positions < num_tokens - 1
+    max_match: int,
+) -> np.ndarray:  # [num_candidates] int64
+    """For each candidate e, the largest L <= max_match with context[e-L+1 : e+1] == context[n-L : n].
+
+    Compared in growing column blocks, so candidates that stop agreeing early cost little."""
+    n = context.shape[0]
+    width = min(max_match, n)
+    suffix_rev = context[::-1][:width]  # context[n-1], context[n-2], ...
+    lengths = np.zeros(ends.shape[0], np.int64)
+    alive = np.arange(ends.shape[0])
+    start, block = 0, 4
+    while alive.size and start < width:
+        stop = min(width, start + block)
+        idx = ends[alive, None] - np.arange(start, stop)  # [num_alive, stop - start]
+        ok = (idx >= 0) & (context[np.maximum(idx, 0)] == suffix_rev[start:stop])
+        full = ok.all(axis=1)
+        lengths[alive] = np.where(full, stop, start + ok.argmin(axis=1))
+        alive = alive[full]
+        start, block = stop, block * 2
+    return lengths
+
+
+def copy_continuations(
+    context: np.ndarray,  # [num_tokens] int64
+    ends: np.ndarray,  # [num_candidates] int64, positions < num_tokens - 1
+    depth: int,
+) -> np.ndarray:  # [num_candidates, depth] int64
+    """What followed each candidate, ``depth`` tokens; past the end of the context the copy repeats
+    itself (period num_tokens - 1 - e), as the copied tokens would once proposed."""
+    period = context.shape[0] - 1 - ends  # [num_candidates], >= 1
+    return context[ends[:, None] + 1 + np.arange(depth) % period[:, None]]
+
+
+def rank_candidates(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Candidate order: longest match first, then most recent. [num_candidates] indices."""
+    return np.lexsort((-ends, -lengths))
+
+
+def first_distinct(rows: np.ndarray, order: np.ndarray, limit: int) -> list[int]:
+    """Indices (into ``rows`` [num_candidates, depth]) of the first ``limit`` distinct rows in ``order``."""
+    ordered = np.ascontiguousarray(rows[order])
+    keys = ordered.view(np.dtype((np.void, ordered.dtype.itemsize * ordered.shape[1]))).ravel()
+    _, first = np.unique(keys, return_index=True)
+    return order[np.sort(first)[:limit]].tolist()
+
+
+def copy_tree(
+    conts: np.ndarray,  # [num_candidates, depth] int64, every candidate's continuation
+    weights: np.ndarray,  # [num_candidates] float64 > 0
+    chosen: Sequence[int],  # candidate indices whose continuations become paths, best first
+    budget: Budget,
+    source: str,
+) -> TokenTree:
+    """Merge the chosen continuations into one tree within the budget; draft probabilities as in the
+    module docstring (share of weight agreeing with the node among those agreeing with its parent)."""
+    builder = TreeBuilder()
+    masks: list[np.ndarray] = []  # per node: candidates whose continuation starts with its path
+    path_probs: list[float] = []
+    everyone = np.ones(conts.shape[0], bool)
+    depth = min(budget.max_depth, conts.shape[1])
+    for c in chosen:
+        node, mask, path_prob = -1, everyone, 1.0
+        for d in range(depth):
+            tok = int(conts[c, d])
+            child = builder.find(node, tok)
+            if child is None:
+                if len(builder) >= budget.max_nodes:
+                    break
+                child_mask = mask & (conts[:, d] == tok)
+                prob = float(weights[child_mask].sum() / weights[mask].sum())
+                child = builder.add(node, tok, prob, source)
+                masks.append(child_mask)
+                path_probs.append(path_prob * prob)
+            node, mask, path_prob = child, masks[child], path_probs[child]
+            if path_prob < budget.min_path_prob:  # SpecDec++ stop rule
+                break
+    tree = builder.build()
+    return TokenTree(tree.tokens, tree.parents, np.minimum(tree.draft_probs, 1.0), tree.sources)
+
+
+# ------------------------------------------------------------------ per-session index
+@dataclass
+class CopyIndex:
+    """k-gram -> increasing positions where it ends (inclusive), over ``tokens``; truncates cheaply."""
+
+    k: int
+    tokens: list[int] = field(default_factory=list)  # the indexed context
+    array: np.ndarray = field(default_factory=lambda: np.zeros(256, np.int64))  # [capacity]; [:len(tokens)] = tokens
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Make the index describe ``context``: pop the positions past the common prefix, add the new ones."""
+        common = self._common_prefix(context)
+        self.truncate(common)
+        self.extend(context[common:])
+
+    def truncate(self, length: int) -> None:
+        for end in range(len(self.tokens) - 1, max(length, self.k - 1) - 1, -1):
+            key = tuple(self.tokens[end - self.k + 1 : end + 1])
+            positions = self.ends[key]
+            positions.pop()  # == end: positions are appended in increasing order
+            if not positions:
+                del self.ends[key]
+        del self.tokens[length:]
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(int(t) for t in new_tokens)
+        if len(self.tokens) > self.array.shape[0]:
+            grown = np.zeros(max(2 * self.array.shape[0], len(self.tokens)), np.int64)
+            grown[:start] = self.array[:start]
+            self.array = grown
+        self.array[start : len(self.tokens)] = self.tokens[start:]
+        for end in range(max(start, self.k - 1), len(self.tokens)):
+            self.ends.setdefault(tuple(self.tokens[end - self.k + 1 : end + 1]), []).append(end)
+
+    def context(self) -> np.ndarray:
+        """[num_tokens] int64 view of the indexed context."""
+        return self.array[: len(self.tokens)]
+
+    def candidates(self) -> np.ndarray:
+        """[num_candidates] int64: earlier positions whose k-gram equals the context's last one."""
+        n = len(self.tokens)
+        if n <= self.k:
+            return np.zeros(0, np.int64)
+        positions = self.ends.get(tuple(self.tokens[n - self.k :]), [])
+        return np.asarray(positions[:-1], np.int64)  # the last is the suffix itself
+
+    def _common_prefix(self, context: Sequence[int]) -> int:
+        # edits touch the end; compare the head at C speed and walk only the tail
+        head = max(0, min(len(self.tokens), len(context)) - SYNC_TAIL)
+        if self.tokens[:head] == list(context[:head]):
+            return head + common_prefix_len(self.tokens[head:], context[head:])
+        return common_prefix_len(self.tokens, context)
+
+
+# ------------------------------------------------------------------ proposer
+@dataclass
+class CopyProposer:
+    min_match: int = 2  # k of the index: shortest suffix match that proposes anything
+    max_match: int = 64  # match lengths are measured up to this
+    max_matches: int = 8  # distinct continuations merged into the tree
+    name: str = "copy"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_match <= self.max_match:
+            raise ValueError("copy proposer needs 1 <= min_match <= max_match")
+        if self.max_matches < 1:
+            raise ValueError("copy proposer needs max_matches >= 1")
+
+    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
+        if budget.is_zero:
+            return TokenTree.empty()
+        index = self._index(state)
+        index.sync(state.tokens)
+        ends = index.candidates()
+        if ends.size == 0:
+            return TokenTree.empty()
+        context = index.context()
+        lengths = match_lengths(context, ends, self.max_match)
+        conts = copy_continuations(context, ends, budget.max_depth)
+        chosen = first_distinct(conts, rank_candidates(ends, lengths), self.max_matches)
+        return copy_tree(conts, lengths.astype(np.float64), chosen, budget, self.name)
+
+    def prepare(self, state: DraftSessionState) -> None:
+        """Index the prompt."""
+        self._index(state).sync(state.tokens)
+
+    def release(self, state: DraftSessionState) -> None:
+        state.scratch.pop(self.name, None)
+
+    def _index(self, state: DraftSessionState) -> CopyIndex:
+        index = state.scratch.get(self.name)
+        if index is None:
+            index = state.scratch[self.name] = CopyIndex(self.min_match)
+        return index
+
+
+@register("copy")
+def _copy(draft_runner: object = None, min_match: int = 2, max_match: int = 64, max_matches: int = 8) -> CopyProposer:
+    return CopyProposer(int(min_match), int(max_match), int(max_matches))
