@@ -17,7 +17,7 @@ from specmesh.model_runner import ModelInfo
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.wire import sampling_to_proto, tree_to_proto
+from specmesh.wire import feedback_from_proto, sampling_to_proto, tree_to_proto
 from verifier_service.server import SERVICE_NAME
 from verifier_service.verifier import PrefillResult, UnknownSessionError, VerifyResult
 
@@ -81,7 +81,8 @@ class RemoteVerifier:
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
         request = verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
         msg = self._call(self.client._stub.Verify, request, invalid=InvalidTreeError)
-        return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds)
+        feedback = feedback_from_proto(msg.feedback) if msg.HasField("feedback") else None
+        return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds, feedback)
 
     def release(self, session_id: str) -> None:
         """Best effort: the verifier also frees idle sessions by itself."""

@@ -19,7 +19,8 @@ import grpc
 from specmesh import serving
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.wire import sampling_from_proto, tree_from_proto
+from specmesh.wire import feedback_to_proto, sampling_from_proto, tree_from_proto
+from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier, UnknownSessionError
 
 log = logging.getLogger("specmesh.verifier")
@@ -63,9 +64,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except (InvalidTreeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid tree: {exc}")
-        return verifier_pb2.VerifyResponse(
+        response = verifier_pb2.VerifyResponse(
             accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds
         )
+        if result.feedback is not None:
+            response.feedback.CopyFrom(feedback_to_proto(result.feedback))
+        return response
 
     async def Release(self, request, context):
         self._last_call.pop(request.session_id, None)
@@ -111,7 +115,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest tree accepted per Verify; larger ones get INVALID_ARGUMENT (default: 256)")
     p.add_argument("--session-ttl", type=float, default=600.0,
                    help="release a session's KV cache after this many seconds without a call (default: 600)")
+    p.add_argument("--feedback-topk", type=int, default=0, metavar="K",
+                   help="report the target's top-K next tokens after every verified row with each Verify, "
+                        "for learning drafters such as Token Recycling (default: 0 = off)")
+    p.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N",
+                   help="run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
+                        "forward) and report the N-grams it harvests with each Verify (default: off)")
     serving.add_server_arguments(p)
+
+
+def _lookahead(text: str) -> LookaheadConfig:
+    try:
+        return LookaheadConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args)
     security = serving.server_security(args)
     runner, model_name = load_target_runner(args)
-    servicer = VerifierServicer(LocalVerifier(runner, args.max_tree_nodes), model_name, args.session_ttl)
+    if args.feedback_topk < 0:
+        raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
+    verifier = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead)
+    servicer = VerifierServicer(verifier, model_name, args.session_ttl)
     return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME,
                          background=servicer.reap_idle_sessions)
