@@ -27,17 +27,24 @@ increment; lookups read from the highest rank down.
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import hashlib
+import json
 import logging
+import queue
 import struct
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 log = logging.getLogger("specmesh.ngram_store")
 
 Continuation = tuple[int, ...]
+SNAPSHOT_FORMAT = "specmesh-ngram-store/1"
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,8 @@ class NGramStore(Protocol):
     config: StoreConfig
     namespace: str
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """Count every (context, continuation) of a token sequence."""
+    def add(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
+        """Count the (context, continuation) entries of a token sequence (see ``ngram_entries``)."""
         ...
 
     def lookup(self, context: Sequence[int], k: int) -> list[tuple[Continuation, int]]:
@@ -74,11 +81,16 @@ def tokenizer_fingerprint(vocab: dict[str, int]) -> str:
     return digest.hexdigest()[:16]
 
 
-def ngram_entries(tokens: Sequence[int], config: StoreConfig) -> Iterator[tuple[Continuation, Continuation]]:
-    """(context, continuation) for every position followed by a whole span, contexts min_n..max_n long,
-    in a fixed order (both backends apply them in this order)."""
+def ngram_entries(
+    tokens: Sequence[int], config: StoreConfig, start: int = 0, partial: bool = False
+) -> Iterator[tuple[Continuation, Continuation]]:
+    """(context, continuation) for every position ``end >= start`` of the sequence followed by a whole
+    span (``partial``: by at least one token, for short n-grams such as Jacobi harvests), contexts
+    min_n..max_n long ending at ``end``, in a fixed order (both backends apply them in this order).
+    ``start`` lets a sequence that grows be added piece by piece, each position counted once."""
     tokens = [int(t) for t in tokens]
-    for end in range(config.min_n, len(tokens) - config.span + 1):
+    last = len(tokens) - (1 if partial else config.span)
+    for end in range(max(config.min_n, start), last + 1):
         cont = tuple(tokens[end : end + config.span])
         for n in range(config.min_n, min(config.max_n, end) + 1):
             yield tuple(tokens[end - n : end]), cont
@@ -98,32 +110,64 @@ def _check(tokens: Sequence[int]) -> None:
 
 
 class MemoryNGramStore:
+    """The store in this process's memory (thread-safe: a learner thread may add while drafting reads)."""
+
     def __init__(self, config: StoreConfig | None = None, namespace: str = "default") -> None:
         self.config = config or StoreConfig()
         self.namespace = namespace
         self._table: dict[Continuation, dict[bytes, int]] = {}
+        self._lock = threading.Lock()
 
-    def add(self, tokens: Sequence[int]) -> None:
+    def add(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
         _check(tokens)
-        for ctx, cont in ngram_entries(tokens, self.config):
-            counts = self._table.setdefault(ctx, {})
-            member = pack(cont)
-            counts[member] = counts.get(member, 0) + 1
-            if len(counts) > self.config.top_n:
-                ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]))
-                for member, _ in ranked[: len(counts) - self.config.top_n]:
-                    del counts[member]
+        entries = list(ngram_entries(tokens, self.config, start, partial))
+        with self._lock:
+            for ctx, cont in entries:
+                counts = self._table.setdefault(ctx, {})
+                member = pack(cont)
+                counts[member] = counts.get(member, 0) + 1
+                if len(counts) > self.config.top_n:
+                    ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]))
+                    for member, _ in ranked[: len(counts) - self.config.top_n]:
+                        del counts[member]
 
     def lookup(self, context: Sequence[int], k: int) -> list[tuple[Continuation, int]]:
         for n in range(min(self.config.max_n, len(context)), self.config.min_n - 1, -1):
-            counts = self._table.get(tuple(int(t) for t in context[len(context) - n :]))
-            if counts:
-                ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)[:k]
+            key = tuple(int(t) for t in context[len(context) - n :])
+            with self._lock:
+                counts = self._table.get(key)
+                ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)[:k] if counts else None
+            if ranked:
                 return [(unpack(m), c) for m, c in ranked]
         return []
 
     def __len__(self) -> int:
         return len(self._table)
+
+    # ----------------------------------------------------------- snapshots
+    def save(self, path: str | Path) -> None:
+        """Write the store to a file (gzip'd JSON: config, namespace, every context's counts)."""
+        with self._lock:
+            table = {pack(ctx).hex(): {m.hex(): c for m, c in counts.items()} for ctx, counts in self._table.items()}
+        doc = {"format": SNAPSHOT_FORMAT, "config": dataclasses.asdict(self.config), "namespace": self.namespace,
+               "table": table}
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            json.dump(doc, f)
+
+    @classmethod
+    def load(cls, path: str | Path) -> MemoryNGramStore:
+        """Read a file written by ``save``; ValueError if it is not one."""
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not an n-gram store snapshot ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"{path}: not an n-gram store snapshot (format {SNAPSHOT_FORMAT!r} expected)")
+        store = cls(StoreConfig(**doc["config"]), doc["namespace"])
+        store._table = {unpack(bytes.fromhex(ctx)): {bytes.fromhex(m): int(c) for m, c in counts.items()}
+                        for ctx, counts in doc["table"].items()}
+        return store
 
 
 # increment one continuation of one context, trim to the top_n best ranks, refresh the TTL
@@ -162,12 +206,12 @@ class RedisNGramStore:
     def key(self, context: Sequence[int]) -> str:
         return f"specmesh:{self.namespace}:ng:{{{pack(context).hex()}}}"
 
-    def add(self, tokens: Sequence[int]) -> None:
+    def add(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
         _check(tokens)
         args = (self.config.top_n, self.config.ttl_s)
         pipe = self.client.pipeline(transaction=False)
         pending = 0
-        for ctx, cont in ngram_entries(tokens, self.config):
+        for ctx, cont in ngram_entries(tokens, self.config, start, partial):
             self._update(keys=[self.key(ctx)], args=[pack(cont), *args], client=pipe)
             pending += 1
             if pending == self.batch:
@@ -209,11 +253,11 @@ class FallbackNGramStore:
         log.warning("n-gram store unavailable (%s: %s); using this process's memory for %.0f s",
                     type(exc).__name__, exc, self.retry_after_s)
 
-    def add(self, tokens: Sequence[int]) -> None:
-        self.fallback.add(tokens)
+    def add(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
+        self.fallback.add(tokens, start, partial)
         if self._usable():
             try:
-                self.primary.add(tokens)
+                self.primary.add(tokens, start, partial)
             except Exception as exc:  # any backend failure: carry on in memory
                 self._failed(exc)
 
@@ -224,3 +268,64 @@ class FallbackNGramStore:
             except Exception as exc:
                 self._failed(exc)
         return self.fallback.lookup(context, k)
+
+
+def open_store(spec: str | None, namespace: str = "default", config: StoreConfig | None = None) -> NGramStore:
+    """The store a drafter uses, from its configuration:
+
+    - None or ``memory``: an empty in-memory store;
+    - ``redis://...`` / ``rediss://...`` / ``unix://...``: Redis, falling back to memory while it is down;
+    - a file path: an in-memory store loaded from a snapshot (``specmesh ingest --out``), which must have
+      been built with the same tokenizer (``namespace``) unless ``namespace`` is "default".
+    """
+    if spec is None or spec == "memory":
+        return MemoryNGramStore(config, namespace)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        primary = RedisNGramStore.from_url(spec, config, namespace)
+        return FallbackNGramStore(primary, MemoryNGramStore(primary.config, namespace))
+    store = MemoryNGramStore.load(spec)
+    if namespace != "default" and store.namespace != namespace:
+        raise ValueError(f"{spec}: built for tokenizer {store.namespace}, not this model's {namespace}")
+    return store
+
+
+class StoreLearner:
+    """Adds token sequences to a store on one background thread, off the drafting path.
+
+    ``submit`` never blocks: when ``max_pending`` sequences wait already, the new one is dropped
+    (and counted). Store failures are logged and counted, never raised to the submitter."""
+
+    def __init__(self, store: NGramStore, max_pending: int = 4096) -> None:
+        self.store = store
+        self.dropped = 0
+        self.failures = 0
+        self._queue: queue.Queue = queue.Queue(max_pending)
+        self._thread = threading.Thread(target=self._run, name="ngram-learner", daemon=True)
+        self._thread.start()
+
+    def submit(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
+        try:
+            self._queue.put_nowait((list(tokens), start, partial))
+        except queue.Full:
+            self.dropped += 1
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until everything submitted so far is in the store; False on timeout."""
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self.store.add(*item)
+            except Exception as exc:  # a store failure must not end learning
+                self.failures += 1
+                log.warning("n-gram learner: %s: %s", type(exc).__name__, exc)

@@ -103,7 +103,9 @@ def proposer_names() -> list[str]:
 
 
 def make_proposer(name: str, **resources: Any) -> Proposer:
-    """Build a registered proposer. ``resources`` may hold ``draft_runner`` and proposer options."""
+    """Build a registered proposer. ``resources``: what the host offers every proposer (``draft_runner``,
+    ``store_spec`` and ``store_namespace`` for n-gram stores), plus this proposer's options. Factories
+    take the resources they use and ignore the others (``**_resources``)."""
     _import_builtin()
     if name not in _REGISTRY:
         raise ValueError(f"unknown proposer {name!r}; choose from {', '.join(sorted(_REGISTRY))}")
@@ -112,4 +114,4 @@ def make_proposer(name: str, **resources: Any) -> Proposer:
 
 def _import_builtin() -> None:
     # Importing the modules runs their @register lines.
-    from drafter_service import copy_proposer, draft_model, prompt_lookup  # noqa: F401
+    from drafter_service import copy_proposer, draft_model, fusion, prompt_lookup, recycling, retrieval  # noqa: F401

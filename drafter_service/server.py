@@ -119,6 +119,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "else prompt_lookup)")
     p.add_argument("--max-tree-nodes", type=int, default=256,
                    help="largest tree drafted; larger budgets are clamped to it (default: 256)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer whose fingerprint namespaces the n-gram store (default: the draft model's; "
+                        "needed with a shared --ngram-store and --draft none)")
+    from specmesh.cli import add_members_argument, add_store_argument
+
+    add_store_argument(p)
+    add_members_argument(p)
     serving.add_server_arguments(p)
 
 
@@ -134,12 +141,32 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
         raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")
     default = args.default_proposer or ("draft_model" if "draft_model" in names else
                                         "prompt_lookup" if "prompt_lookup" in names else names[0])
-    proposers = {n: make_proposer(n, draft_runner=draft_runner) for n in names}
+    try:
+        resources = dict(draft_runner=draft_runner, store=_open_store(args))
+        proposers = {n: make_proposer(n, **resources, **({"members": args.members} if n == "fused" and args.members
+                                                          else {})) for n in names}
+    except ValueError as exc:
+        raise SystemExit(f"specmesh drafter: {exc}") from None
     vocab = draft_runner.info.vocab_size if draft_runner is not None else 0
     try:
         return DrafterServicer(proposers, default, vocab, args.max_tree_nodes)
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
+
+
+def _open_store(args: argparse.Namespace):
+    """The n-gram store every store-backed proposer of this drafter shares."""
+    from drafter_service.ngram_store import open_store, tokenizer_fingerprint
+    from specmesh.cli import demo_model
+    from specmesh.model_runner import load_tokenizer
+
+    source = args.tokenizer or (None if str(args.draft).lower() == "none" else args.draft or demo_model("draft"))
+    namespace = "default"
+    if source is not None:
+        namespace = tokenizer_fingerprint(load_tokenizer(source).get_vocab())
+    elif args.ngram_store not in (None, "memory"):
+        log.warning("no --tokenizer: the n-gram store namespace is 'default', shared with any other model")
+    return open_store(args.ngram_store, namespace)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,16 +7,19 @@ deployments build the same Engine from remote Drafter/Verifier implementations.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from drafter_service.drafter import LocalDrafter
+from drafter_service.ngram_store import tokenizer_fingerprint
 from drafter_service.proposer import make_proposer
 from orchestrator.engine import Engine
 from orchestrator.policy import SpeculationPolicy, StaticPolicy
 from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner, load_model, load_tokenizer
+from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
 
 NEEDS_DRAFT_MODEL = {"draft_model", "draft_model_tree"}
@@ -66,6 +69,8 @@ class EmbeddedStack:
     target_runner: ModelRunner
     draft_runner: ModelRunner | None
     tokenizer: object
+    store_spec: str | None = None  # n-gram store of store-backed proposers (see drafter_service.ngram_store.open_store)
+    lookahead: LookaheadConfig | None = None  # the verifier's Jacobi window (lookahead n-grams); None = off
 
     @classmethod
     def load(
@@ -75,15 +80,23 @@ class EmbeddedStack:
         dtype: torch.dtype = torch.float32,
         draft_dtype: torch.dtype | None = None,
         runner: str = "auto",
+        store_spec: str | None = None,
+        lookahead: LookaheadConfig | None = None,
     ) -> EmbeddedStack:
-        """Load the target (and draft) from local directories; ``runner``: auto | fast | hf."""
+        """Load the target (and draft) from local directories; ``runner``: auto | fast | hf;
+        ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window."""
         tokenizer = load_tokenizer(target)
         target_runner = make_runner(load_model(target, dtype), runner)
         draft_runner = None
         if draft is not None:
             draft_runner = make_runner(load_model(draft, draft_dtype or dtype), runner)
             check_compatible(target_runner, draft_runner, tokenizer, load_tokenizer(draft))
-        return cls(target_runner, draft_runner, tokenizer)
+        return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead)
+
+    @cached_property
+    def store_namespace(self) -> str:
+        """The n-gram store namespace of this tokenizer (two vocabularies never share n-grams)."""
+        return tokenizer_fingerprint(self.tokenizer.get_vocab())
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -103,15 +116,20 @@ class EmbeddedStack:
         ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
         ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
         has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH)."""
-        drafter = None
+        drafter, topk = None, 0
         if proposer not in (None, "none", "ar"):
             if proposer in NEEDS_DRAFT_MODEL and self.draft_runner is None:
                 raise ValueError(f"proposer {proposer!r} needs a draft model (--draft DIR)")
-            drafter = LocalDrafter(make_proposer(proposer, draft_runner=self.draft_runner, **proposer_opts))
+            resources = dict(draft_runner=self.draft_runner, store_spec=self.store_spec,
+                             store_namespace=self.store_namespace)
+            prop = make_proposer(proposer, **{**resources, **proposer_opts})
+            drafter = LocalDrafter(prop)
+            topk = getattr(prop, "feedback_topk", 0)  # token recycling: the verifier reports its top-k rows
         nodes, depth = default_budget(proposer)
         chosen = build_policy(policy or DEFAULT_POLICY, max_nodes if max_nodes is not None else nodes,
                               max_depth if max_depth is not None else depth, restart_depth=restart_depth)
-        return Engine(LocalVerifier(self.target_runner), drafter, chosen, self.decode, overlap=DEFAULT_OVERLAP if overlap is None else bool(overlap), ahead_from=ahead_from)
+        verifier = LocalVerifier(self.target_runner, feedback_topk=topk, lookahead=self.lookahead)
+        return Engine(verifier, drafter, chosen, self.decode, overlap=DEFAULT_OVERLAP if overlap is None else bool(overlap), ahead_from=ahead_from)
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:

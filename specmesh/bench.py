@@ -72,6 +72,7 @@ LOOP_WINDOW = 64  # tokens at the end of an output examined for a loop
 LOOP_MAX_PERIOD = 32
 LOOP_MIN_NGRAM = 4
 WARMUP_TOKENS = 16
+FEEDBACK_TOPK = 8  # top-k rows a spawned verifier reports (token recycling)
 
 
 # ----------------------------------------------------------------- method specs
@@ -377,7 +378,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     stack = load_stack(args)
     with contextlib.ExitStack() as resources:
         client = _grpc_client(args, specs, target_dir, draft_dir, resources)
-        runners = {s.label: method_runner(stack, s, client) for s in specs}
+
+        def runners() -> dict:
+            return {s.label: method_runner(stack, s, client) for s in specs}
+
         return _bench_loop(args, specs, stack, runners, rows, base, target_dir, draft_dir, client)
 
 
@@ -397,12 +401,17 @@ def _grpc_client(args, specs, target_dir, draft_dir, resources: contextlib.ExitS
         drafter = ["--draft", str(draft_dir) if draft_dir else "none", "--draft-dtype", args.draft_dtype,
                    "--runner", args.runner, *threads]
         print("starting a local mesh (verifier, drafter, serve)...", file=sys.stderr)
+        # the verifier reports top-k rows (token recycling), the drafter shares this command's n-gram store
+        verifier += ["--feedback-topk", str(FEEDBACK_TOPK)]
+        if args.lookahead is not None:
+            verifier += ["--lookahead", f"{args.lookahead.window},{args.lookahead.ngram}"]
+        drafter += ["--tokenizer", str(target_dir)] + (["--ngram-store", args.ngram_store] if args.ngram_store else [])
         mesh = resources.enter_context(LocalMesh(verifier, drafter, ["--tokenizer", str(target_dir)]))
         address = mesh.address
     return resources.enter_context(Client(address))
 
 
-def _bench_loop(args, specs, stack, runners, rows, base, target_dir, draft_dir, client) -> dict:
+def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_dir, client) -> dict:
     from tqdm import tqdm
 
     eos = stack.target_runner.info.eos_token_ids
@@ -422,26 +431,40 @@ def _bench_loop(args, specs, stack, runners, rows, base, target_dir, draft_dir, 
     try:
         _, warm_ids, warm_new = prompts[0]
         warm = dataclasses.replace(base, max_new_tokens=min(WARMUP_TOKENS, warm_new))
+        warm_runners = make_runners()
         for spec in tqdm(specs, desc="warm-up", unit="method", file=sys.stderr, leave=False):
-            runners[spec.label].run(warm_ids, warm)
+            warm_runners[spec.label].run(warm_ids, warm)
+        # fresh proposers for the timed runs: learning ones (n-gram stores, token recycling) start from
+        # what they were configured with, not from the warm-up's output (in this process; a spawned
+        # or remote drafter keeps learning across methods and passes)
+        runners = make_runners()
 
         records: list[dict] = []
-        for i, (pid, ids, max_new) in enumerate(tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr)):
-            seed = None if base.seed is None else base.seed + i
-            sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
-            runs: dict[str, list[RunOutput]] = {s.label: [] for s in specs}
-            for r in range(args.repeats):
-                shift = (i * args.repeats + r) % len(specs)
-                for spec in specs[shift:] + specs[:shift]:
-                    runs[spec.label].append(measured_run(runners[spec.label], ids, sampling, target_meter, draft_meter))
-            by_label = {s.label: make_record(pid, len(ids), s, runs[s.label], eos) for s in specs}
-            compare_prompt(by_label, base.greedy)
-            records += by_label.values()
+        for p in range(args.passes):
+            desc = "bench" if args.passes == 1 else f"bench pass {p + 1}/{args.passes}"
+            for i, (pid, ids, max_new) in enumerate(tqdm(prompts, desc=desc, unit="prompt", file=sys.stderr)):
+                seed = None if base.seed is None else base.seed + i
+                sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
+                runs: dict[str, list[RunOutput]] = {s.label: [] for s in specs}
+                for r in range(args.repeats):
+                    shift = (i * args.repeats + r) % len(specs)
+                    for spec in specs[shift:] + specs[:shift]:
+                        runs[spec.label].append(measured_run(runners[spec.label], ids, sampling, target_meter,
+                                                             draft_meter))
+                by_label = {s.label: make_record(pid, len(ids), s, runs[s.label], eos) for s in specs}
+                compare_prompt(by_label, base.greedy)
+                for rec in by_label.values():
+                    rec["pass"] = p + 1
+                records += by_label.values()
     finally:
         target_meter.close()
         draft_meter.close()
 
-    methods = {s.label: aggregate([r for r in records if r["method"] == s.label], base.greedy) for s in specs}
+    methods = {}
+    for p in range(1, args.passes + 1):
+        for s in specs:
+            label = s.label if p == 1 else f"{s.label} (pass {p})"
+            methods[label] = aggregate([r for r in records if r["method"] == s.label and r["pass"] == p], base.greedy)
     return {
         "config": {
             "prompts": str(args.prompts),
@@ -455,6 +478,9 @@ def _bench_loop(args, specs, stack, runners, rows, base, target_dir, draft_dir, 
             "max_new_tokens_override": args.max_new_tokens,
             "limit": args.limit,
             "repeats": args.repeats,
+            "passes": args.passes,
+            "ngram_store": args.ngram_store,
+            "lookahead": None if args.lookahead is None else dataclasses.asdict(args.lookahead),
             "num_prompts": len(prompts),
             "server": client.address if client is not None else None,
         },
@@ -516,6 +542,10 @@ def markdown_table(report: dict) -> str:
             for k, m in methods.items() if m.get("verifier_idle_fraction") is not None and k not in ("ar", "grpc:ar")]
     if idle:
         notes.append("idle verifier/drafter: " + ", ".join(idle))
+    sources = [f"{k}: " + ", ".join(f"{s} {c['accepted']}/{c['proposed']}" for s, c in m["per_source"].items())
+               for k, m in methods.items() if m.get("per_source") and len(m["per_source"]) > 1]
+    if sources:
+        notes.append("accepted/proposed nodes per source: " + "; ".join(sources))
     hf = [f"{k} {m['speedup_vs_hf_ar']['median']:.2f}" for k, m in methods.items() if m.get("speedup_vs_hf_ar")]
     if hf:
         notes.append("speedup vs hf_ar (median): " + ", ".join(hf))
@@ -538,6 +568,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (+1 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, help="override every prompt's max_new_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method; the fastest counts")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="run the whole prompt set this many times with the same proposers, reported per pass: "
+                             "the later passes show what learning drafters (retrieval, recycling, fused) gained from "
+                             "the earlier ones (default: 1)")
     parser.add_argument("--json", required=True, metavar="OUT.json", help="write the full report here")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
                         help="`specmesh serve` that grpc:NAME methods go through (token from $SPECMESH_TOKEN)")
@@ -547,8 +581,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise SystemExit("specmesh bench: --repeats must be >= 1")
+    if args.repeats < 1 or args.passes < 1:
+        raise SystemExit("specmesh bench: --repeats and --passes must be >= 1")
     report = run_bench(args)
     report["table"] = markdown_table(report)
     out = Path(args.json)

@@ -1,4 +1,4 @@
-"""The ``specmesh`` command line: generate, bench, train-pair."""
+"""The ``specmesh`` command line: generate, bench, ingest, train-pair, and the servers."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def load_stack(args: argparse.Namespace):
     _set_threads(args.threads)
     target, draft = resolve_models(args)
     return EmbeddedStack.load(
-        target, draft, torch_dtype(args.dtype), resolve_draft_dtype(args.draft_dtype, args.dtype), runner=args.runner
+        target, draft, torch_dtype(args.dtype), resolve_draft_dtype(args.draft_dtype, args.dtype), runner=args.runner,
+        store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None),
     )
 
 
@@ -144,6 +145,37 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         f"drafter drafts ahead (default: {DEFAULT_RESTART_DEPTH})")
 
 
+def add_store_argument(p: argparse.ArgumentParser) -> None:
+    """Where store-backed proposers (retrieval, fused mixes) keep their n-grams."""
+    p.add_argument("--ngram-store", default=None, metavar="SPEC",
+                   help="n-gram store of the retrieval proposer (also inside fused mixes): 'memory' (the default: "
+                        "empty, learns from the requests of this process), a snapshot file written by `specmesh "
+                        "ingest --out`, or a Redis URL (redis://HOST:PORT/DB) shared by every drafter replica, "
+                        "which falls back to memory while Redis is down")
+
+
+def add_members_argument(p: argparse.ArgumentParser) -> None:
+    from drafter_service.fusion import DEFAULT_MEMBERS
+
+    p.add_argument("--members", default=None, metavar="A+B+...",
+                   help="proposers whose trees the 'fused' proposer merges, e.g. copy+retrieval+draft_model "
+                        f"(default: {'+'.join(DEFAULT_MEMBERS)})")
+
+
+def add_lookahead_argument(p: argparse.ArgumentParser) -> None:
+    from verifier_service.lookahead import LookaheadConfig
+
+    def parse(text: str) -> LookaheadConfig:
+        try:
+            return LookaheadConfig.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    p.add_argument("--lookahead", type=parse, default=None, metavar="W,N",
+                   help="run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
+                        "forward) and feed the N-grams it harvests to the n-gram store (default: off)")
+
+
 def _add_generate(sub) -> None:
     from drafter_service.proposer import proposer_names
 
@@ -152,6 +184,9 @@ def _add_generate(sub) -> None:
                                    "(tokens, tau = mean tokens committed per verification step, tokens/s) on stderr.")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
     _add_model_arguments(p)
+    add_store_argument(p)
+    add_lookahead_argument(p)
+    add_members_argument(p)
     p.add_argument("--proposer", default=None, choices=proposer_names() + ["none"],
                    help="how drafts are made; 'none' = plain autoregressive decoding "
                         "(default: draft_model when a draft model is available, else prompt_lookup)")
@@ -199,8 +234,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stack = load_stack(args)
     proposer = args.proposer or ("draft_model" if stack.draft_runner is not None else "prompt_lookup")
     nodes, depth = default_budget(proposer)
-    engine = stack.engine(proposer, args.max_nodes or nodes, args.max_depth or depth, overlap=args.overlap,
-                          policy=args.policy, restart_depth=args.restart_depth)
+    options = {"members": args.members} if args.members and proposer == "fused" else {}
+    try:
+        engine = stack.engine(proposer, args.max_nodes or nodes, args.max_depth or depth, overlap=args.overlap,
+                              policy=args.policy, restart_depth=args.restart_depth, **options)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh generate: {exc}") from None
     prompt_ids = stack.tokenizer.encode(prompt)
 
     from orchestrator.engine import GenerationResult
@@ -320,12 +359,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "process; print a markdown table and write JSON.")
     bench.add_arguments(b)  # bench's own options; the model options are shared with generate
     _add_model_arguments(b)
+    add_store_argument(b)
+    add_lookahead_argument(b)
     b.set_defaults(func=bench.run)
     t = sub.add_parser("train-pair", help="train a small target/draft pair (Llama architecture, byte-level BPE)",
                        description="Train a tokenizer, a target and a draft model on Python source files and save them "
                                    "in Hugging Face format.")
     train_pair.add_arguments(t)
     t.set_defaults(func=train_pair.run)
+    from drafter_service import ingest
+
+    i = sub.add_parser("ingest", help="tokenize files and fill an n-gram store for retrieval drafting (REST)",
+                       description="Tokenize files (directories are walked) and add their n-grams to a Redis store "
+                                   "or to a snapshot file that drafters load with --ngram-store.")
+    ingest.add_arguments(i)
+    i.set_defaults(func=ingest.run)
     _add_servers(sub)
     return parser
 

@@ -285,3 +285,31 @@ class TreeBuilder:
             np.asarray(self.probs, np.float64),
             tuple(self.sources),
         )
+
+
+def weighted_paths_tree(paths: Sequence[tuple[Sequence[int], float]], max_nodes: int, max_depth: int,
+                        source: str = "") -> TokenTree:
+    """A tree from weighted token paths (e.g. continuations with their counts): the paths are merged
+    into a trie, each node weighing the total of the paths through it, and the ``max_nodes`` heaviest
+    nodes no deeper than ``max_depth`` are kept (a node never outweighs its parent, so every kept
+    node's parent is kept). A node's draft probability is its weight over its parent's: the share of
+    the evidence at the parent that continues with it."""
+    weight: dict[tuple[int, ...], float] = {}
+    order: dict[tuple[int, ...], int] = {}
+    for tokens, w in paths:
+        for d in range(1, min(len(tokens), max_depth) + 1):
+            key = tuple(int(t) for t in tokens[:d])
+            weight[key] = weight.get(key, 0.0) + float(w)
+            order.setdefault(key, len(order))
+    total = sum(w for key, w in weight.items() if len(key) == 1)
+    if max_nodes <= 0 or total <= 0:
+        return TokenTree.empty()
+    kept = sorted(weight, key=lambda key: (-weight[key], len(key), order[key]))[:max_nodes]
+    kept.sort(key=lambda key: (len(key), order[key]))  # parents first
+    builder = TreeBuilder()
+    index: dict[tuple[int, ...], int] = {}
+    for key in kept:
+        parent_weight = total if len(key) == 1 else weight[key[:-1]]
+        parent = -1 if len(key) == 1 else index[key[:-1]]
+        index[key] = builder.add(parent, key[-1], weight[key] / parent_weight, source)
+    return builder.build()

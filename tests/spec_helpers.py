@@ -172,11 +172,12 @@ def engine_for(
     **opts,
 ) -> Engine:
     """Wire an engine the way orchestrator/embedded.py does, without tokenizer files."""
-    drafter = None
+    drafter, topk = None, 0
     if proposer is not None:
         prop = make_proposer(proposer, draft_runner=draft_runner, **opts) if isinstance(proposer, str) else proposer
         drafter = LocalDrafter(prop)
-    verifier = verifier if verifier is not None else LocalVerifier(target_runner)
+        topk = getattr(prop, "feedback_topk", 0)
+    verifier = verifier if verifier is not None else LocalVerifier(target_runner, feedback_topk=topk)
     return Engine(verifier, drafter, StaticPolicy(max_nodes, max_depth), decode)
 
 
@@ -326,6 +327,15 @@ class ContextRecorder:
 
     def release(self, state: DraftSessionState) -> None:
         self.inner.release(state)
+
+    def __getattr__(self, name: str):
+        # the optional hooks (prepare, observe) and attributes (feedback_topk) of the wrapped proposer
+        return getattr(self.inner, name)
+
+
+def feedback_topk(proposer) -> int:
+    """Top-k rows the proposer wants the verifier to report (token recycling), 0 for none."""
+    return getattr(proposer, "feedback_topk", 0)
 
 
 def check_drafter_contexts(contexts: list[list[int]], log, prompt: Sequence[int], generated: Sequence[int]) -> None:

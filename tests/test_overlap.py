@@ -21,6 +21,7 @@ from spec_helpers import (
     RecordingVerifier,
     check_greedy_steps,
     engine_for,
+    feedback_topk,
     greedy,
     make_prompts,
     perturbed,
@@ -76,8 +77,8 @@ def check_overlap_contexts(contexts, log, prompt, generated) -> None:
 def test_overlapped_greedy_equals_ar(model_sets, ar_reference, close_draft, proposer, budget, restart_depth):
     kind = "cyclic"
     target = model_sets(kind).runner("target", "fast")
-    verifier = RecordingVerifier(target)
     recorder = ContextRecorder(make_proposer(proposer, draft_runner=close_draft))
+    verifier = RecordingVerifier(target, feedback_topk=feedback_topk(recorder))
     engine = overlapped(engine_for(target, recorder, *budget, verifier=verifier), restart_depth)
     predrafted = accepted = 0
     for i, prompt in enumerate(PROMPTS):

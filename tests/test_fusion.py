@@ -1,0 +1,140 @@
+"""Tree fusion: merging member trees within the budget, and the per-proposer calibration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drafter_service.fusion import (
+    AcceptanceCalibration,
+    FusedProposer,
+    fuse_trees,
+    parse_members,
+    tree_outcomes,
+)
+from drafter_service.proposer import Budget, DraftSessionState
+from specmesh.feedback import DraftFeedback
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree, TreeBuilder
+
+
+def _tree(paths: list[list[int]], source: str, prob: float = 0.5) -> TokenTree:
+    b = TreeBuilder()
+    for path in paths:
+        node = -1
+        for tok in path:
+            node = b.find(node, tok) if b.find(node, tok) is not None else b.add(node, tok, prob, source)
+    return b.build()
+
+
+def _paths(tree: TokenTree) -> set[tuple[int, ...]]:
+    """Every node's token path from the root."""
+    return {tuple(int(tree.tokens[j]) for j in tree.path_to(i)) for i in range(tree.num_nodes)}
+
+
+paths_st = st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=5), min_size=0, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(paths_st, paths_st, st.integers(0, 12), st.integers(0, 6),
+       st.floats(0.05, 1.0), st.floats(0.05, 1.0))
+def test_fused_tree_keeps_the_best_scored_nodes_of_the_union(a, b, max_nodes, max_depth, pa, pb):
+    ta, tb = _tree(a, "a", pa), _tree(b, "b", pb)
+    fused = fuse_trees([ta, tb], AcceptanceCalibration(), Budget(max_nodes, max_depth))
+    union = {p for p in _paths(ta) | _paths(tb) if len(p) <= max_depth}
+    got = _paths(fused)
+    assert fused.num_nodes == len(got) == min(max_nodes if max_depth else 0, len(union))  # shared prefixes merged
+    assert got <= union
+    for kids in fused.children:
+        toks = [int(fused.tokens[c]) for c in kids]
+        assert len(toks) == len(set(toks))
+
+    def score(path):  # product of noisy-or estimates along the path
+        s = 1.0
+        for d in range(1, len(path) + 1):
+            miss = (1 - pa if path[:d] in _paths(ta) else 1.0) * (1 - pb if path[:d] in _paths(tb) else 1.0)
+            s *= 1 - miss
+        return s
+
+    if got and union - got:
+        assert min(score(p) for p in got) >= max(score(p) for p in union - got) - 1e-12
+
+
+def test_agreement_between_members_ranks_first():
+    fused = fuse_trees([_tree([[1, 2]], "a"), _tree([[3], [1, 2]], "b")], AcceptanceCalibration(), Budget(2, 2))
+    assert _paths(fused) == {(1,), (1, 2)}
+    assert fused.draft_probs[0] == pytest.approx(0.75)  # 1 - 0.5 * 0.5
+
+
+def test_tree_outcomes_judge_only_nodes_whose_parent_was_accepted():
+    tree = _tree([[1, 2, 3], [1, 4], [5]], "a")
+    outcomes = {tuple(int(tree.tokens[j]) for j in tree.path_to(n)): ok for n, ok in tree_outcomes(tree, [1, 4, 9])}
+    assert outcomes == {(1,): True, (5,): False, (1, 2): False, (1, 4): True}
+    assert tree_outcomes(tree, []) == []
+
+
+def test_calibration_moves_from_the_claim_to_the_evidence():
+    cal = AcceptanceCalibration(prior_weight=4.0, decay=1.0)
+    assert cal.estimate("x", 0.9) == pytest.approx(0.9)
+    for _ in range(200):
+        cal.observe("x", 0.9, False)
+    assert cal.estimate("x", 0.9) < 0.05
+    assert cal.estimate("y", 0.9) == pytest.approx(0.9)  # per source
+
+
+class _Fixed:
+    """A member that always proposes the same paths."""
+
+    def __init__(self, name: str, paths: list[list[int]], prob: float) -> None:
+        self.name, self.paths, self.prob = name, paths, prob
+
+    def propose(self, state, budget):
+        return _tree(self.paths, self.name, self.prob)
+
+    def release(self, state):
+        pass
+
+
+def test_live_calibration_learns_which_member_to_trust():
+    """'liar' claims 0.95 and is always wrong; 'honest' claims 0.3 and is always right: after a few
+    judged steps the fused tree puts the honest member's token first."""
+    prop = FusedProposer([_Fixed("liar", [[7]], 0.95), _Fixed("honest", [[3]], 0.3)])
+    state = DraftSessionState("s", [1, 2], SamplingParams())
+    prop.prepare(state)
+    first = prop.propose(state, Budget(1, 1))
+    assert first.tokens.tolist() == [7]
+    for _ in range(30):
+        state.tokens += [3]  # the target continued with 3
+        prop.observe(state, DraftFeedback(len(state.tokens)))
+        tree = prop.propose(state, Budget(1, 1))
+    assert tree.tokens.tolist() == [3] and tree.sources == ("honest",)
+    table = prop.calibration.table()
+    assert table["liar"][4][0] == 0.0 and table["honest"][1][0] == 1.0
+
+
+def test_trees_drafted_on_a_taken_back_hypothesis_are_not_judged():
+    prop = FusedProposer([_Fixed("a", [[9]], 0.5)])
+    state = DraftSessionState("s", [1, 2], SamplingParams())
+    prop.prepare(state)
+    state.tokens += [5]  # hypothesis
+    prop.propose(state, Budget(1, 1))
+    state.tokens[-1:] = [6, 7]  # taken back: 6 and 7 committed instead
+    prop.observe(state, DraftFeedback(len(state.tokens)))
+    assert prop.calibration.table() == {}
+
+
+def test_parse_members():
+    assert parse_members("copy+retrieval") == ["copy", "retrieval"]
+    assert parse_members(["a", "b"]) == ["a", "b"]
+    for bad in ("", "a+a", "fused+copy"):
+        with pytest.raises(ValueError):
+            parse_members(bad)
+
+
+def test_sampled_members_lose_their_distributions():
+    q = TokenTree(np.array([4]), np.array([-1]), np.array([0.5]), ("m",), np.array([0, 2]), np.array([4, 5]),
+                  np.array([0.5, 0.5]))
+    fused = fuse_trees([q], AcceptanceCalibration(), Budget(4, 4))
+    assert not fused.has_draft_dists and fused.tokens.tolist() == [4]  # verified with the point-mass rule
