@@ -17,6 +17,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -66,6 +67,7 @@ def step_to_proto(step: StepStats) -> common_pb2.StepStats:
         budget_depth=step.budget[1], predrafted=step.predrafted, wait_ms=step.wait_seconds * 1e3,
         step_ms=step.step_seconds * 1e3, drafter_busy_ms=step.drafter_busy_seconds * 1e3,
         predraft_nodes=step.predraft_nodes, predraft_used=step.predraft_used,
+        proposed_per_source=Counter(step.proposed_sources),
     )
 
 

@@ -166,8 +166,9 @@ class GrpcRunner:
             tokens += chunk.token_ids
             if chunk.step is not None:
                 s = chunk.step
+                proposed = tuple(name for name, count in s.proposed_per_source for _ in range(count))
                 stats.steps.append(StepStats(s.num_proposed, s.tree_depth, s.num_accepted, s.accepted_sources,
-                                             (), s.draft_ms / 1e3, s.verify_ms / 1e3, s.draft_error, s.budget,
+                                             proposed, s.draft_ms / 1e3, s.verify_ms / 1e3, s.draft_error, s.budget,
                                              wait_seconds=s.wait_ms / 1e3, predrafted=s.predrafted,
                                              step_seconds=s.step_ms / 1e3, drafter_busy_seconds=s.drafter_busy_ms / 1e3,
                                              predraft_nodes=s.predraft_nodes, predraft_used=s.predraft_used))

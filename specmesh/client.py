@@ -44,6 +44,7 @@ class StepInfo:
     drafter_busy_ms: float = 0.0  # time the drafter worked during the step
     predraft_nodes: int = 0  # nodes drafted ahead during this step's verification
     predraft_used: int = 0  # of those, nodes the next step verified
+    proposed_per_source: tuple[tuple[str, int], ...] = ()  # (proposer, nodes proposed), sorted by name
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def _chunk(msg: generate_pb2.GenerateChunk) -> Chunk:
         s = msg.step
         step = StepInfo(s.num_proposed, s.tree_depth, s.num_accepted, tuple(s.accepted_sources), s.draft_ms,
                         s.verify_ms, s.draft_error, (s.budget_nodes, s.budget_depth), s.predrafted, s.wait_ms,
-                        s.step_ms, s.drafter_busy_ms, s.predraft_nodes, s.predraft_used)
+                        s.step_ms, s.drafter_busy_ms, s.predraft_nodes, s.predraft_used,
+                        tuple(sorted(s.proposed_per_source.items())))
     return Chunk(tuple(msg.token_ids), msg.text, step, msg.finish_reason)
 
 

@@ -80,7 +80,7 @@ def mesh():
 
     services = []
     try:
-        v = sh.verifier()
+        v = sh.verifier("--feedback-topk", "8")  # top-k rows for token recycling (also inside fused)
         d1, d2 = sh.drafter(), sh.drafter()
         services += [v, d1, d2]
         sh.start_all(v, d1, d2)

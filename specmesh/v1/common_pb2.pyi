@@ -73,7 +73,14 @@ class SpecParams(_message.Message):
     def __init__(self, proposer: _Optional[str] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ..., overlap: _Optional[bool] = ..., policy: _Optional[str] = ..., restart_depth: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("num_proposed", "tree_depth", "num_accepted", "accepted_sources", "draft_ms", "verify_ms", "draft_error", "budget_nodes", "budget_depth", "predrafted", "wait_ms", "step_ms", "drafter_busy_ms", "predraft_nodes", "predraft_used")
+    __slots__ = ("num_proposed", "tree_depth", "num_accepted", "accepted_sources", "draft_ms", "verify_ms", "draft_error", "budget_nodes", "budget_depth", "predrafted", "wait_ms", "step_ms", "drafter_busy_ms", "predraft_nodes", "predraft_used", "proposed_per_source")
+    class ProposedPerSourceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +96,7 @@ class StepStats(_message.Message):
     DRAFTER_BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_USED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_PER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     num_proposed: int
     tree_depth: int
     num_accepted: int
@@ -104,7 +112,8 @@ class StepStats(_message.Message):
     drafter_busy_ms: float
     predraft_nodes: int
     predraft_used: int
-    def __init__(self, num_proposed: _Optional[int] = ..., tree_depth: _Optional[int] = ..., num_accepted: _Optional[int] = ..., accepted_sources: _Optional[_Iterable[str]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_error: _Optional[str] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., predrafted: _Optional[bool] = ..., wait_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., drafter_busy_ms: _Optional[float] = ..., predraft_nodes: _Optional[int] = ..., predraft_used: _Optional[int] = ...) -> None: ...
+    proposed_per_source: _containers.ScalarMap[str, int]
+    def __init__(self, num_proposed: _Optional[int] = ..., tree_depth: _Optional[int] = ..., num_accepted: _Optional[int] = ..., accepted_sources: _Optional[_Iterable[str]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_error: _Optional[str] = ..., budget_nodes: _Optional[int] = ..., budget_depth: _Optional[int] = ..., predrafted: _Optional[bool] = ..., wait_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., drafter_busy_ms: _Optional[float] = ..., predraft_nodes: _Optional[int] = ..., predraft_used: _Optional[int] = ..., proposed_per_source: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class VerifyFeedback(_message.Message):
     __slots__ = ("inputs", "k", "topk", "ngram_tokens", "ngram_lengths")
