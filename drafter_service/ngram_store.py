@@ -36,6 +36,7 @@ import queue
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ log = logging.getLogger("specmesh.ngram_store")
 
 Continuation = tuple[int, ...]
 SNAPSHOT_FORMAT = "specmesh-ngram-store/1"
+MEMORY_MAX_CONTEXTS = 1 << 20  # contexts a drafter's own memory store keeps (~0.3-0.5 GB at the defaults)
 
 
 @dataclass(frozen=True)
@@ -110,12 +112,17 @@ def _check(tokens: Sequence[int]) -> None:
 
 
 class MemoryNGramStore:
-    """The store in this process's memory (thread-safe: a learner thread may add while drafting reads)."""
+    """The store in this process's memory (thread-safe: a learner thread may add while drafting reads).
 
-    def __init__(self, config: StoreConfig | None = None, namespace: str = "default") -> None:
+    ``max_contexts`` bounds its size: past it, the least recently updated contexts are dropped
+    (None = unbounded; Redis bounds itself with TTLs and its own ``maxmemory-policy``)."""
+
+    def __init__(self, config: StoreConfig | None = None, namespace: str = "default",
+                 max_contexts: int | None = None) -> None:
         self.config = config or StoreConfig()
         self.namespace = namespace
-        self._table: dict[Continuation, dict[bytes, int]] = {}
+        self.max_contexts = max_contexts
+        self._table: OrderedDict[Continuation, dict[bytes, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def add(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
@@ -123,13 +130,19 @@ class MemoryNGramStore:
         entries = list(ngram_entries(tokens, self.config, start, partial))
         with self._lock:
             for ctx, cont in entries:
-                counts = self._table.setdefault(ctx, {})
+                counts = self._table.get(ctx)
+                if counts is None:
+                    counts = self._table[ctx] = {}
+                elif self.max_contexts is not None:
+                    self._table.move_to_end(ctx)
                 member = pack(cont)
                 counts[member] = counts.get(member, 0) + 1
                 if len(counts) > self.config.top_n:
                     ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]))
                     for member, _ in ranked[: len(counts) - self.config.top_n]:
                         del counts[member]
+            while self.max_contexts is not None and len(self._table) > self.max_contexts:
+                self._table.popitem(last=False)
 
     def lookup(self, context: Sequence[int], k: int) -> list[tuple[Continuation, int]]:
         for n in range(min(self.config.max_n, len(context)), self.config.min_n - 1, -1):
@@ -165,8 +178,8 @@ class MemoryNGramStore:
         if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"{path}: not an n-gram store snapshot (format {SNAPSHOT_FORMAT!r} expected)")
         store = cls(StoreConfig(**doc["config"]), doc["namespace"])
-        store._table = {unpack(bytes.fromhex(ctx)): {bytes.fromhex(m): int(c) for m, c in counts.items()}
-                        for ctx, counts in doc["table"].items()}
+        store._table = OrderedDict((unpack(bytes.fromhex(ctx)), {bytes.fromhex(m): int(c) for m, c in counts.items()})
+                                   for ctx, counts in doc["table"].items())
         return store
 
 
@@ -279,10 +292,10 @@ def open_store(spec: str | None, namespace: str = "default", config: StoreConfig
       been built with the same tokenizer (``namespace``) unless ``namespace`` is "default".
     """
     if spec is None or spec == "memory":
-        return MemoryNGramStore(config, namespace)
+        return MemoryNGramStore(config, namespace, MEMORY_MAX_CONTEXTS)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         primary = RedisNGramStore.from_url(spec, config, namespace)
-        return FallbackNGramStore(primary, MemoryNGramStore(primary.config, namespace))
+        return FallbackNGramStore(primary, MemoryNGramStore(primary.config, namespace, MEMORY_MAX_CONTEXTS))
     store = MemoryNGramStore.load(spec)
     if namespace != "default" and store.namespace != namespace:
         raise ValueError(f"{spec}: built for tokenizer {store.namespace}, not this model's {namespace}")

@@ -116,3 +116,24 @@ def test_entries_and_packing():
     assert unpack(pack([0, 7, 2**32 - 1])) == (0, 7, 2**32 - 1)
     with pytest.raises(ValueError):
         MemoryNGramStore(cfg).add([-1, 2, 3, 4])
+
+
+def test_memory_store_is_bounded_least_recently_updated_out():
+    store = MemoryNGramStore(StoreConfig(min_n=1, max_n=1, span=1), max_contexts=2)
+    store.add([1, 2])
+    store.add([3, 4])
+    store.add([1, 5])  # updates context (1,): (3,) is now the oldest
+    store.add([6, 7])
+    assert len(store) == 2
+    assert store.lookup([3], 4) == [] and store.lookup([1], 4) and store.lookup([6], 4) == [((7,), 1)]
+
+
+def test_snapshot_round_trip(tmp_path):
+    store = MemoryNGramStore(SMALL, "ns")
+    store.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    store.save(tmp_path / "s.ngrams")
+    loaded = MemoryNGramStore.load(tmp_path / "s.ngrams")
+    assert loaded.namespace == "ns" and loaded.config == SMALL and loaded._table == store._table
+    (tmp_path / "bad").write_text("nope")
+    with pytest.raises(ValueError, match="not an n-gram store snapshot"):
+        MemoryNGramStore.load(tmp_path / "bad")
