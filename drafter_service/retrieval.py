@@ -17,9 +17,10 @@ Trees carry no draft distributions: the verifier's point-mass rule keeps samplin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from drafter_service.ngram_store import NGramStore, StoreLearner, open_store
+from drafter_service.ngram_store import NGramStore, StoreConfig, StoreLearner, open_store
 from drafter_service.proposer import Budget, DraftSessionState, register
 from specmesh.feedback import DraftFeedback
 from specmesh.tree import TokenTree, weighted_paths_tree
@@ -70,9 +71,13 @@ class RetrievalProposer:
 
 @register("retrieval")
 def _retrieval(store: NGramStore | None = None, store_spec: str | None = None, store_namespace: str = "default",
-               learn: str = "outputs", max_matches: int = 8, **_resources) -> RetrievalProposer:
+               learn: str = "outputs", max_matches: int = 8, **options) -> RetrievalProposer:
     """``store``: a shared NGramStore; else one opened from ``store_spec`` in ``store_namespace``
-    (see ``open_store``; None = a fresh in-memory store)."""
-    store = store if store is not None else open_store(store_spec, store_namespace)
+    (see ``open_store``; None = a fresh in-memory store), with the n-gram options among ``options``
+    (min_n, max_n, span, top_n, ttl_s; a snapshot keeps its own)."""
+    if store is None:
+        fields = {f.name for f in dataclasses.fields(StoreConfig)}
+        config = StoreConfig(**{k: int(v) for k, v in options.items() if k in fields})
+        store = open_store(store_spec, store_namespace, config)
     learner = StoreLearner(store) if learn != "none" else None
     return RetrievalProposer(store, learner, max_matches, learn)

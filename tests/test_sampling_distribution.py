@@ -405,7 +405,10 @@ def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int
     from spec_helpers import engine_for
 
     temperature, top_k, top_p = warp
-    engine = engine_for(target_runner, proposer, 4, 2, draft_runner=draft_runner)
+    name, _, options = (proposer or "").partition(":")  # "NAME:key=value,..." = proposer options
+    opts = dict(kv.split("=") for kv in options.split(",")) if options else {}
+    opts = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
+    engine = engine_for(target_runner, name or None, 4, 2, draft_runner=draft_runner, **opts)
     if overlap:  # PEARL as shipped: restarts verify no tree; trees drafted ahead, reused when the bonus was guessed
         engine.overlap, engine.policy = True, StaticPolicy(4, 2, restart_depth=0)
     counts: Counter = Counter()
@@ -441,7 +444,11 @@ def ar_pairs(e2e_models):
 @pytest.mark.parametrize(
     "proposer,warp,overlap",
     [("draft_model", "plain", False), ("draft_model_tree", "plain", False), ("prompt_lookup", "plain", False),
-     ("draft_model", "topk_topp", False), ("draft_model", "plain", True), ("draft_model_tree", "plain", True)],
+     ("draft_model", "topk_topp", False), ("draft_model", "plain", True), ("draft_model_tree", "plain", True),
+     # learning proposers: trees built from earlier requests' samples (store, top-k table, calibration)
+     ("retrieval:span=2,min_n=1", "plain", False), ("recycling", "plain", False),
+     ("fused:members=copy+recycling+draft_model", "plain", False),
+     ("fused", "topk_topp", True)],
 )
 def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
     model, target_runner, draft_runner = e2e_models
