@@ -30,6 +30,10 @@ DEFAULT_BUDGETS: dict[str, tuple[int, int]] = {
     "draft_model_tree": (8, 4),
     "prompt_lookup": (8, 8),
     "prompt_lookup_tree": (16, 10),
+    "copy": (16, 10),
+    "retrieval": (16, 10),
+    "recycling": (10, 6),
+    "fused": (24, 12),
 }
 
 
