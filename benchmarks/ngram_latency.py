@@ -4,8 +4,9 @@
         --tokenizer ../shared/models/stdlib-code/target [--redis redis://127.0.0.1:6379/0] \
         [--json benchmarks/results/ngram_latency.json]
 
-The store is warmed like a fleet store after one pass: every prompt + reference of the set
-is added (``StoreLearner`` path, i.e. ``NGramStore.add``). Then, for every prompt, the
+The stores are warmed like a fleet store after one pass: every prompt + reference of the set
+is added (``NGramStore.add``, the learner's path); a Redis store given with --redis keeps what
+it held (e.g. an ingested corpus), so lookups run against a store of realistic size. Then, for every prompt, the
 proposer drafts (budget --max-nodes x --max-depth) at each position of the reference, the
 context growing token by token as in decoding; each ``propose`` (lookup of every suffix
 length in one round trip + tree building) is timed. Without --redis a redis-server is
@@ -95,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         memory = MemoryNGramStore(StoreConfig(), namespace)
         remote = RedisNGramStore.from_url(url, StoreConfig(), namespace, timeout_s=5.0)
-        remote.client.flushdb()
         for prompt, reference in sequences:
             memory.add(prompt + reference)
             remote.add(prompt + reference)
