@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from drafter_service.drafter import common_prefix_len
-from drafter_service.proposer import Budget, DraftSessionState, register
+from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
 from specmesh.tree import TokenTree, TreeBuilder
 
 SYNC_TAIL = 64  # a context edit is assumed to touch at most this many last tokens before a full compare
@@ -237,5 +237,6 @@ class CopyProposer:
 
 
 @register("copy")
-def _copy(min_match: int = 1, max_match: int = 32, max_matches: int = 8, **_resources) -> CopyProposer:
-    return CopyProposer(int(min_match), int(max_match), int(max_matches))
+def _copy(**given) -> CopyProposer:
+    opts = proposer_options(given, ("min_match", "max_match", "max_matches"), "copy")
+    return CopyProposer(int(opts.get("min_match", 1)), int(opts.get("max_match", 32)), int(opts.get("max_matches", 8)))

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from drafter_service.drafter import common_prefix_len
-from drafter_service.proposer import Budget, DraftSessionState, register
+from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
 from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
 from specmesh.sampling import warp_probs
 from specmesh.tree import TokenTree, ancestor_mask
@@ -195,10 +195,14 @@ class DraftModelProposer:
 
 
 @register("draft_model")
-def _chain(draft_runner: ModelRunner, min_confidence: float = 0.0, **_: object) -> DraftModelProposer:
-    return DraftModelProposer(draft_runner, tree=False, min_confidence=float(min_confidence), name="draft_model")
+def _chain(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
+    opts = proposer_options(given, ("min_confidence",), "draft_model")
+    return DraftModelProposer(draft_runner, tree=False, min_confidence=float(opts.get("min_confidence", 0.0)),
+                              name="draft_model")
 
 
 @register("draft_model_tree")
-def _tree(draft_runner: ModelRunner, branching: int = 4, expand_width: int = 4, **_: object) -> DraftModelProposer:
-    return DraftModelProposer(draft_runner, tree=True, branching=branching, expand_width=expand_width, name="draft_model_tree")
+def _tree(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
+    opts = proposer_options(given, ("branching", "expand_width"), "draft_model_tree")
+    return DraftModelProposer(draft_runner, tree=True, branching=int(opts.get("branching", 4)),
+                              expand_width=int(opts.get("expand_width", 4)), name="draft_model_tree")

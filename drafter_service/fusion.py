@@ -136,9 +136,13 @@ def fuse_trees(trees: Sequence[TokenTree], calibration: AcceptanceCalibration, b
     return builder.build()
 
 
+ANCHOR = 8  # committed tokens before a hypothesis compared too when checking a drafted tree still applies
+
+
 @dataclass
 class _Drafted:
-    """A member tree waiting to be judged: drafted from ``tokens[:length]``, whose last tokens were ``tail``."""
+    """Member trees waiting to be judged: drafted from ``tokens[:length]``, which ended with ``tail``
+    (the hypothesis drafted on, if any, and ANCHOR committed tokens before it)."""
 
     length: int
     tail: tuple[int, ...]
@@ -157,6 +161,10 @@ class FusedProposer:
     def feedback_topk(self) -> int:
         return max((getattr(m, "feedback_topk", 0) for m in self.members), default=0)
 
+    @property
+    def feedback_min_ngram(self) -> int:
+        return max((getattr(m, "feedback_min_ngram", 0) for m in self.members), default=0)
+
     def prepare(self, state: DraftSessionState) -> None:
         state.scratch[self.name] = deque(maxlen=self.max_pending)
         for member in self.members:
@@ -169,8 +177,8 @@ class FusedProposer:
             observe = getattr(member, "observe", None)
             if observe is not None:
                 observe(state, feedback)
-        if feedback.committed_len:
-            self._calibrate(state, feedback.committed_len)
+        if state.committed_len:  # feedback.committed_len, clamped to the context by the drafter
+            self._calibrate(state, state.committed_len)
 
     def _calibrate(self, state: DraftSessionState, committed: int) -> None:
         pending: deque[_Drafted] = state.scratch.setdefault(self.name, deque(maxlen=self.max_pending))
@@ -200,7 +208,9 @@ class FusedProposer:
                 break
             trees.append(member.propose(state, budget))
         pending = state.scratch.setdefault(self.name, deque(maxlen=self.max_pending))
-        pending.append(_Drafted(len(state.tokens), tuple(state.tokens[-8:]), trees))
+        committed = state.committed_len or len(state.tokens)
+        tail = tuple(state.tokens[max(0, min(committed, len(state.tokens)) - ANCHOR) :])
+        pending.append(_Drafted(len(state.tokens), tail, trees))
         return fuse_trees(trees, self.calibration, budget, self.min_score)
 
     def release(self, state: DraftSessionState) -> None:

@@ -177,9 +177,13 @@ class MemoryNGramStore:
             raise ValueError(f"{path}: not an n-gram store snapshot ({exc})") from None
         if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"{path}: not an n-gram store snapshot (format {SNAPSHOT_FORMAT!r} expected)")
-        store = cls(StoreConfig(**doc["config"]), doc["namespace"])
-        store._table = OrderedDict((unpack(bytes.fromhex(ctx)), {bytes.fromhex(m): int(c) for m, c in counts.items()})
-                                   for ctx, counts in doc["table"].items())
+        try:
+            store = cls(StoreConfig(**doc["config"]), doc["namespace"])
+            store._table = OrderedDict(
+                (unpack(bytes.fromhex(ctx)), {bytes.fromhex(m): int(c) for m, c in counts.items()})
+                for ctx, counts in doc["table"].items())
+        except (KeyError, TypeError, ValueError, AttributeError, struct.error) as exc:
+            raise ValueError(f"{path}: damaged n-gram store snapshot ({type(exc).__name__}: {exc})") from None
         return store
 
 
@@ -207,6 +211,7 @@ class RedisNGramStore:
         self.namespace = namespace
         self.batch = batch  # script calls per pipeline round trip
         self._update = client.register_script(_UPDATE)
+        self._config_checked = False
 
     @classmethod
     def from_url(cls, url: str, config: StoreConfig | None = None, namespace: str = "default",
@@ -219,8 +224,22 @@ class RedisNGramStore:
     def key(self, context: Sequence[int]) -> str:
         return f"specmesh:{self.namespace}:ng:{{{pack(context).hex()}}}"
 
+    def check_config(self) -> None:
+        """Record this store's n-gram options in Redis, or ValueError if the namespace holds n-grams
+        made with other ones (a drafter whose contexts or spans differ from the ingested corpus)."""
+        if self._config_checked:
+            return
+        mine = json.dumps(dataclasses.asdict(dataclasses.replace(self.config, ttl_s=0)), sort_keys=True)
+        key = f"specmesh:{self.namespace}:config:{{config}}"
+        self.client.set(key, mine, nx=True)
+        theirs = self.client.get(key)
+        if theirs is not None and theirs.decode() != mine:
+            raise ValueError(f"the Redis store {self.namespace} was filled with other n-gram options: {theirs.decode()}")
+        self._config_checked = True
+
     def add(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
         _check(tokens)
+        self.check_config()
         args = (self.config.top_n, self.config.ttl_s)
         pipe = self.client.pipeline(transaction=False)
         pending = 0
@@ -295,32 +314,50 @@ def open_store(spec: str | None, namespace: str = "default", config: StoreConfig
         return MemoryNGramStore(config, namespace, MEMORY_MAX_CONTEXTS)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         primary = RedisNGramStore.from_url(spec, config, namespace)
+        try:
+            primary.check_config()
+        except ValueError:
+            raise
+        except Exception as exc:  # Redis down at start: the fallback store takes over, checked on reconnect
+            log.warning("n-gram store %s not reachable yet (%s: %s)", spec, type(exc).__name__, exc)
         return FallbackNGramStore(primary, MemoryNGramStore(primary.config, namespace, MEMORY_MAX_CONTEXTS))
     store = MemoryNGramStore.load(spec)
     if namespace != "default" and store.namespace != namespace:
         raise ValueError(f"{spec}: built for tokenizer {store.namespace}, not this model's {namespace}")
+    store.max_contexts = max(len(store), MEMORY_MAX_CONTEXTS)  # learning on top of it stays bounded
     return store
 
 
 class StoreLearner:
-    """Adds token sequences to a store on one background thread, off the drafting path.
+    """Adds token sequences to a store on a background thread, off the drafting path.
 
     ``submit`` never blocks: when ``max_pending`` sequences wait already, the new one is dropped
-    (and counted). Store failures are logged and counted, never raised to the submitter."""
+    (and counted). Store failures are logged and counted, never raised to the submitter. The
+    thread starts with the first submission and ends after ``idle_s`` without work, so idle
+    proposers hold no thread."""
 
-    def __init__(self, store: NGramStore, max_pending: int = 4096) -> None:
+    def __init__(self, store: NGramStore, max_pending: int = 4096, idle_s: float = 30.0) -> None:
         self.store = store
         self.dropped = 0
         self.failures = 0
+        self.idle_s = idle_s
         self._queue: queue.Queue = queue.Queue(max_pending)
-        self._thread = threading.Thread(target=self._run, name="ngram-learner", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def submit(self, tokens: Sequence[int], start: int = 0, partial: bool = False) -> None:
         try:
             self._queue.put_nowait((list(tokens), start, partial))
         except queue.Full:
             self.dropped += 1
+            return
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        with self._lock:  # the thread clears _thread under this lock, only with an empty queue
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ngram-learner", daemon=True)
+                self._thread.start()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything submitted so far is in the store; False on timeout."""
@@ -329,11 +366,19 @@ class StoreLearner:
             self._queue.put(done, timeout=timeout_s)
         except queue.Full:
             return False
+        self._ensure_thread()
         return done.wait(timeout_s)
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             if isinstance(item, threading.Event):
                 item.set()
                 continue

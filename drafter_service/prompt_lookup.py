@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from drafter_service.proposer import Budget, DraftSessionState, register
+from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
 from specmesh.tree import TokenTree, TreeBuilder
 
 
@@ -77,14 +77,13 @@ class PromptLookupProposer:
 
 
 @register("prompt_lookup")
-def _chain(**opts) -> PromptLookupProposer:
-    return PromptLookupProposer(max_matches=1, **_opts(opts))
+def _chain(**given) -> PromptLookupProposer:
+    opts = proposer_options(given, ("min_ngram", "max_ngram"), "prompt_lookup")
+    return PromptLookupProposer(max_matches=1, **{k: int(v) for k, v in opts.items()})
 
 
 @register("prompt_lookup_tree")
-def _tree(**opts) -> PromptLookupProposer:
-    return PromptLookupProposer(max_matches=opts.pop("max_matches", 8), name="prompt_lookup_tree", **_opts(opts))
-
-
-def _opts(opts: dict) -> dict:
-    return {k: opts[k] for k in ("min_ngram", "max_ngram") if k in opts}
+def _tree(**given) -> PromptLookupProposer:
+    opts = {k: int(v) for k, v in proposer_options(given, ("min_ngram", "max_ngram", "max_matches"),
+                                                   "prompt_lookup_tree").items()}
+    return PromptLookupProposer(max_matches=opts.pop("max_matches", 8), name="prompt_lookup_tree", **opts)

@@ -59,11 +59,6 @@ class DraftSessionState:
     # the orchestrator; 0 = never told
     committed_len: int = 0
 
-    @property
-    def committed(self) -> list[int]:
-        """The committed part of the context (all of it when the orchestrator never said)."""
-        return self.tokens[: self.committed_len] if self.committed_len else self.tokens
-
 
 class Proposer(Protocol):
     """``propose`` and ``release`` are required. Optional hooks:
@@ -100,6 +95,19 @@ def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
 def proposer_names() -> list[str]:
     _import_builtin()
     return sorted(_REGISTRY)
+
+
+# what hosts (the embedded stack, the drafter server) offer every proposer factory
+RESOURCES = frozenset({"draft_runner", "store", "store_spec", "store_namespace"})
+
+
+def proposer_options(given: dict[str, Any], allowed: tuple[str, ...], name: str) -> dict[str, Any]:
+    """A factory's own options among ``given`` (the host's resources dropped); ValueError on unknown ones."""
+    options = {k: v for k, v in given.items() if k not in RESOURCES}
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name} has no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}")
+    return options
 
 
 def make_proposer(name: str, **resources: Any) -> Proposer:

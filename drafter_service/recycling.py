@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from drafter_service.proposer import Budget, DraftSessionState, register
+from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
 from specmesh.feedback import DraftFeedback
 from specmesh.tree import TokenTree, TreeBuilder
 
@@ -89,7 +89,7 @@ class AdjacencyTable:
 
 def expand_tree(table: AdjacencyTable, last_token: int, budget: Budget, source: str) -> TokenTree:
     """Best-first expansion from ``last_token`` over the table: the ``max_nodes`` paths of highest
-    product of rank rates, none deeper than ``max_depth``."""
+    product of rank rates, none deeper than ``max_depth`` or scoring under ``min_path_prob``."""
     if budget.is_zero:
         return TokenTree.empty()
     rates = table.hit_rates.rates()
@@ -110,6 +110,8 @@ def expand_tree(table: AdjacencyTable, last_token: int, budget: Budget, source: 
     push_children(-1, last_token, 1.0, 0)
     while heap and len(builder) < budget.max_nodes:
         neg, _, parent, depth, token, rank = heapq.heappop(heap)
+        if -neg < budget.min_path_prob:  # best-first: every node left scores lower
+            break
         if builder.find(parent, token) is not None:  # a duplicate successor in one row
             continue
         node = builder.add(parent, token, float(rates[rank]), source)
@@ -147,5 +149,6 @@ class RecyclingProposer:
 
 
 @register("recycling")
-def _recycling(**opts) -> RecyclingProposer:
-    return RecyclingProposer(**{k: opts[k] for k in ("k", "max_entries") if k in opts})
+def _recycling(**given) -> RecyclingProposer:
+    opts = proposer_options(given, ("k", "max_entries"), "recycling")
+    return RecyclingProposer(int(opts.get("k", 8)), int(opts.get("max_entries", 1 << 20)))

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from drafter_service.ngram_store import NGramStore, StoreConfig, StoreLearner, open_store
-from drafter_service.proposer import Budget, DraftSessionState, register
+from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
 from specmesh.feedback import DraftFeedback
 from specmesh.tree import TokenTree, weighted_paths_tree
 
@@ -40,6 +40,11 @@ class RetrievalProposer:
         if self.learn not in LEARN_MODES:
             raise ValueError(f"learn must be one of {', '.join(LEARN_MODES)}, got {self.learn!r}")
 
+    @property
+    def feedback_min_ngram(self) -> int:
+        """Shortest Jacobi n-gram this proposer learns from (0 = it learns none)."""
+        return self.store.config.min_n + 1 if self.learner is not None and self.learn != "none" else 0
+
     def prepare(self, state: DraftSessionState) -> None:
         # next position whose continuation may be learned: generated tokens only, or the prompt's too
         state.scratch[self.name] = 0 if self.learn == "all" else len(state.tokens)
@@ -51,7 +56,7 @@ class RetrievalProposer:
             for gram in verified.ngrams:  # Jacobi harvests: short, so partial continuations count
                 if len(gram) > self.store.config.min_n:
                     self.learner.submit(gram, partial=True)
-        committed = feedback.committed_len
+        committed = state.committed_len  # feedback.committed_len, clamped to the context by the drafter
         start = state.scratch.get(self.name, len(state.tokens))
         upto = committed - self.store.config.span + 1  # positions < upto have a whole committed span
         if committed and upto > start:
@@ -63,7 +68,7 @@ class RetrievalProposer:
         if budget.is_zero:
             return TokenTree.empty()
         found = self.store.lookup(state.tokens[-self.store.config.max_n :], self.max_matches)
-        return weighted_paths_tree(found, budget.max_nodes, budget.max_depth, self.name)
+        return weighted_paths_tree(found, budget.max_nodes, budget.max_depth, self.name, budget.min_path_prob)
 
     def release(self, state: DraftSessionState) -> None:
         state.scratch.pop(self.name, None)
@@ -71,13 +76,13 @@ class RetrievalProposer:
 
 @register("retrieval")
 def _retrieval(store: NGramStore | None = None, store_spec: str | None = None, store_namespace: str = "default",
-               learn: str = "outputs", max_matches: int = 8, **options) -> RetrievalProposer:
+               learn: str = "outputs", max_matches: int = 8, **given) -> RetrievalProposer:
     """``store``: a shared NGramStore; else one opened from ``store_spec`` in ``store_namespace``
     (see ``open_store``; None = a fresh in-memory store), with the n-gram options among ``options``
     (min_n, max_n, span, top_n, ttl_s; a snapshot keeps its own)."""
+    options = proposer_options(given, tuple(f.name for f in dataclasses.fields(StoreConfig)), "retrieval")
     if store is None:
-        fields = {f.name for f in dataclasses.fields(StoreConfig)}
-        config = StoreConfig(**{k: int(v) for k, v in options.items() if k in fields})
+        config = StoreConfig(**{k: int(v) for k, v in options.items()})
         store = open_store(store_spec, store_namespace, config)
     learner = StoreLearner(store) if learn != "none" else None
     return RetrievalProposer(store, learner, max_matches, learn)

@@ -25,6 +25,9 @@ from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import budget_from_proto, draft_feedback_from_proto, sampling_from_proto, tree_to_proto
 
 log = logging.getLogger("specmesh.drafter")
+MAX_FEEDBACK_ITEMS = 64  # verifications' feedback per Propose
+MAX_FEEDBACK_NGRAMS = 1024  # harvested n-grams per verification
+MAX_NGRAM_LEN = 64
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
@@ -45,8 +48,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _check_tokens(self, tokens) -> None:
-        if tokens and (min(tokens) < 0 or (self.vocab_size and max(tokens) >= self.vocab_size)):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size or 'inf'})")
+        limit = self.vocab_size or 2**31  # model-free drafters know no vocabulary: ids must fit the stores
+        if tokens and (min(tokens) < 0 or max(tokens) >= limit):
+            raise ValueError(f"token ids must be in [0, {limit})")
+
+    def _check_feedback(self, feedback, context_length: int) -> None:
+        """Feedback feeds state shared by every session (adjacency tables, the fleet store): bounded
+        sizes and token ids in range, or ValueError (INVALID_ARGUMENT)."""
+        if feedback.committed_len > context_length:
+            raise ValueError(f"committed_len {feedback.committed_len} exceeds the context's {context_length} tokens")
+        if len(feedback.verified) > MAX_FEEDBACK_ITEMS:
+            raise ValueError(f"at most {MAX_FEEDBACK_ITEMS} feedback items per proposal")
+        for item in feedback.verified:
+            if item.inputs.shape[0] > 4 * self.max_tree_nodes or len(item.ngrams) > MAX_FEEDBACK_NGRAMS:
+                raise ValueError("feedback item too large")
+            self._check_tokens(item.inputs.tolist())
+            self._check_tokens(item.topk.reshape(-1).tolist())
+            for gram in item.ngrams:
+                if len(gram) > MAX_NGRAM_LEN:
+                    raise ValueError(f"feedback n-grams are at most {MAX_NGRAM_LEN} tokens")
+                self._check_tokens(list(gram))
 
     async def Session(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
@@ -83,6 +104,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     # INVALID_ARGUMENT rather than fail on the model thread
                     check_rollback(propose.rollback, drafter.context_length(session))
                     feedback = draft_feedback_from_proto(propose.feedback, propose.committed_len)
+                    if feedback is not None:
+                        length = drafter.context_length(session) - propose.rollback + len(new_tokens)
+                        self._check_feedback(feedback, length)
                     if budget.max_nodes > self.max_tree_nodes:  # a smaller tree fits any budget: clamp
                         budget = dataclasses.replace(budget, max_nodes=self.max_tree_nodes)
                 except ValueError as exc:

@@ -120,7 +120,7 @@ class EmbeddedStack:
         ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
         ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
         has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH)."""
-        drafter, topk = None, 0
+        drafter, topk, min_ngram = None, 0, 0
         if proposer not in (None, "none", "ar"):
             if proposer in NEEDS_DRAFT_MODEL and self.draft_runner is None:
                 raise ValueError(f"proposer {proposer!r} needs a draft model (--draft DIR)")
@@ -129,10 +129,15 @@ class EmbeddedStack:
             prop = make_proposer(proposer, **{**resources, **proposer_opts})
             drafter = LocalDrafter(prop)
             topk = getattr(prop, "feedback_topk", 0)  # token recycling: the verifier reports its top-k rows
+            min_ngram = getattr(prop, "feedback_min_ngram", 0)  # n-gram learners: shortest useful harvest
         nodes, depth = default_budget(proposer)
         chosen = build_policy(policy or DEFAULT_POLICY, max_nodes if max_nodes is not None else nodes,
                               max_depth if max_depth is not None else depth, restart_depth=restart_depth)
-        verifier = LocalVerifier(self.target_runner, feedback_topk=topk, lookahead=self.lookahead)
+        lookahead = self.lookahead if drafter is not None and min_ngram else None  # W rows a step: only if used
+        if lookahead is not None and lookahead.ngram < min_ngram:
+            raise ValueError(f"--lookahead N must be at least {min_ngram} for {proposer}'s n-gram store "
+                             f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
+        verifier = LocalVerifier(self.target_runner, feedback_topk=topk, lookahead=lookahead)
         return Engine(verifier, drafter, chosen, self.decode, overlap=DEFAULT_OVERLAP if overlap is None else bool(overlap), ahead_from=ahead_from)
 
 

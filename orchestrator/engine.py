@@ -36,6 +36,9 @@ from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from verifier_service.verifier import Verifier, VerifyResult
 
+SYNC_TIMEOUT_S = 0.5  # the context sync before a drafter session closes
+MAX_UNSENT_FEEDBACK = 16  # verifications' feedback kept for the next drafter call (zero budgets send none)
+
 
 @dataclass(frozen=True)
 class StepEvent:
@@ -227,14 +230,21 @@ class _Request:
         self.close_drafter()
 
     def close_drafter(self, sync: bool = False) -> None:
-        """Close the drafter session; with ``sync``, first bring its context to exactly the committed
-        tokens (with the last feedback), so proposers that learn from finished sessions see them."""
+        """Close the drafter session; with ``sync``, first bring its context to exactly the tokens
+        the request committed and emitted (with the last feedback), so proposers that learn from
+        finished sessions see them. The sync is bounded by SYNC_TIMEOUT_S and best effort."""
         drafter, self.drafter = self.drafter, None
         if drafter is not None:
+            if sync:
+                emitted = self.committed[: len(self.stopper.generated)]  # not what ran past a stop
+                rollback, new = self.view.edit(emitted)
+                final = DraftFeedback(self.prompt_len + len(emitted), tuple(self.unsent))
+                try:
+                    self.call(drafter, "propose", self.session, new,
+                              Budget(0, 0, deadline=time.monotonic() + SYNC_TIMEOUT_S), rollback, final)
+                except Exception:  # learning from this session is lost; the request is not
+                    pass
             try:
-                if sync:
-                    rollback, new = self.view.edit(self.committed)
-                    self.call(drafter, "propose", self.session, new, Budget(0, 0), rollback, self.feedback())
                 self.call(drafter, "close", self.session)
             except Exception:  # closing is best effort: the drafter may be gone
                 pass
@@ -301,7 +311,7 @@ class _Request:
             verified = verifier.verify(self.session, tree)
         self.committed += verified.tokens
         if verified.feedback is not None and self.drafter is not None:
-            self.unsent.append(verified.feedback)
+            self.unsent = self.unsent[-(MAX_UNSENT_FEEDBACK - 1) :] + [verified.feedback]
         return tree, verified
 
     def step_stats(self, tree: TokenTree, verified: VerifyResult, budget: Budget, t_step: float, **extra) -> StepStats:

@@ -76,6 +76,10 @@ class FailoverDrafter:
                     tree.validate(self.vocab_size, budget.max_nodes, budget.max_depth)
                 return tree
             except Exception as exc:  # any failure of a drafter moves on to the next one
+                if budget.is_zero:  # a context sync (before close): not worth opening another replica
+                    self._record(session_id, session, f"{name}: {type(exc).__name__}: {exc}")
+                    self._close_current(session_id, session)
+                    return TokenTree.empty()
                 self._fail(session_id, session, name, exc)
                 if session.drafter is not None:
                     # the next drafter starts with the next step: its first proposal (connect,

@@ -165,15 +165,11 @@ def add_members_argument(p: argparse.ArgumentParser) -> None:
 def add_lookahead_argument(p: argparse.ArgumentParser) -> None:
     from verifier_service.lookahead import LookaheadConfig
 
-    def parse(text: str) -> LookaheadConfig:
-        try:
-            return LookaheadConfig.parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    p.add_argument("--lookahead", type=parse, default=None, metavar="W,N",
-                   help="run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
-                        "forward) and feed the N-grams it harvests to the n-gram store (default: off)")
+    p.add_argument("--lookahead", type=LookaheadConfig.argument, default=None, metavar="W,N",
+                   help="for proposers that learn n-grams (retrieval, fused with retrieval): run a Jacobi window "
+                        "of W guess tokens beside every verified tree (W extra rows per forward) and feed the "
+                        "N-grams it harvests to their n-gram store; N must exceed the store's shortest context "
+                        "(2 by default) (default: off)")
 
 
 def _add_generate(sub) -> None:
@@ -234,7 +230,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stack = load_stack(args)
     proposer = args.proposer or ("draft_model" if stack.draft_runner is not None else "prompt_lookup")
     nodes, depth = default_budget(proposer)
-    options = {"members": args.members} if args.members and proposer == "fused" else {}
+    if args.members and proposer != "fused":
+        raise SystemExit("specmesh generate: --members is for --proposer fused")
+    options = {"members": args.members} if args.members else {}
     try:
         engine = stack.engine(proposer, args.max_nodes or nodes, args.max_depth or depth, overlap=args.overlap,
                               policy=args.policy, restart_depth=args.restart_depth, **options)

@@ -28,7 +28,7 @@ class VerifyFeedback:
     ngrams: tuple[tuple[int, ...], ...] = ()  # n-grams harvested from the Jacobi window
 
     def __post_init__(self) -> None:
-        if self.inputs.ndim != 1 or self.topk.ndim != 2 or self.topk.shape[0] not in (0, self.inputs.shape[0]):
+        if self.inputs.ndim != 1 or self.topk.ndim != 2 or self.topk.shape[0] != self.inputs.shape[0]:
             raise ValueError(f"feedback needs inputs [rows] and topk [rows, k]; got {self.inputs.shape}, {self.topk.shape}")
 
     @property
@@ -47,7 +47,3 @@ class VerifyFeedback:
 class DraftFeedback:
     committed_len: int = 0  # tokens at the start of the context (after the call's edit) that are committed; 0 = not told
     verified: tuple[VerifyFeedback, ...] = field(default=())  # verifications since the drafter's last call
-
-    @property
-    def empty(self) -> bool:
-        return self.committed_len == 0 and not self.verified

@@ -288,12 +288,13 @@ class TreeBuilder:
 
 
 def weighted_paths_tree(paths: Sequence[tuple[Sequence[int], float]], max_nodes: int, max_depth: int,
-                        source: str = "") -> TokenTree:
+                        source: str = "", min_share: float = 0.0) -> TokenTree:
     """A tree from weighted token paths (e.g. continuations with their counts): the paths are merged
     into a trie, each node weighing the total of the paths through it, and the ``max_nodes`` heaviest
     nodes no deeper than ``max_depth`` are kept (a node never outweighs its parent, so every kept
     node's parent is kept). A node's draft probability is its weight over its parent's: the share of
-    the evidence at the parent that continues with it."""
+    the evidence at the parent that continues with it. Nodes whose share of all the evidence is
+    below ``min_share`` are left out (SpecDec++'s stop rule, ``Budget.min_path_prob``)."""
     weight: dict[tuple[int, ...], float] = {}
     order: dict[tuple[int, ...], int] = {}
     for tokens, w in paths:
@@ -304,7 +305,8 @@ def weighted_paths_tree(paths: Sequence[tuple[Sequence[int], float]], max_nodes:
     total = sum(w for key, w in weight.items() if len(key) == 1)
     if max_nodes <= 0 or total <= 0:
         return TokenTree.empty()
-    kept = sorted(weight, key=lambda key: (-weight[key], len(key), order[key]))[:max_nodes]
+    kept = [key for key in sorted(weight, key=lambda key: (-weight[key], len(key), order[key]))
+            if weight[key] >= min_share * total][:max_nodes]
     kept.sort(key=lambda key: (len(key), order[key]))  # parents first
     builder = TreeBuilder()
     index: dict[tuple[int, ...], int] = {}

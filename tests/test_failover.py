@@ -127,3 +127,17 @@ def test_a_failure_past_the_deadline_skips_the_step_instead_of_retrying(parts):
     assert drafter.current("s") == "lookup"
     tree = drafter.propose("s", [], Budget(4, 4))
     assert tree.tokens.tolist()[:1] == [5]  # prompt lookup continues "5 6 7" -> "5 ..."
+
+
+def test_context_sync_at_close_on_a_dead_drafter_opens_no_other_replica():
+    """The zero-budget sync before close is best effort: a failure there is recorded, the drafter
+    closed, and no further replica is opened (it would only prefill to be closed at once)."""
+    log: list = []
+    first = Flaky(LocalDrafter(make_proposer("prompt_lookup")), fail_at=1, how="raise", log=log)
+    second = Flaky(LocalDrafter(make_proposer("prompt_lookup")), fail_at=10**9, how="raise", log=log)
+    failover = FailoverDrafter([("a", lambda: first), ("b", lambda: second)])
+    failover.open("s", [1, 2, 3], greedy(8))
+    assert failover.propose("s", [4], Budget(0, 0)).num_nodes == 0
+    assert [e for e in log if e[0] == "open"] == [("open", [1, 2, 3])]  # b was never opened
+    assert failover.current("s") is None and "drafter died" in failover.errors("s")[0]
+    failover.close("s")

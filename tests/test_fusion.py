@@ -107,6 +107,7 @@ def test_live_calibration_learns_which_member_to_trust():
     assert first.tokens.tolist() == [7]
     for _ in range(30):
         state.tokens += [3]  # the target continued with 3
+        state.committed_len = len(state.tokens)  # as LocalDrafter records it from the feedback
         prop.observe(state, DraftFeedback(len(state.tokens)))
         tree = prop.propose(state, Budget(1, 1))
     assert tree.tokens.tolist() == [3] and tree.sources == ("honest",)
@@ -118,9 +119,11 @@ def test_trees_drafted_on_a_taken_back_hypothesis_are_not_judged():
     prop = FusedProposer([_Fixed("a", [[9]], 0.5)])
     state = DraftSessionState("s", [1, 2], SamplingParams())
     prop.prepare(state)
-    state.tokens += [5]  # hypothesis
+    state.committed_len = 2
+    state.tokens += [5, 5]  # a hypothesis
     prop.propose(state, Budget(1, 1))
-    state.tokens[-1:] = [6, 7]  # taken back: 6 and 7 committed instead
+    state.tokens[2:] = [6, 5, 7]  # taken back: 6 5 7 committed instead (the last token still agrees)
+    state.committed_len = len(state.tokens)
     prop.observe(state, DraftFeedback(len(state.tokens)))
     assert prop.calibration.table() == {}
 

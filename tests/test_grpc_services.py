@@ -224,3 +224,30 @@ def test_drafter_applies_rollbacks_and_rejects_one_past_the_context(mesh):
     with pytest.raises(grpc.RpcError) as err:
         session(drafter_pb2.Propose(step=1, new_tokens=[1], budget=budget, rollback=len(prompt)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_drafter_rejects_malformed_feedback(mesh):
+    """Feedback feeds state every session shares (adjacency tables, the fleet store): out-of-range
+    ids, a committed length past the context, or inconsistent top-k rows are INVALID_ARGUMENT."""
+    from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+    stub = drafter_pb2_grpc.DrafterStub(sh.channel(mesh["drafters"][0]))
+    budget = common_pb2.Budget(max_nodes=4, max_depth=4)
+
+    def propose(**fields):
+        msgs = [drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id="fb", prompt=[5, 6, 7],
+                                                                      proposer="recycling")),
+                drafter_pb2.DraftRequest(propose=drafter_pb2.Propose(step=1, new_tokens=[8], budget=budget, **fields))]
+        return list(stub.Session(iter(msgs), timeout=30))
+
+    good = common_pb2.VerifyFeedback(inputs=[7, 8], k=2, topk=[8, 9, 9, 10], ngram_tokens=[1, 2, 3], ngram_lengths=[3])
+    assert len(propose(feedback=[good], committed_len=4)) == 1
+    bad = [dict(feedback=[common_pb2.VerifyFeedback(inputs=[7], k=1, topk=[-3])]),
+           dict(feedback=[common_pb2.VerifyFeedback(inputs=[7], k=1, topk=[10**9])]),
+           dict(feedback=[common_pb2.VerifyFeedback(inputs=[7, 8], k=2, topk=[1, 2, 3])]),
+           dict(feedback=[common_pb2.VerifyFeedback(inputs=[7], ngram_tokens=[1, 2], ngram_lengths=[3])]),
+           dict(committed_len=5)]
+    for fields in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            propose(**fields)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields

@@ -87,9 +87,18 @@ def test_keys_are_cluster_hash_tagged_and_expire(client):
     red.add([1, 2, 3])
     keys = sorted(k.decode() for k in client.keys("specmesh:fp:*"))
     assert keys and all(k.count("{") == 1 and k.endswith("}") for k in keys)
-    assert all(0 < client.ttl(k) <= 60 for k in keys)
+    grams = [k for k in keys if ":ng:" in k]
+    assert grams and all(0 < client.ttl(k) <= 60 for k in grams)
+    assert keys == sorted(grams + ["specmesh:fp:config:{config}"])  # the options, kept forever
     with pytest.raises(ValueError):
         RedisNGramStore(client, cfg, "bad{ns}")
+
+
+def test_redis_store_refuses_ngrams_made_with_other_options(client):
+    RedisNGramStore(client, StoreConfig(span=4), "fp").add([1, 2, 3, 4, 5, 6, 7])
+    RedisNGramStore(client, StoreConfig(span=4, ttl_s=9), "fp").add([1, 2, 3, 4, 5, 6, 7])  # TTL may differ
+    with pytest.raises(ValueError, match="other n-gram options"):
+        RedisNGramStore(client, StoreConfig(span=8), "fp").add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 
 
 def test_redis_stopped_mid_run_falls_back_to_memory():

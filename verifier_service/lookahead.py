@@ -93,6 +93,16 @@ class LookaheadConfig:
             raise ValueError(f"lookahead must be two integers W,N, got {text!r}") from None
         return LookaheadConfig(window, ngram)
 
+    @staticmethod
+    def argument(text: str) -> LookaheadConfig:
+        """``parse`` as an argparse ``type``: errors become usage errors."""
+        import argparse
+
+        try:
+            return LookaheadConfig.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 # ------------------------------------------------------------------ forward
 def window_span(prefix_len: int, window: int, max_positions: int) -> int:

@@ -81,7 +81,12 @@ class RemoteVerifier:
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
         request = verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
         msg = self._call(self.client._stub.Verify, request, invalid=InvalidTreeError)
-        feedback = feedback_from_proto(msg.feedback) if msg.HasField("feedback") else None
+        feedback = None
+        if msg.HasField("feedback"):
+            try:
+                feedback = feedback_from_proto(msg.feedback)
+            except ValueError as exc:  # feedback only helps drafting: drop it, keep the verification
+                log.warning("verifier %s sent malformed feedback (%s); ignored", self.client.address, exc)
         return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds, feedback)
 
     def release(self, session_id: str) -> None:

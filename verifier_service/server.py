@@ -118,17 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feedback-topk", type=int, default=0, metavar="K",
                    help="report the target's top-K next tokens after every verified row with each Verify, "
                         "for learning drafters such as Token Recycling (default: 0 = off)")
-    p.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N",
+    p.add_argument("--lookahead", type=LookaheadConfig.argument, default=None, metavar="W,N",
                    help="run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
                         "forward) and report the N-grams it harvests with each Verify (default: off)")
     serving.add_server_arguments(p)
-
-
-def _lookahead(text: str) -> LookaheadConfig:
-    try:
-        return LookaheadConfig.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
