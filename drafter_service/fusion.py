@@ -34,7 +34,7 @@ import numpy as np
 
 from drafter_service.proposer import Budget, DraftSessionState, Proposer, make_proposer, register
 from specmesh.feedback import DraftFeedback
-from specmesh.tree import TokenTree, TreeBuilder
+from specmesh.tree import TokenTree, best_paths_tree
 
 DEFAULT_MEMBERS = ("copy", "retrieval", "recycling")
 
@@ -104,9 +104,8 @@ def fuse_trees(trees: Sequence[TokenTree], calibration: AcceptanceCalibration, b
     estimate is below ``min_score`` or ``budget.min_path_prob``."""
     if budget.is_zero:
         return TokenTree.empty()
-    miss: dict[tuple[int, ...], float] = {}  # path -> P(every member proposing it is wrong)
+    miss: dict[tuple[int, ...], float] = {}  # path -> P(every member proposing it is wrong), first-seen order
     best: dict[tuple[int, ...], tuple[float, str]] = {}  # path -> (best member estimate, its source)
-    order: dict[tuple[int, ...], int] = {}
     for tree in trees:
         keys: list[tuple[int, ...]] = []
         for i in range(tree.num_nodes):
@@ -118,22 +117,13 @@ def fuse_trees(trees: Sequence[TokenTree], calibration: AcceptanceCalibration, b
             source = tree.sources[i] if tree.sources else ""
             est = calibration.estimate(source, float(tree.draft_probs[i]))
             miss[key] = miss.get(key, 1.0) * (1.0 - est)
-            order.setdefault(key, len(order))
             if est > best.get(key, (-1.0, ""))[0]:
                 best[key] = (est, source)
     score: dict[tuple[int, ...], float] = {}
     for key in sorted(miss, key=len):  # parents first
         score[key] = (score[key[:-1]] if len(key) > 1 else 1.0) * (1.0 - miss[key])
-    floor = max(min_score, budget.min_path_prob)
-    kept = [k for k in sorted(score, key=lambda k: (-score[k], len(k), order[k])) if score[k] >= floor]
-    kept = kept[: budget.max_nodes]
-    kept.sort(key=lambda k: (len(k), order[k]))
-    builder = TreeBuilder()
-    index: dict[tuple[int, ...], int] = {}
-    for key in kept:
-        parent = index[key[:-1]] if len(key) > 1 else -1
-        index[key] = builder.add(parent, key[-1], max(1e-6, 1.0 - miss[key]), best[key][1])
-    return builder.build()
+    scored = {key: (score[key], max(1e-6, 1.0 - m), best[key][1]) for key, m in miss.items()}
+    return best_paths_tree(scored, budget.max_nodes, max(min_score, budget.min_path_prob))
 
 
 ANCHOR = 8  # committed tokens before a hypothesis compared too when checking a drafted tree still applies

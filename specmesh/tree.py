@@ -295,23 +295,32 @@ def weighted_paths_tree(paths: Sequence[tuple[Sequence[int], float]], max_nodes:
     node's parent is kept). A node's draft probability is its weight over its parent's: the share of
     the evidence at the parent that continues with it. Nodes whose share of all the evidence is
     below ``min_share`` are left out (SpecDec++'s stop rule, ``Budget.min_path_prob``)."""
-    weight: dict[tuple[int, ...], float] = {}
-    order: dict[tuple[int, ...], int] = {}
+    weight: dict[tuple[int, ...], float] = {}  # in first-seen order
     for tokens, w in paths:
         for d in range(1, min(len(tokens), max_depth) + 1):
             key = tuple(int(t) for t in tokens[:d])
             weight[key] = weight.get(key, 0.0) + float(w)
-            order.setdefault(key, len(order))
     total = sum(w for key, w in weight.items() if len(key) == 1)
     if max_nodes <= 0 or total <= 0:
         return TokenTree.empty()
-    kept = [key for key in sorted(weight, key=lambda key: (-weight[key], len(key), order[key]))
-            if weight[key] >= min_share * total][:max_nodes]
-    kept.sort(key=lambda key: (len(key), order[key]))  # parents first
+    scored = {key: (w, w / (total if len(key) == 1 else weight[key[:-1]]), source) for key, w in weight.items()}
+    return best_paths_tree(scored, max_nodes, min_share * total)
+
+
+def best_paths_tree(paths: dict[tuple[int, ...], tuple[float, float, str]], max_nodes: int,
+                    min_score: float = 0.0) -> TokenTree:
+    """The tree of the ``max_nodes`` best-scoring nodes of a trie, none scoring below ``min_score``.
+
+    ``paths``: token path from the root -> (score, draft probability, source), every prefix of a path
+    present and scoring at least as much as the path (so every kept node's parent is kept). Ties go
+    to the shallower node, then the one inserted first; nodes are numbered parents first."""
+    order = {key: i for i, key in enumerate(paths)}
+    ranked = sorted(paths, key=lambda key: (-paths[key][0], len(key), order[key]))
+    kept = [key for key in ranked if paths[key][0] >= min_score][:max_nodes]
+    kept.sort(key=lambda key: (len(key), order[key]))
     builder = TreeBuilder()
     index: dict[tuple[int, ...], int] = {}
     for key in kept:
-        parent_weight = total if len(key) == 1 else weight[key[:-1]]
-        parent = -1 if len(key) == 1 else index[key[:-1]]
-        index[key] = builder.add(parent, key[-1], weight[key] / parent_weight, source)
+        _, prob, source = paths[key]
+        index[key] = builder.add(index[key[:-1]] if len(key) > 1 else -1, key[-1], prob, source)
     return builder.build()
