@@ -238,10 +238,10 @@ class _Request:
             if sync:
                 emitted = self.committed[: len(self.stopper.generated)]  # not what ran past a stop
                 rollback, new = self.view.edit(emitted)
-                final = DraftFeedback(self.prompt_len + len(emitted), tuple(self.unsent))
                 try:
                     self.call(drafter, "propose", self.session, new,
-                              Budget(0, 0, deadline=time.monotonic() + SYNC_TIMEOUT_S), rollback, final)
+                              Budget(0, 0, deadline=time.monotonic() + SYNC_TIMEOUT_S), rollback,
+                              self.feedback(len(emitted)))
                 except Exception:  # learning from this session is lost; the request is not
                     pass
             try:
@@ -258,10 +258,12 @@ class _Request:
     def _validate(self, tree: TokenTree, budget: Budget) -> TokenTree:
         return tree.validate(self.engine.verifier.info.vocab_size, budget.max_nodes, budget.max_depth)
 
-    def feedback(self) -> DraftFeedback:
-        """What goes with the next drafter call: the committed length and the feedback not yet sent."""
+    def feedback(self, num_committed: int | None = None) -> DraftFeedback:
+        """What goes with the next drafter call: the committed length (prompt + ``num_committed`` tokens,
+        default all committed so far) and the feedback not yet sent."""
         verified, self.unsent = tuple(self.unsent), []
-        return DraftFeedback(self.prompt_len + len(self.committed), verified)
+        count = len(self.committed) if num_committed is None else num_committed
+        return DraftFeedback(self.prompt_len + count, verified)
 
     def draft_now(self, budget: Budget) -> TokenTree:
         """Draft from the committed context on this thread; an empty tree if the drafter fails."""
