@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,29 +26,9 @@ import numpy as np
 from drafter_service.ngram_store import MemoryNGramStore, RedisNGramStore, StoreConfig, tokenizer_fingerprint
 from drafter_service.proposer import Budget, DraftSessionState
 from drafter_service.retrieval import RetrievalProposer
+from specmesh.local_mesh import LocalRedis
 from specmesh.model_runner import load_tokenizer
 from specmesh.sampling import SamplingParams
-
-
-def _redis_server() -> tuple[subprocess.Popen, str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server not found: pass --redis URL or install it (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def measure(store, sequences: list[tuple[list[int], list[int]]], budget: Budget) -> dict:
@@ -89,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                  for r in rows]
     namespace = tokenizer_fingerprint(tokenizer.get_vocab())
     budget = Budget(args.max_nodes, args.max_depth)
-    proc = None
+    server = None
     url = args.redis
     if url is None:
-        proc, url = _redis_server()
+        try:
+            server = LocalRedis()
+        except RuntimeError as exc:
+            raise SystemExit(f"{exc}; or pass --redis URL") from None
+        url = server.url
     try:
         memory = MemoryNGramStore(StoreConfig(), namespace)
         remote = RedisNGramStore.from_url(url, StoreConfig(), namespace, timeout_s=5.0)
@@ -103,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                   "contexts_stored": len(memory), "memory": measure(memory, sequences, budget),
                   "redis": measure(remote, sequences, budget)}
     finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait(timeout=10)
+        if server is not None:
+            server.stop()
     for name in ("memory", "redis"):
         m = report[name]
         print(f"{name:6s}: {m['proposals']} proposals, p50 {m['p50_ms']:.3f} ms, p90 {m['p90_ms']:.3f} ms, "

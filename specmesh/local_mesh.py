@@ -117,3 +117,46 @@ class LocalMesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class LocalRedis:
+    """A redis-server (Debian package ``redis-server``) on a free loopback port, no persistence,
+    killed by ``stop`` and with this process; for tests and benchmarks of the n-gram store.
+    RuntimeError when it is not installed or does not answer within ``timeout`` seconds."""
+
+    def __init__(self, timeout: float = 10.0) -> None:
+        import shutil
+        import socket
+
+        import redis
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)

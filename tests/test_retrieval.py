@@ -27,6 +27,7 @@ from drafter_service.remote import DrafterClient
 from drafter_service.retrieval import RetrievalProposer
 from specmesh import rpc
 from specmesh.feedback import DraftFeedback, VerifyFeedback
+from specmesh.local_mesh import LocalRedis
 from specmesh.model_runner import load_tokenizer
 from specmesh.sampling import SamplingParams
 from specmesh.tree import weighted_paths_tree
@@ -85,7 +86,7 @@ def test_jacobi_ngrams_from_the_verifier_reach_the_store():
 class _StopsRedisMidRequest:
     """Retrieval that kills Redis on its 5th proposal: the rest of the request runs on memory."""
 
-    def __init__(self, inner: RetrievalProposer, server: RedisServer) -> None:
+    def __init__(self, inner: RetrievalProposer, server: LocalRedis) -> None:
         self.inner, self.server, self.calls = inner, server, 0
         self.name = inner.name
 
