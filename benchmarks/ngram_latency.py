@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from drafter_service.ngram_store import MemoryNGramStore, RedisNGramStore, StoreConfig, tokenizer_fingerprint
-from drafter_service.proposer import Budget, DraftSessionState
+from drafter_service.proposer import DraftSessionState
 from drafter_service.retrieval import RetrievalProposer
-from specmesh.local_mesh import LocalRedis
-from specmesh.model_runner import load_tokenizer
+from specmesh.app.local_mesh import LocalRedis
+from specmesh.contract import Budget
+from specmesh.models import load_tokenizer
 from specmesh.sampling import SamplingParams
 
 

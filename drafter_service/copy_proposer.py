@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from drafter_service.drafter import common_prefix_len
-from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
-from specmesh.tree import TokenTree, TreeBuilder
+from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
+from drafter_service.tree_builders import TreeBuilder
+from specmesh.contract import Budget, common_prefix_len
+from specmesh.tree import TokenTree
 
 SYNC_TAIL = 64  # a context edit is assumed to touch at most this many last tokens before a full compare
 
@@ -195,7 +196,7 @@ class CopyIndex:
 
 # ------------------------------------------------------------------ proposer
 @dataclass
-class CopyProposer:
+class CopyProposer(Proposer):
     min_match: int = 1  # k of the index: shortest suffix match that proposes anything
     max_match: int = 32  # match lengths are measured up to this (ranking, weights)
     max_matches: int = 8  # distinct continuations merged into the tree
@@ -236,7 +237,6 @@ class CopyProposer:
         return index
 
 
-@register("copy")
-def _copy(**given) -> CopyProposer:
+def copy_proposer(**given) -> CopyProposer:
     opts = proposer_options(given, ("min_match", "max_match", "max_matches"), "copy")
     return CopyProposer(int(opts.get("min_match", 1)), int(opts.get("max_match", 32)), int(opts.get("max_matches", 8)))

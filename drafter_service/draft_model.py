@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from drafter_service.drafter import common_prefix_len
-from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
+from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
+from specmesh.contract import Budget, common_prefix_len
 from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
-from specmesh.sampling import warp_probs
 from specmesh.tree import TokenTree, ancestor_mask
+from specmesh.warp import warp_probs
 
 
 @dataclass
@@ -64,7 +64,7 @@ def _log_q(logits: torch.Tensor, state: DraftSessionState) -> torch.Tensor:
 
 
 @dataclass
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     runner: ModelRunner
     tree: bool = False  # False: chain; True: dynamic tree
     branching: int = 4  # children proposed per expanded node (tree)
@@ -194,15 +194,13 @@ class DraftModelProposer:
         )
 
 
-@register("draft_model")
-def _chain(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
+def chain_proposer(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
     opts = proposer_options(given, ("min_confidence",), "draft_model")
     return DraftModelProposer(draft_runner, tree=False, min_confidence=float(opts.get("min_confidence", 0.0)),
                               name="draft_model")
 
 
-@register("draft_model_tree")
-def _tree(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
+def tree_proposer(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
     opts = proposer_options(given, ("branching", "expand_width"), "draft_model_tree")
     return DraftModelProposer(draft_runner, tree=True, branching=int(opts.get("branching", 4)),
                               expand_width=int(opts.get("expand_width", 4)), name="draft_model_tree")

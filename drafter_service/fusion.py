@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from drafter_service.proposer import Budget, DraftSessionState, Proposer, make_proposer, register
+from drafter_service.proposer import DraftSessionState, Proposer, make_proposer
+from drafter_service.tree_builders import best_paths_tree
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
-from specmesh.tree import TokenTree, best_paths_tree
+from specmesh.tree import TokenTree
 
 DEFAULT_MEMBERS = ("copy", "retrieval", "recycling")
 
@@ -140,7 +142,7 @@ class _Drafted:
 
 
 @dataclass
-class FusedProposer:
+class FusedProposer(Proposer):
     members: list[Proposer]
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     name: str = "fused"
@@ -149,24 +151,20 @@ class FusedProposer:
 
     @property
     def feedback_topk(self) -> int:
-        return max((getattr(m, "feedback_topk", 0) for m in self.members), default=0)
+        return max((m.feedback_topk for m in self.members), default=0)
 
     @property
     def feedback_min_ngram(self) -> int:
-        return max((getattr(m, "feedback_min_ngram", 0) for m in self.members), default=0)
+        return max((m.feedback_min_ngram for m in self.members), default=0)
 
     def prepare(self, state: DraftSessionState) -> None:
         state.scratch[self.name] = deque(maxlen=self.max_pending)
         for member in self.members:
-            prepare = getattr(member, "prepare", None)
-            if prepare is not None:
-                prepare(state)
+            member.prepare(state)
 
     def observe(self, state: DraftSessionState, feedback: DraftFeedback) -> None:
         for member in self.members:
-            observe = getattr(member, "observe", None)
-            if observe is not None:
-                observe(state, feedback)
+            member.observe(state, feedback)
         if state.committed_len:  # feedback.committed_len, clamped to the context by the drafter
             self._calibrate(state, state.committed_len)
 
@@ -220,8 +218,7 @@ def parse_members(members: str | Sequence[str] | None) -> list[str]:
     return names
 
 
-@register("fused")
-def _fused(members: str | Sequence[str] | None = None, min_score: float = 0.1, **resources) -> FusedProposer:
+def fused_proposer(members: str | Sequence[str] | None = None, min_score: float = 0.1, **resources) -> FusedProposer:
     """``min_score`` 0.1: with 24 nodes, nodes below it cost more verify time than they return
     (measured with `specmesh bench` on the stdlib pair)."""
     names = parse_members(members)

@@ -111,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
         StoreConfig,
         tokenizer_fingerprint,
     )
-    from specmesh.cli import demo_model
-    from specmesh.model_runner import load_tokenizer
+    from specmesh.models import demo_model, load_tokenizer
 
     try:
         config = StoreConfig(args.min_n, args.max_n, args.span, args.top_n, args.ttl)

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
-from specmesh.tree import TokenTree, TreeBuilder
+from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
+from drafter_service.tree_builders import TreeBuilder
+from specmesh.contract import Budget
+from specmesh.tree import TokenTree
 
 
 def ngram_continuations(
@@ -59,7 +61,7 @@ def continuations_tree(continuations: list[np.ndarray], budget: Budget, source: 
 
 
 @dataclass
-class PromptLookupProposer:
+class PromptLookupProposer(Proposer):
     min_ngram: int = 1
     max_ngram: int = 4
     max_matches: int = 1  # 1 = chain; more = multi-match tree
@@ -72,18 +74,13 @@ class PromptLookupProposer:
         conts = ngram_continuations(tokens, self.min_ngram, self.max_ngram, budget.max_depth, self.max_matches)
         return continuations_tree(conts, budget, self.name)
 
-    def release(self, state: DraftSessionState) -> None:
-        pass
 
-
-@register("prompt_lookup")
-def _chain(**given) -> PromptLookupProposer:
+def chain_proposer(**given) -> PromptLookupProposer:
     opts = proposer_options(given, ("min_ngram", "max_ngram"), "prompt_lookup")
     return PromptLookupProposer(max_matches=1, **{k: int(v) for k, v in opts.items()})
 
 
-@register("prompt_lookup_tree")
-def _tree(**given) -> PromptLookupProposer:
+def tree_proposer(**given) -> PromptLookupProposer:
     opts = {k: int(v) for k, v in proposer_options(given, ("min_ngram", "max_ngram", "max_matches"),
                                                    "prompt_lookup_tree").items()}
     return PromptLookupProposer(max_matches=opts.pop("max_matches", 8), name="prompt_lookup_tree", **opts)

@@ -1,4 +1,4 @@
-"""Proposer interface, draft budgets, per-session drafter state and the proposer registry.
+"""The Proposer base class, per-session drafter state and the proposer registry.
 
 A proposer turns a session's committed tokens into a candidate TokenTree within a
 budget. Proposers keep any per-session state (a draft model's KV cache, ...) in
@@ -8,44 +8,20 @@ every session and the drafter shell owns session lifetimes.
 
 from __future__ import annotations
 
-import threading
-import time
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from specmesh.contract import Budget
+from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 
+if TYPE_CHECKING:
+    import torch
 
-@dataclass(frozen=True)
-class Budget:
-    max_nodes: int  # nodes in the tree (not counting the root)
-    max_depth: int  # longest root-to-leaf path
-    deadline: float | None = None  # time.monotonic() by which the tree must be ready
-    # SpecDec++-style stop rule: stop extending a path once its estimated probability of being
-    # accepted whole (product of its nodes' draft probabilities) falls below this; 0 = off
-    min_path_prob: float = 0.0
-    # set by the orchestrator to end a pre-draft early (PEARL: the verification it overlaps is over)
-    stop: threading.Event | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.max_nodes < 0 or self.max_depth < 0:
-            raise ValueError("budget sizes must be >= 0")
-        if not 0.0 <= self.min_path_prob <= 1.0:
-            raise ValueError("min_path_prob must be in [0, 1]")
-
-    @property
-    def is_zero(self) -> bool:
-        return self.max_nodes == 0 or self.max_depth == 0
-
-    def expired(self) -> bool:
-        """True once drafting should stop and return what it has: past the deadline, or told to stop."""
-        if self.stop is not None and self.stop.is_set():
-            return True
-        return self.deadline is not None and time.monotonic() >= self.deadline
+DRAFT_SEED_OFFSET = 0x5DEECE66D  # a seeded request's draft randomness is independent of the verifier's
 
 
 @dataclass
@@ -53,48 +29,126 @@ class DraftSessionState:
     session_id: str
     tokens: list[int]  # every committed token: prompt + generated
     sampling: SamplingParams
-    generator: torch.Generator | None = None  # for sampled drafts
     scratch: dict[str, Any] = field(default_factory=dict)  # per-proposer state
     # tokens[:committed_len] are committed (the rest a hypothesis drafted ahead on), as last told by
     # the orchestrator; 0 = never told
     committed_len: int = 0
+    _generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The session's draft randomness when sampling (None for greedy), made on first use, so
+        proposers that draw nothing never load torch: seeded from the request's seed (offset, so it is
+        independent of the verifier's), else from fresh entropy without touching torch's global RNG."""
+        if self.sampling.greedy:
+            return None
+        if self._generator is None:
+            import torch
+
+            generator = torch.Generator()
+            if self.sampling.seed is not None:
+                generator.manual_seed(self.sampling.seed + DRAFT_SEED_OFFSET)
+            else:
+                generator.seed()
+            self._generator = generator
+        return self._generator
 
 
-class Proposer(Protocol):
-    """``propose`` and ``release`` are required. Optional hooks:
+class Proposer:
+    """Base of every proposer. ``propose`` is required; the hooks do nothing unless overridden.
 
-    - ``prepare(state)``, run when a session opens (a draft model prefills the prompt there, so the
-      first step does not pay for it and the prefill can overlap the verifier's);
-    - ``observe(state, feedback: DraftFeedback)``, run before ``propose`` when the orchestrator sends
-      feedback: the verifications since the last call (target top-k rows, Jacobi n-grams) and how
-      much of the context is committed. Learning proposers (token recycling, n-gram stores) use it.
+    One proposer object serves every session of a drafter; per-session state lives in
+    ``DraftSessionState.scratch`` under the proposer's name. Capabilities are plain attributes:
+    ``feedback_topk`` (top-k rows it wants the verifier to report after every verified row,
+    e.g. Token Recycling) and ``feedback_min_ngram`` (the shortest Jacobi n-gram it learns from;
+    0 = none, so no verifier window runs for it)."""
 
-    ``release(state)`` runs at close; the orchestrator syncs the context to exactly the committed
-    tokens first, so a proposer may learn from ``state.tokens`` there."""
+    name: str = "proposer"
+    feedback_topk: int = 0
+    feedback_min_ngram: int = 0
 
-    name: str
+    def prepare(self, state: DraftSessionState) -> None:
+        """Run when a session opens (a draft model prefills the prompt here, so the first step does
+        not pay for it and the prefill can overlap the verifier's)."""
 
-    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree: ...
+    def observe(self, state: DraftSessionState, feedback: DraftFeedback) -> None:
+        """Run before ``propose`` when the orchestrator sends feedback: the verifications since the last
+        call (target top-k rows, Jacobi n-grams) and how much of the context is committed."""
 
-    def release(self, state: DraftSessionState) -> None: ...
+    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
+        """A candidate tree for ``state.tokens`` within ``budget``."""
+        raise NotImplementedError
+
+    def release(self, state: DraftSessionState) -> None:
+        """Run at close; the orchestrator syncs the context to exactly the committed tokens first, so a
+        proposer may learn from ``state.tokens`` here."""
 
 
 # ------------------------------------------------------------------ registry
 ProposerFactory = Callable[..., Proposer]
-_REGISTRY: dict[str, ProposerFactory] = {}
 
 
-def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
-    def wrap(factory: ProposerFactory) -> ProposerFactory:
-        _REGISTRY[name] = factory
-        return factory
+@dataclass(frozen=True)
+class ProposerSpec:
+    """What the registry knows of a proposer before one is built: enough for an orchestrator to check a
+    request and choose its budget without loading the proposer's module (or a model stack)."""
 
-    return wrap
+    name: str
+    factory: str | ProposerFactory  # "module:function", imported on first use, or the function itself
+    max_nodes: int  # default budget: nodes per tree ...
+    max_depth: int  # ... and depth (tuned with `specmesh bench` on the stdlib-code pair)
+    needs_draft_model: bool = False
+    help: str = ""  # one line for --help
+
+    @property
+    def default_budget(self) -> tuple[int, int]:
+        return self.max_nodes, self.max_depth
+
+    def build(self, **resources: Any) -> Proposer:
+        factory = self.factory
+        if isinstance(factory, str):
+            module, _, attr = factory.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+        return factory(**resources)
+
+
+# A new proposer is one module with a factory plus one line here.
+_REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
+    ProposerSpec("draft_model", "drafter_service.draft_model:chain_proposer", 3, 3, needs_draft_model=True,
+                 help="a chain from the draft model"),
+    ProposerSpec("draft_model_tree", "drafter_service.draft_model:tree_proposer", 8, 4, needs_draft_model=True,
+                 help="a dynamic tree from the draft model (EAGLE-2 style)"),
+    ProposerSpec("prompt_lookup", "drafter_service.prompt_lookup:chain_proposer", 8, 8,
+                 help="the continuation of the context's suffix earlier in the context (a chain)"),
+    ProposerSpec("prompt_lookup_tree", "drafter_service.prompt_lookup:tree_proposer", 16, 10,
+                 help="several such continuations, merged into a tree"),
+    ProposerSpec("copy", "drafter_service.copy_proposer:copy_proposer", 16, 10,
+                 help="CopySpec: the longest repeated match anywhere in the context, several as a tree"),
+    ProposerSpec("retrieval", "drafter_service.retrieval:retrieval_proposer", 16, 10,
+                 help="REST: the most frequent continuations in an n-gram store that learns from every output"),
+    ProposerSpec("recycling", "drafter_service.recycling:recycling_proposer", 10, 6,
+                 help="Token Recycling: the target's own top-k candidates seen in verification"),
+    ProposerSpec("fused", "drafter_service.fusion:fused_proposer", 24, 12,
+                 help="one tree merged from several proposers (--members), ranked by live acceptance"),
+)}
+
+
+def register(spec: ProposerSpec) -> ProposerSpec:
+    """Add a proposer to the registry (or replace the one of that name)."""
+    _REGISTRY[spec.name] = spec
+    return spec
 
 
 def proposer_names() -> list[str]:
-    _import_builtin()
     return sorted(_REGISTRY)
+
+
+def proposer_spec(name: str) -> ProposerSpec:
+    """The registered proposer ``name``; ValueError naming the choices otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown proposer {name!r}; choose from {', '.join(proposer_names())}") from None
 
 
 # what hosts (the embedded stack, the drafter server) offer every proposer factory
@@ -112,14 +166,6 @@ def proposer_options(given: dict[str, Any], allowed: tuple[str, ...], name: str)
 
 def make_proposer(name: str, **resources: Any) -> Proposer:
     """Build a registered proposer. ``resources``: what the host offers every proposer (``draft_runner``,
-    ``store_spec`` and ``store_namespace`` for n-gram stores), plus this proposer's options. Factories
-    take the resources they use and ignore the others (``**_resources``)."""
-    _import_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown proposer {name!r}; choose from {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**resources)
-
-
-def _import_builtin() -> None:
-    # Importing the modules runs their @register lines.
-    from drafter_service import copy_proposer, draft_model, fusion, prompt_lookup, recycling, retrieval  # noqa: F401
+    ``store`` or ``store_spec`` and ``store_namespace`` for n-gram stores), plus this proposer's options.
+    Factories take the resources they use and ignore the others (``**_resources``)."""
+    return proposer_spec(name).build(**resources)

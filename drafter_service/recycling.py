@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
+from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
+from drafter_service.tree_builders import TreeBuilder
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
-from specmesh.tree import TokenTree, TreeBuilder
+from specmesh.tree import TokenTree
 
 
 @dataclass
@@ -120,7 +122,7 @@ def expand_tree(table: AdjacencyTable, last_token: int, budget: Budget, source: 
 
 
 @dataclass
-class RecyclingProposer:
+class RecyclingProposer(Proposer):
     """Drafts from the verifier's recycled top-k rows; needs a verifier reporting top-k (``feedback_topk``)."""
 
     k: int = 8
@@ -144,11 +146,7 @@ class RecyclingProposer:
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         return expand_tree(self.table, int(state.tokens[-1]), budget, self.name)
 
-    def release(self, state: DraftSessionState) -> None:
-        pass
 
-
-@register("recycling")
-def _recycling(**given) -> RecyclingProposer:
+def recycling_proposer(**given) -> RecyclingProposer:
     opts = proposer_options(given, ("k", "max_entries"), "recycling")
     return RecyclingProposer(int(opts.get("k", 8)), int(opts.get("max_entries", 1 << 20)))

@@ -15,14 +15,19 @@ from collections.abc import Sequence
 
 import grpc
 
-from drafter_service.proposer import Budget
-from drafter_service.server import SERVICE_NAME
 from specmesh import rpc
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
-from specmesh.wire import budget_to_proto, feedback_to_proto, sampling_to_proto, tree_from_proto
+from specmesh.wire import (
+    DRAFTER_SERVICE,
+    budget_to_proto,
+    feedback_to_proto,
+    sampling_to_proto,
+    tree_from_proto,
+)
 
 log = logging.getLogger("specmesh.remote_drafter")
 _END = object()
@@ -36,7 +41,7 @@ class DrafterClient(rpc.ReplicaChannel):
     """One channel to one drafter replica, with the number of sessions it serves."""
 
     def __init__(self, address: str, security: rpc.Security, default_wait: float = 5.0) -> None:
-        super().__init__(address, security, drafter_pb2_grpc.DrafterStub, [(SERVICE_NAME, "Info")])
+        super().__init__(address, security, drafter_pb2_grpc.DrafterStub, [(DRAFTER_SERVICE, "Info")])
         self.default_wait = default_wait  # per proposal, when the budget carries no deadline
 
     def info(self, timeout: float, wait_for_ready: bool = False) -> drafter_pb2.DrafterInfo:

@@ -21,15 +21,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from drafter_service.ngram_store import NGramStore, StoreConfig, StoreLearner, open_store
-from drafter_service.proposer import Budget, DraftSessionState, proposer_options, register
+from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
+from drafter_service.tree_builders import weighted_paths_tree
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
-from specmesh.tree import TokenTree, weighted_paths_tree
+from specmesh.tree import TokenTree
 
 LEARN_MODES = ("outputs", "all", "none")
 
 
 @dataclass
-class RetrievalProposer:
+class RetrievalProposer(Proposer):
     store: NGramStore
     learner: StoreLearner | None = None  # None: read the store, never write it
     max_matches: int = 8  # continuations looked up per step
@@ -74,8 +76,7 @@ class RetrievalProposer:
         state.scratch.pop(self.name, None)
 
 
-@register("retrieval")
-def _retrieval(store: NGramStore | None = None, store_spec: str | None = None, store_namespace: str = "default",
+def retrieval_proposer(store: NGramStore | None = None, store_spec: str | None = None, store_namespace: str = "default",
                learn: str = "outputs", max_matches: int = 8, **given) -> RetrievalProposer:
     """``store``: a shared NGramStore; else one opened from ``store_spec`` in ``store_namespace``
     (see ``open_store``; None = a fresh in-memory store), with the n-gram options among ``options``

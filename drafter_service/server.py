@@ -15,20 +15,28 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 
-from drafter_service.drafter import LocalDrafter, check_rollback
-from drafter_service.proposer import Proposer
-from specmesh import serving
+from drafter_service.arguments import add_members_argument, add_store_argument
+from drafter_service.drafter import LocalDrafter
+from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
+from specmesh import models, serving
+from specmesh.contract import check_rollback
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
-from specmesh.wire import budget_from_proto, draft_feedback_from_proto, sampling_from_proto, tree_to_proto
+from specmesh.wire import (
+    DRAFTER_SERVICE,
+    budget_from_proto,
+    draft_feedback_from_proto,
+    sampling_from_proto,
+    tree_to_proto,
+)
 
 log = logging.getLogger("specmesh.drafter")
 MAX_FEEDBACK_ITEMS = 64  # verifications' feedback per Propose
 MAX_FEEDBACK_NGRAMS = 1024  # harvested n-grams per verification
 MAX_NGRAM_LEN = 64
-SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -133,7 +141,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 # ---------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from drafter_service.proposer import proposer_names
+    p.add_argument("--draft", default=None,
+                   help="draft model directory for the draft_model proposers, or 'none' to serve model-free "
+                        "proposers only (default: the bundled demo draft)")
+    models.add_draft_dtype_argument(p, "else float32")
+    models.add_runtime_arguments(p)
     p.add_argument("--listen", default="127.0.0.1:50051", help="address to serve on (default: 127.0.0.1:50051)")
     p.add_argument("--proposers", nargs="+", default=None, choices=proposer_names(), metavar="NAME",
                    help=f"proposers to serve ({', '.join(proposer_names())}; default: all, the draft-model ones "
@@ -142,31 +154,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proposer for sessions that name none (default: draft_model with a draft model, "
                         "else prompt_lookup)")
     p.add_argument("--max-tree-nodes", type=int, default=256,
-                   help="largest tree drafted; larger budgets are clamped to it (default: 256)")
+                   help="largest tree drafted: the drafter's capacity, whatever a budget asks for (default: 256)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer whose fingerprint namespaces the n-gram store (default: the draft model's; "
                         "needed with a shared --ngram-store and --draft none)")
-    from specmesh.cli import add_members_argument, add_store_argument
-
     add_store_argument(p)
     add_members_argument(p)
     serving.add_server_arguments(p)
 
 
-def build_servicer(args: argparse.Namespace) -> DrafterServicer:
-    from drafter_service.proposer import make_proposer, proposer_names
-    from orchestrator.embedded import NEEDS_DRAFT_MODEL
-    from specmesh.cli import load_draft_runner
+def _draft_dir(args: argparse.Namespace) -> Path | None:
+    """The draft model directory, or None with --draft none."""
+    if args.draft is not None and str(args.draft).lower() == "none":
+        return None
+    try:
+        return models.model_dir(args.draft or models.demo_model("draft"))
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
 
-    draft_runner = load_draft_runner(args)
-    names = args.proposers or [n for n in proposer_names() if draft_runner is not None or n not in NEEDS_DRAFT_MODEL]
-    missing = [n for n in names if n in NEEDS_DRAFT_MODEL and draft_runner is None]
+
+def build_servicer(args: argparse.Namespace) -> DrafterServicer:
+    draft_dir = _draft_dir(args)
+    draft_runner = None
+    if draft_dir is not None:
+        models.set_threads(args.threads)
+        draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32"), args.runner)
+    needs_draft = {n for n in proposer_names() if proposer_spec(n).needs_draft_model}
+    names = args.proposers or [n for n in proposer_names() if draft_runner is not None or n not in needs_draft]
+    missing = [n for n in names if n in needs_draft and draft_runner is None]
     if missing:
         raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")
     default = args.default_proposer or ("draft_model" if "draft_model" in names else
                                         "prompt_lookup" if "prompt_lookup" in names else names[0])
     try:
-        resources = dict(draft_runner=draft_runner, store=_open_store(args))
+        resources = dict(draft_runner=draft_runner, store=_open_store(args, draft_dir))
         proposers = {n: make_proposer(n, **resources, **({"members": args.members} if n == "fused" and args.members
                                                           else {})) for n in names}
     except ValueError as exc:
@@ -178,16 +199,14 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
         raise SystemExit(f"specmesh drafter: {exc}") from None
 
 
-def _open_store(args: argparse.Namespace):
+def _open_store(args: argparse.Namespace, draft_dir: Path | None):
     """The n-gram store every store-backed proposer of this drafter shares."""
     from drafter_service.ngram_store import open_store, tokenizer_fingerprint
-    from specmesh.cli import demo_model
-    from specmesh.model_runner import load_tokenizer
 
-    source = args.tokenizer or (None if str(args.draft).lower() == "none" else args.draft or demo_model("draft"))
+    source = args.tokenizer or draft_dir
     namespace = "default"
     if source is not None:
-        namespace = tokenizer_fingerprint(load_tokenizer(source).get_vocab())
+        namespace = tokenizer_fingerprint(models.load_tokenizer(source).get_vocab())
     elif args.ngram_store not in (None, "memory"):
         log.warning("no --tokenizer: the n-gram store namespace is 'default', shared with any other model")
     return open_store(args.ngram_store, namespace)
@@ -198,4 +217,4 @@ def run(args: argparse.Namespace) -> int:
     security = serving.server_security(args)
     servicer = build_servicer(args)
     log.info("proposers: %s (default %s)", ", ".join(sorted(servicer._drafters)), servicer.default_proposer)
-    return serving.serve(args, security, servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, SERVICE_NAME)
+    return serving.serve(args, security, servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE)

@@ -14,56 +14,17 @@ import torch
 
 from drafter_service.drafter import LocalDrafter
 from drafter_service.ngram_store import tokenizer_fingerprint
-from drafter_service.proposer import make_proposer
+from drafter_service.proposer import make_proposer, proposer_spec
+from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
-from orchestrator.policy import SpeculationPolicy, StaticPolicy
+from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, resolve_budget
 from specmesh.fast_llama import make_runner
-from specmesh.model_runner import ModelRunner, load_model, load_tokenizer
+from specmesh.model_runner import ModelRunner
+from specmesh.models import load_model, load_tokenizer
 from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
 
-NEEDS_DRAFT_MODEL = {"draft_model", "draft_model_tree"}
-
-# (max_nodes, max_depth) per proposer, tuned with `specmesh bench` on the stdlib-code pair.
-DEFAULT_BUDGETS: dict[str, tuple[int, int]] = {
-    "draft_model": (3, 3),
-    "draft_model_tree": (8, 4),
-    "prompt_lookup": (8, 8),
-    "prompt_lookup_tree": (16, 10),
-    "copy": (16, 10),
-    "retrieval": (16, 10),
-    "recycling": (10, 6),
-    "fused": (24, 12),
-}
-
-
-def default_budget(proposer: str | None) -> tuple[int, int]:
-    return DEFAULT_BUDGETS.get(proposer or "", (8, 8))
-
-
-POLICIES = ("static", "adaptive")
-# Measured with `specmesh bench` on the stdlib-code pair (see README): overlapping drafting with
-# verification, and verifying without waiting when nothing drafted ahead was usable, was fastest
-# for every proposer across processes and for the draft model in process.
-DEFAULT_OVERLAP = True
-DEFAULT_POLICY = "static"
-DEFAULT_RESTART_DEPTH = 0
-
-
-def build_policy(
-    name: str, max_nodes: int, max_depth: int, draft_timeout_s: float | None = None, restart_depth: int | None = None
-) -> SpeculationPolicy:
-    """``static``: the budget every step (``restart_depth``: depth of trees the verifier waits for in the
-    overlapped loop; None = DEFAULT_RESTART_DEPTH); ``adaptive``: chosen per step from acceptance and
-    costs, with the budget as its cap."""
-    if name == "static":
-        restart = DEFAULT_RESTART_DEPTH if restart_depth is None else restart_depth
-        return StaticPolicy(max_nodes, max_depth, draft_timeout_s, restart)
-    if name == "adaptive":
-        from orchestrator.policy import AdaptivePolicy
-
-        return AdaptivePolicy(max_nodes=max_nodes, max_depth=max_depth, draft_timeout_s=draft_timeout_s)
-    raise ValueError(f"unknown speculation policy {name!r}; choose from {', '.join(POLICIES)}")
+MAX_TREE_NODES = 256  # the largest tree an embedded verifier takes (as `specmesh verifier`'s default)
 
 
 @dataclass
@@ -120,25 +81,27 @@ class EmbeddedStack:
         ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
         ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
         has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH)."""
+        proposer = None if proposer in (None, "none", "ar") else proposer
         drafter, topk, min_ngram = None, 0, 0
-        if proposer not in (None, "none", "ar"):
-            if proposer in NEEDS_DRAFT_MODEL and self.draft_runner is None:
+        if proposer is not None:
+            if proposer_spec(proposer).needs_draft_model and self.draft_runner is None:
                 raise ValueError(f"proposer {proposer!r} needs a draft model (--draft DIR)")
             resources = dict(draft_runner=self.draft_runner, store_spec=self.store_spec,
                              store_namespace=self.store_namespace)
             prop = make_proposer(proposer, **{**resources, **proposer_opts})
             drafter = LocalDrafter(prop)
-            topk = getattr(prop, "feedback_topk", 0)  # token recycling: the verifier reports its top-k rows
-            min_ngram = getattr(prop, "feedback_min_ngram", 0)  # n-gram learners: shortest useful harvest
-        nodes, depth = default_budget(proposer)
-        chosen = build_policy(policy or DEFAULT_POLICY, max_nodes if max_nodes is not None else nodes,
-                              max_depth if max_depth is not None else depth, restart_depth=restart_depth)
+            topk = prop.feedback_topk  # token recycling: the verifier reports its top-k rows
+            min_ngram = prop.feedback_min_ngram  # n-gram learners: shortest useful harvest
+        nodes, depth = resolve_budget(proposer, max_nodes, max_depth, MAX_TREE_NODES)
+        chosen = build_policy(policy or DEFAULT_POLICY, nodes, depth, restart_depth=restart_depth)
         lookahead = self.lookahead if drafter is not None and min_ngram else None  # W rows a step: only if used
         if lookahead is not None and lookahead.ngram < min_ngram:
             raise ValueError(f"--lookahead N must be at least {min_ngram} for {proposer}'s n-gram store "
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
-        verifier = LocalVerifier(self.target_runner, feedback_topk=topk, lookahead=lookahead)
-        return Engine(verifier, drafter, chosen, self.decode, overlap=DEFAULT_OVERLAP if overlap is None else bool(overlap), ahead_from=ahead_from)
+        verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk=topk, lookahead=lookahead)
+        overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
+        return Engine(verifier, only(drafter, proposer or ""), chosen, self.decode, overlap=overlap,
+                      ahead_from=ahead_from)
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:

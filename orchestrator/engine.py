@@ -11,10 +11,10 @@ When the verifier agrees, the next step starts at once with that tree; otherwise
 the drafter is rolled back and drafts from the verified point (a ``restart``, for
 which the policy may pick a short tree so the verifier starts early: pre-verify).
 
-A drafter that fails (raises, or returns a tree the verifier rejects as
-malformed) never fails the request: the step falls back to plain decoding, the
-error is recorded in the step's stats, and the drafter is dropped for the rest
-of the request.
+A drafter that fails (raises, times out, or returns a tree that breaks the
+contract) never fails the request: the step is verified without a tree, the error
+is recorded in the step's stats, and the next drafter candidate takes over, or, with
+none left, the request decodes plainly (orchestrator/drafter_link.py).
 """
 
 from __future__ import annotations
@@ -25,19 +25,14 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from drafter_service.drafter import Drafter
-from drafter_service.proposer import Budget
-from orchestrator.overlap import DraftContext, DraftWorker, predraft_budget, reusable_subtree
+from orchestrator.drafter_link import DrafterCandidate, DrafterLink
+from orchestrator.overlap import predraft_budget, reusable_subtree
 from orchestrator.policy import SpeculationPolicy, StaticPolicy
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
-from specmesh.feedback import DraftFeedback, VerifyFeedback
+from specmesh.contract import Budget, Verifier, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
-from verifier_service.verifier import Verifier, VerifyResult
-
-SYNC_TIMEOUT_S = 0.5  # the context sync before a drafter session closes
-MAX_UNSENT_FEEDBACK = 16  # verifications' feedback kept for the next drafter call (zero budgets send none)
 
 
 @dataclass(frozen=True)
@@ -59,22 +54,25 @@ class Engine:
     def __init__(
         self,
         verifier: Verifier,
-        drafter: Drafter | None = None,
+        drafters: Sequence[DrafterCandidate] = (),
         policy: SpeculationPolicy | None = None,
         decode: Callable[[list[int]], str] | None = None,
         overlap: bool = False,
         ahead_from: str = "path",
-        max_draft_nodes: int | None = None,
+        strict: bool = False,
     ) -> None:
+        """``drafters``: the drafter candidates in order of preference (``drafter_link.only(drafter)`` for
+        one; none = plain decoding). ``strict``: a drafter failure fails the request instead of failing
+        over (tests and proposer debugging: a drafter bug cannot hide behind plain decoding)."""
         self.verifier = verifier
-        self.drafter = drafter
+        self.drafters = list(drafters)
         self.policy = policy or StaticPolicy()
         self.decode = decode
         self.overlap = overlap  # PEARL: draft the next tree while the current one is verified
         # what drafting ahead assumes: "path" = the tree's main line is accepted (PEARL);
         # "context" = nothing: a deeper tree from the committed context covers every outcome
         self.ahead_from = ahead_from
-        self.max_draft_nodes = max_draft_nodes  # the drafter's limit: drafting ahead asks for a bigger tree
+        self.strict = strict
 
     def stream(
         self, prompt: Sequence[int], sampling: SamplingParams, result: GenerationResult | None = None
@@ -84,30 +82,32 @@ class Engine:
         stats = result.stats
         stats.prompt_tokens = len(prompt)
         stopper = StopChecker(sampling, self.verifier.info.eos_token_ids, self.decode)
-        req = _Request(self, uuid.uuid4().hex, self.drafter, stopper, stats, sampling.greedy, len(prompt))
-        if self.overlap and self.drafter is not None:
-            req.worker = DraftWorker(self.drafter)
+        session, committed = uuid.uuid4().hex, []
+        background = self.overlap and bool(self.drafters)
+        link = DrafterLink(self.drafters, session, self.verifier.info.vocab_size, committed, background, self.strict)
+        req = _Request(self, session, stopper, stats, committed, link)
         start = time.perf_counter()
         try:  # the finally releases the verifier session even when prefill itself fails
-            # with a worker the drafter opens first: its prefill (draft model) runs on the worker, or
-            # in the drafter's process, while the verifier prefills; without one it opens after the
-            # first token is out, so that token does not wait for the draft prefill
-            opening = req.open(prompt, sampling) if req.worker is not None else None
+            # with a background worker the drafter opens first: its prefill (draft model) runs on the worker,
+            # or in the drafter's process, while the verifier prefills; without one it opens after the first
+            # token is out, so that token does not wait for the draft prefill
+            if background:
+                req.link.open(prompt, sampling)
             prefill = self.verifier.prefill(req.session, prompt, sampling)
             stats.prefill_seconds = prefill.seconds
             req.committed.append(prefill.first_token)
             yield StepEvent(tuple(stopper.push([prefill.first_token])), None)
-            if req.worker is None:
-                req.open(prompt, sampling)
-            req.opened(opening)
-            steps = self._overlapped(req) if req.worker is not None else self._sequential(req)
+            if not background:
+                req.link.open(prompt, sampling)
+            req.link.wait_open()
+            steps = self._overlapped(req) if background else self._sequential(req)
             for step, tokens in steps:
                 stats.steps.append(step)
                 emitted = stopper.push(tokens)
                 result.text_limit = stopper.text_limit  # known before the last event goes out
                 yield StepEvent(tuple(emitted), step)
         finally:
-            req.finish()
+            req.link.close(len(stopper.generated))
             self.verifier.release(req.session)
             stats.total_seconds = time.perf_counter() - start
             stats.num_generated = len(stopper.generated)
@@ -128,9 +128,9 @@ class Engine:
             t_step = time.perf_counter()
             budget = self.policy.next_budget(req.stats, req.stopper.remaining, "sequential")
             tree, draft_seconds = TokenTree.empty(), 0.0
-            if req.drafter is not None and not budget.is_zero:
+            if req.link.active and not budget.is_zero:
                 t0 = time.perf_counter()
-                tree = req.draft_now(budget)
+                tree, _ = req.link.draft(budget)
                 draft_seconds = time.perf_counter() - t0
             tree, verified = req.verify(tree)
             yield req.step_stats(tree, verified, budget, t_step, draft_seconds=draft_seconds,
@@ -138,6 +138,7 @@ class Engine:
 
     def _overlapped(self, req: _Request) -> Iterator[tuple[StepStats, tuple[int, ...]]]:
         """PEARL: while tree t is verified, draft the tree after t's main line (post-verify)."""
+        link = req.link
         ready: TokenTree | None = None  # drafted ahead, usable as this step's tree
         ready_budget, ready_seconds = Budget(0, 0), 0.0
         while not req.stopper.done:
@@ -148,30 +149,29 @@ class Engine:
                 tree, draft_seconds = ready, ready_seconds
             else:
                 budget = self.policy.next_budget(req.stats, req.stopper.remaining, "restart")
-                if req.drafter is not None and not budget.is_zero:
+                if link.active and not budget.is_zero:
                     t0 = time.perf_counter()
-                    tree, busy = req.draft_on_worker(budget)
+                    tree, busy = link.draft(budget)
                     wait = time.perf_counter() - t0
                 draft_seconds = busy
             # draft ahead, assuming the verifier accepts this tree's main line
             path = tree.main_path()
             hypothesis = tree.tokens[path].tolist() if self.ahead_from == "path" else []
             pending, ahead, pre_budget = None, Budget(0, 0), Budget(0, 0)
-            if req.drafter is not None:
+            if link.active:
                 ahead = self.policy.next_budget(req.stats, req.stopper.remaining - len(path) - 1, "predraft")
                 if not ahead.is_zero:
                     # greedy: the pre-draft stops when the verification ends (the tree's contents never
                     # change the output); sampling: it runs to its budget (static policy, no draft
                     # deadline: a seed reproduces the output), stopped early only when the request ends
-                    req.stop_event = threading.Event()
-                    pre_budget = predraft_budget(ahead, req.stop_event, len(path) + 1 - len(hypothesis),
-                                                 self.max_draft_nodes)
-                    pending = req.start_draft(pre_budget, hypothesis)
+                    stop = threading.Event()
+                    pre_budget = predraft_budget(ahead, stop, len(path) + 1 - len(hypothesis))
+                    pending = link.start(pre_budget, hypothesis, stop)
             tree, verified = req.verify(tree)
-            pre_tree, pre_seconds = req.collect(pending, pre_budget)
+            pre_tree, pre_seconds = link.collect(pending)
             busy += pre_seconds
             ready = None
-            if pre_tree is not None and req.drafter is not None:
+            if pre_tree is not None:
                 ready = reusable_subtree(pre_tree, hypothesis, verified.tokens, ahead.max_nodes)
             ready_budget, ready_seconds = ahead, pre_seconds
             yield req.step_stats(
@@ -188,136 +188,31 @@ class Engine:
 
 @dataclass
 class _Request:
-    """One request's state, shared by both loops: the drafter in use (None once it failed),
-    what it holds, the committed tokens, and the error to report with the next step."""
+    """One request's state, shared by both loops: its verifier session, the committed tokens, the
+    link to its drafter, and the stats."""
 
     engine: Engine
     session: str
-    drafter: Drafter | None
     stopper: StopChecker
     stats: RequestStats
-    greedy: bool
-    prompt_len: int
-    worker: DraftWorker | None = None
-    committed: list[int] = field(default_factory=list)  # every token committed after the prompt
-    view: DraftContext = field(default_factory=DraftContext)
-    error: str = ""  # a drafter failure not yet reported in a step
-    stop_event: threading.Event | None = None  # ends the pre-draft in flight
-    unsent: list[VerifyFeedback] = field(default_factory=list)  # verifier feedback not yet given to the drafter
-
-    def open(self, prompt: Sequence[int], sampling: SamplingParams):
-        """Start opening the drafter session; pass the result to ``opened``."""
-        if self.drafter is None:
-            return None
-        if self.worker is not None:
-            return self.worker.submit("open", self.session, prompt, sampling)
-        try:
-            self.drafter.open(self.session, prompt, sampling)
-        except Exception as exc:  # an unreachable drafter: decode without it
-            self.fail(exc)
-        return None
-
-    def opened(self, opening) -> None:
-        if opening is not None:
-            try:
-                opening.result()
-            except Exception as exc:
-                self.fail(exc)
-
-    def fail(self, exc: BaseException) -> None:
-        """Record a drafter failure and decode without it from now on."""
-        self.error = f"{type(exc).__name__}: {exc}"
-        self.close_drafter()
-
-    def close_drafter(self, sync: bool = False) -> None:
-        """Close the drafter session; with ``sync``, first bring its context to exactly the tokens
-        the request committed and emitted (with the last feedback), so proposers that learn from
-        finished sessions see them. The sync is bounded by SYNC_TIMEOUT_S and best effort."""
-        drafter, self.drafter = self.drafter, None
-        if drafter is not None:
-            if sync:
-                emitted = self.committed[: len(self.stopper.generated)]  # not what ran past a stop
-                rollback, new = self.view.edit(emitted)
-                try:
-                    self.call(drafter, "propose", self.session, new,
-                              Budget(0, 0, deadline=time.monotonic() + SYNC_TIMEOUT_S), rollback,
-                              self.feedback(len(emitted)))
-                except Exception:  # learning from this session is lost; the request is not
-                    pass
-            try:
-                self.call(drafter, "close", self.session)
-            except Exception:  # closing is best effort: the drafter may be gone
-                pass
-
-    def call(self, drafter: Drafter, method: str, *args):
-        """A drafter call on the worker thread when there is one (keeps calls in order), else here."""
-        if self.worker is not None:
-            return self.worker.call(method, *args)
-        return getattr(drafter, method)(*args)
-
-    def _validate(self, tree: TokenTree, budget: Budget) -> TokenTree:
-        return tree.validate(self.engine.verifier.info.vocab_size, budget.max_nodes, budget.max_depth)
-
-    def feedback(self, num_committed: int | None = None) -> DraftFeedback:
-        """What goes with the next drafter call: the committed length (prompt + ``num_committed`` tokens,
-        default all committed so far) and the feedback not yet sent."""
-        verified, self.unsent = tuple(self.unsent), []
-        count = len(self.committed) if num_committed is None else num_committed
-        return DraftFeedback(self.prompt_len + count, verified)
-
-    def draft_now(self, budget: Budget) -> TokenTree:
-        """Draft from the committed context on this thread; an empty tree if the drafter fails."""
-        rollback, new = self.view.edit(self.committed)
-        try:
-            return self._validate(self.drafter.propose(self.session, new, budget, rollback, self.feedback()), budget)
-        except Exception as exc:  # a broken drafter must not break the request
-            self.fail(exc)
-            return TokenTree.empty()
-
-    def start_draft(self, budget: Budget, hypothesis: Sequence[int] = ()):
-        """Queue a draft from the committed context + ``hypothesis`` on the worker; a Future."""
-        rollback, new = self.view.edit(self.committed, hypothesis)
-        return self.worker.propose(self.session, new, budget, rollback, self.feedback())
-
-    def draft_on_worker(self, budget: Budget) -> tuple[TokenTree, float]:
-        tree, seconds = self.collect(self.start_draft(budget), budget)
-        return (tree if tree is not None else TokenTree.empty()), seconds
-
-    def collect(self, pending, budget: Budget) -> tuple[TokenTree | None, float]:
-        """Wait for a queued draft (telling a greedy pre-draft to stop first); (tree or None, drafter seconds)."""
-        if self.stop_event is not None:
-            if self.greedy:
-                self.stop_event.set()
-            self.stop_event = None
-        if pending is None:
-            return None, 0.0
-        try:
-            tree, seconds = pending.result()
-            if self.drafter is None:  # it failed while this draft was queued
-                return None, seconds
-            return self._validate(tree, budget), seconds
-        except Exception as exc:
-            self.fail(exc)
-            return None, 0.0
+    committed: list[int]  # every token committed after the prompt
+    link: DrafterLink
 
     def verify(self, tree: TokenTree) -> tuple[TokenTree, VerifyResult]:
-        """Verify ``tree`` and commit the result; a tree the verifier calls malformed drops the drafter."""
+        """Verify ``tree`` and commit the result; a tree the verifier calls malformed fails the drafter over."""
         verifier = self.engine.verifier
         try:
             verified = verifier.verify(self.session, tree)
         except InvalidTreeError as exc:
-            if self.stop_event is not None:  # stop a pre-draft in flight before closing the drafter
-                self.stop_event.set()
-            self.fail(InvalidTreeError(str(exc)))
+            self.link.fail(InvalidTreeError(str(exc)))
             tree = TokenTree.empty()
             verified = verifier.verify(self.session, tree)
         self.committed += verified.tokens
-        if verified.feedback is not None and self.drafter is not None:
-            self.unsent = self.unsent[-(MAX_UNSENT_FEEDBACK - 1) :] + [verified.feedback]
+        if verified.feedback is not None:
+            self.link.add_feedback(verified.feedback)
         return tree, verified
 
     def step_stats(self, tree: TokenTree, verified: VerifyResult, budget: Budget, t_step: float, **extra) -> StepStats:
-        error, self.error = self.error, ""
         return StepStats(
             num_proposed=tree.num_nodes,
             tree_depth=tree.max_depth,
@@ -325,16 +220,8 @@ class _Request:
             accepted_sources=tuple(tree.sources[i] for i in verified.accepted_nodes) if tree.sources else (),
             proposed_sources=tree.sources,
             verify_seconds=verified.seconds,
-            draft_error=error,
+            draft_error=self.link.take_errors(),
             budget=(budget.max_nodes, budget.max_depth),
             step_seconds=time.perf_counter() - t_step,
             **extra,
         )
-
-    def finish(self) -> None:
-        """Stop drafting ahead, close the drafter session and the worker."""
-        if self.stop_event is not None:
-            self.stop_event.set()
-        self.close_drafter(sync=True)
-        if self.worker is not None:
-            self.worker.shutdown()

@@ -20,10 +20,19 @@ from dataclasses import dataclass
 from statistics import fmean, median
 from typing import Literal, Protocol
 
-from drafter_service.proposer import Budget
+from drafter_service.proposer import proposer_spec
 from orchestrator.stats import RequestStats, StepStats
+from specmesh.contract import Budget
 
 Phase = Literal["sequential", "restart", "predraft"]
+
+POLICIES = ("static", "adaptive")
+# Measured with `specmesh bench` on the stdlib-code pair (see README): overlapping drafting with
+# verification, and verifying without waiting when nothing drafted ahead was usable, was fastest
+# for every proposer across processes and for the draft model in process.
+DEFAULT_OVERLAP = True
+DEFAULT_POLICY = "static"
+DEFAULT_RESTART_DEPTH = 0
 
 
 class SpeculationPolicy(Protocol):
@@ -320,3 +329,36 @@ class AdaptivePolicy:
     def _probe_due(self, steps: Sequence[StepStats]) -> bool:
         recent = steps[-self.probe_every:] if self.probe_every else ()
         return len(recent) == self.probe_every > 0 and all(s.budget[1] == 0 and s.tree_depth == 0 for s in recent)
+
+
+# ------------------------------------------------------------------ a request's budget and policy
+def resolve_budget(proposer: str | None, max_nodes: int | None = None, max_depth: int | None = None,
+                   limit: int | None = None) -> tuple[int, int]:
+    """A request's (max_nodes, max_depth): what it asks for, the proposer's registered default for what it
+    leaves unset, max_nodes clamped to ``limit`` (the largest tree the verifier takes); (0, 0) for plain
+    decoding (``proposer`` None). The one place where a budget is defaulted and clamped: the orchestrator's
+    edge (the embedded stack, `serve`). ValueError for an unknown proposer or negative sizes."""
+    if proposer is None:
+        return 0, 0
+    nodes, depth = proposer_spec(proposer).default_budget
+    nodes = nodes if max_nodes is None else max_nodes
+    depth = depth if max_depth is None else max_depth
+    if nodes < 0 or depth < 0:
+        raise ValueError(f"budget sizes must be >= 0, got max_nodes={nodes}, max_depth={depth}")
+    return (nodes if limit is None else min(nodes, limit)), depth
+
+
+def build_policy(
+    name: str, max_nodes: int, max_depth: int, draft_timeout_s: float | None = None, restart_depth: int | None = None
+) -> SpeculationPolicy:
+    """``static``: the budget every step (``restart_depth``: depth of trees the verifier waits for in the
+    overlapped loop; None = DEFAULT_RESTART_DEPTH); ``adaptive``: chosen per step from acceptance and
+    costs, with the budget as its cap."""
+    if restart_depth is not None and restart_depth < 0:
+        raise ValueError(f"restart_depth must be >= 0, got {restart_depth}")
+    if name == "static":
+        restart = DEFAULT_RESTART_DEPTH if restart_depth is None else restart_depth
+        return StaticPolicy(max_nodes, max_depth, draft_timeout_s, restart)
+    if name == "adaptive":
+        return AdaptivePolicy(max_nodes=max_nodes, max_depth=max_depth, draft_timeout_s=draft_timeout_s)
+    raise ValueError(f"unknown speculation policy {name!r}; choose from {', '.join(POLICIES)}")

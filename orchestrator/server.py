@@ -1,9 +1,9 @@
 """`specmesh serve`: the Generate gRPC service over remote verifiers and drafters.
 
 Each request runs the same Engine as embedded mode, on a worker thread, wired to
-one verifier replica (sticky for the request: it holds the KV cache) and to a
-FailoverDrafter over the drafter replicas in least-loaded order, then a local
-prompt-lookup proposer. The client's deadline bounds every hop; a client that
+one verifier replica (sticky for the request: it holds the KV cache) and to its
+drafter candidates: the drafter replicas in least-loaded order, then a local
+prompt-lookup proposer, which the engine fails over along. The client's deadline bounds every hop; a client that
 cancels stops the engine, which releases the verifier session and closes the
 drafter stream.
 """
@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,21 +28,25 @@ import grpc
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import make_proposer, proposer_names
 from drafter_service.remote import DrafterClient
-from orchestrator.embedded import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, default_budget
-from orchestrator.engine import Engine, GenerationResult, StepEvent
-from orchestrator.failover import FailoverDrafter
-from orchestrator.policy import SpeculationPolicy
+from orchestrator.arguments import add_speculation_arguments
+from orchestrator.engine import Engine, GenerationResult
+from orchestrator.policy import (
+    DEFAULT_OVERLAP,
+    DEFAULT_POLICY,
+    SpeculationPolicy,
+    build_policy,
+    resolve_budget,
+)
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import TextStream
-from specmesh import rpc, serving
+from specmesh import models, rpc, serving
+from specmesh.contract import UnknownSessionError
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from specmesh.wire import sampling_from_proto
+from specmesh.wire import GENERATE_SERVICE, sampling_from_proto
 from verifier_service.remote import VerifierClient
-from verifier_service.verifier import UnknownSessionError
 
 log = logging.getLogger("specmesh.serve")
-SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
 _DONE = object()
 
 
@@ -141,28 +145,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             proposer = None
         if proposer is not None and proposer not in proposer_names():
             raise ValueError(f"unknown proposer {proposer!r}; choose from {', '.join(proposer_names())}, none")
-        nodes, depth = default_budget(proposer)
-        if request.spec.HasField("budget"):
-            nodes, depth = request.spec.budget.max_nodes, request.spec.budget.max_depth
-            if nodes < 0 or depth < 0:
-                raise ValueError("budget sizes must be >= 0")
-            nodes = min(nodes, self.max_tree_nodes)
+        budget = request.spec.budget
+        nodes, depth = resolve_budget(proposer, budget.max_nodes if budget.HasField("max_nodes") else None,
+                                      budget.max_depth if budget.HasField("max_depth") else None, self.max_tree_nodes)
         overlap = request.spec.overlap if request.spec.HasField("overlap") else self.overlap
         restart = request.spec.restart_depth if request.spec.HasField("restart_depth") else self.restart_depth
-        if restart is not None and restart < 0:
-            raise ValueError("restart_depth must be >= 0")
         policy = build_policy(request.spec.policy or self.policy, nodes, depth, self.draft_timeout, restart)
         return _Plan(prompt, sampling, proposer, nodes, overlap, policy)
 
-    def _engine(self, verifier: VerifierClient, plan: _Plan, deadline, failures: list[str]) -> Engine:
-        drafter = None
+    def _engine(self, verifier: VerifierClient, plan: _Plan, deadline) -> Engine:
+        """The request's engine: its verifier, and its drafter candidates (the drafter replicas, least-loaded
+        first, then prompt lookup in this process), which the engine fails over along."""
+        candidates = []
         if plan.proposer is not None and plan.max_nodes > 0:
             candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
                           for c in least_loaded(self.drafters, self._rng)]
             candidates.append(("local prompt_lookup", lambda: self._local))
-            drafter = FailoverDrafter(candidates, self.info.vocab_size, lambda _, message: failures.append(message))
-        return Engine(verifier.bind(deadline), drafter, plan.policy, self._decode, overlap=plan.overlap,
-                      max_draft_nodes=self.max_tree_nodes)
+        return Engine(verifier.bind(deadline), candidates, plan.policy, self._decode, overlap=plan.overlap)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -178,17 +177,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             result = GenerationResult([], "", RequestStats())
             text = TextStream(self._decode, sampling.stop)
             emitted = False
-            failures: list[str] = []  # drafter failovers, reported with the step they happened in
-            engine = self._engine(verifier, plan, deadline, failures)
+            engine = self._engine(verifier, plan, deadline)
             try:
                 with contextlib.closing(engine.stream(plan.prompt, sampling, result)) as events:
                     for event in events:
                         emitted = True
-                        if failures and event.step is not None:
-                            errors = [event.step.draft_error] if event.step.draft_error else []
-                            event = StepEvent(event.tokens, replace(event.step, draft_error="; ".join(errors + failures)))
-                            result.stats.steps[-1] = event.step  # so the request's stats count it too
-                            failures.clear()
                         emit(event, text.push(event.tokens, result.text_limit))
                         if cancelled.is_set():
                             break  # closing the stream releases the verifier session and the drafter
@@ -284,22 +277,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent", type=int, default=64, help="requests decoded at once (default: 64)")
     p.add_argument("--max-queued", type=int, default=256,
                    help="requests waiting beyond --max-concurrent; more get RESOURCE_EXHAUSTED (default: 256)")
-    from specmesh.cli import add_speculation_arguments
-
     add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
     serving.add_server_arguments(p)
 
 
 def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
-    from specmesh.cli import demo_model
-    from specmesh.model_runner import load_tokenizer
-
     path = args.tokenizer
     if path is None:
         local = Path(verifier_model) if verifier_model else None
-        path = local if local is not None and (local / "tokenizer.json").is_file() else demo_model("target")
+        path = local if local is not None and (local / "tokenizer.json").is_file() else models.demo_model("target")
     log.info("tokenizer: %s", path)
-    return load_tokenizer(path)
+    return models.load_tokenizer(path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -330,4 +318,4 @@ def run(args: argparse.Namespace) -> int:
                                 args.max_concurrent, args.max_queued, min(i.max_tree_nodes for i in infos),
                                 overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
                                 policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth)
-    return serving.serve(args, security, servicer, generate_pb2_grpc.add_GenerateServicer_to_server, SERVICE_NAME)
+    return serving.serve(args, security, servicer, generate_pb2_grpc.add_GenerateServicer_to_server, GENERATE_SERVICE)

@@ -1,5 +1,5 @@
 import sys
 
-from specmesh.cli import main
+from specmesh.app.cli import main
 
 sys.exit(main())

@@ -81,8 +81,6 @@ def _request(
     policy: str | None = None,
     restart_depth: int | None = None,
 ) -> generate_pb2.GenerateRequest:
-    if (max_nodes is None) != (max_depth is None):
-        raise ValueError("give both max_nodes and max_depth, or neither")
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, stop=list(stop),
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -96,8 +94,9 @@ def _request(
         request.token_ids.ids.extend(int(t) for t in prompt)
     if proposer is not None:
         request.spec.proposer = proposer
-    if max_nodes is not None:
+    if max_nodes is not None:  # each unset size takes the proposer's default
         request.spec.budget.max_nodes = max_nodes
+    if max_depth is not None:
         request.spec.budget.max_depth = max_depth
     if overlap is not None:
         request.spec.overlap = overlap
@@ -174,7 +173,7 @@ class Client(_Base):
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
         """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes and max_depth, overlap
+        stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes, max_depth, overlap
         (PEARL on/off), policy ("static" | "adaptive") and restart_depth; unset = the server's defaults."""
         msg = self._stub.Generate(_request(prompt, **params), timeout=self._timeout(timeout), metadata=self._metadata)
         return _completion(msg)

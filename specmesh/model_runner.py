@@ -11,11 +11,11 @@ honours (a 4-D mask is used as given).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
+
+from specmesh.contract import ModelInfo
 
 
 class KVCache:
@@ -42,24 +42,18 @@ class KVCache:
         hf_layer = self.hf_cache.layers[layer]
         return hf_layer.keys[0, :, : self.length], hf_layer.values[0, :, : self.length]
 
+    @torch.inference_mode()
     def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
-        """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending)."""
+        """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending): the kept
+        rows move down in place, then the cache is cut; the prefix is never copied."""
         offsets = list(keep_offsets)
-        if offsets == list(range(len(offsets))):  # a contiguous prefix: slicing, no copy
-            self.truncate(prefix_len + len(offsets))
-            return
-        index = torch.cat([torch.arange(prefix_len), prefix_len + torch.tensor(offsets, dtype=torch.long)])
-        for layer in self._layers():
-            layer.keys = layer.keys.index_select(2, index)
-            layer.values = layer.values.index_select(2, index)
-        self.length = prefix_len + len(offsets)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    vocab_size: int
-    max_positions: int
-    eos_token_ids: tuple[int, ...]
+        if offsets != list(range(len(offsets))):  # not already a contiguous prefix of the new rows
+            src = prefix_len + torch.tensor(offsets, dtype=torch.long)
+            dst = slice(prefix_len, prefix_len + len(offsets))
+            for layer in self._layers():
+                layer.keys[:, :, dst] = layer.keys.index_select(2, src)
+                layer.values[:, :, dst] = layer.values.index_select(2, src)
+        self.truncate(prefix_len + len(offsets))
 
 
 class ModelRunner:
@@ -123,27 +117,3 @@ def tree_attend_mask(prefix_len: int, ancestor_rows: torch.Tensor) -> torch.Tens
     """
     num_new = ancestor_rows.shape[0]
     return torch.cat([torch.ones(num_new, prefix_len, dtype=torch.bool), ancestor_rows], dim=1)
-
-
-# ------------------------------------------------------------------- loading
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
-    """Load any local Hugging Face causal LM directory (never touches the network)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True on x86 CPUs whose matmuls run natively in bfloat16 (AVX512-BF16 or AMX), where a bf16 draft is
-    about twice as fast as float32. Elsewhere bf16 is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def load_tokenizer(path: str | Path):
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from drafter_service.proposer import Budget
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback, VerifyFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
-from specmesh.v1 import common_pb2
+from specmesh.v1 import common_pb2, drafter_pb2, generate_pb2, verifier_pb2
+
+# full names of the services (health checks, reflection, retry policies)
+DRAFTER_SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+GENERATE_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
 
 
 # --------------------------------------------------------------------- trees

@@ -11,6 +11,7 @@ so the orchestrator talks to it through the real contract:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -18,19 +19,18 @@ import time
 import numpy as np
 
 from drafter_service import draft_model
-from drafter_service.proposer import register
-from specmesh.cli import main
+from drafter_service.proposer import Proposer, proposer_spec, register
+from specmesh.app.cli import main
 from specmesh.tree import TokenTree
 
 
 def install(fault: str) -> None:
     calls = {"n": 0}
 
-    @register("draft_model")
     def _faulty(**resources):
-        inner = draft_model._chain(**resources)
+        inner = draft_model.chain_proposer(**resources)
 
-        class Faulty:
+        class Faulty(Proposer):
             name = "draft_model"
 
             def propose(self, state, budget):
@@ -48,6 +48,8 @@ def install(fault: str) -> None:
                 inner.release(state)
 
         return Faulty()
+
+    register(dataclasses.replace(proposer_spec("draft_model"), factory=_faulty))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """A real redis-server on a free loopback port, for the n-gram store tests.
 
 Started by the tests (Debian package ``redis-server``; `.ci/run` installs it), no
-persistence, killed at teardown and with this process (``specmesh.local_mesh.LocalRedis``).
+persistence, killed at teardown and with this process (``specmesh.app.local_mesh.LocalRedis``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from specmesh.local_mesh import LocalRedis
+from specmesh.app.local_mesh import LocalRedis
 
 
 def RedisServer(timeout: float = 10.0) -> LocalRedis:  # noqa: N802 (reads as the class it stands for)

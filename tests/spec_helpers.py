@@ -17,9 +17,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_service.drafter import LocalDrafter
-from drafter_service.proposer import Budget, DraftSessionState, make_proposer
+from drafter_service.proposer import DraftSessionState, Proposer, make_proposer
+from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
 from orchestrator.policy import StaticPolicy
+from specmesh.contract import Budget
 from specmesh.model_runner import ModelRunner
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -169,16 +171,19 @@ def engine_for(
     draft_runner: ModelRunner | None = None,
     decode=None,
     verifier: LocalVerifier | None = None,
+    strict: bool = True,
     **opts,
 ) -> Engine:
-    """Wire an engine the way orchestrator/embedded.py does, without tokenizer files."""
-    drafter, topk = None, 0
+    """Wire an engine the way orchestrator/embedded.py does, without tokenizer files. ``strict`` (the default
+    here): a drafter failure fails the request, so no drafter bug hides behind the fallback to plain
+    decoding; tests of that fallback pass False."""
+    drafters, topk = [], 0
     if proposer is not None:
         prop = make_proposer(proposer, draft_runner=draft_runner, **opts) if isinstance(proposer, str) else proposer
-        drafter = LocalDrafter(prop)
-        topk = getattr(prop, "feedback_topk", 0)
+        drafters = only(LocalDrafter(prop), prop.name)
+        topk = prop.feedback_topk
     verifier = verifier if verifier is not None else LocalVerifier(target_runner, feedback_topk=topk)
-    return Engine(verifier, drafter, StaticPolicy(max_nodes, max_depth), decode)
+    return Engine(verifier, drafters, StaticPolicy(max_nodes, max_depth), decode, strict=strict)
 
 
 def greedy(max_new_tokens: int, **kw) -> SamplingParams:
@@ -240,7 +245,7 @@ class RecordingVerifier(LocalVerifier):
 
 # --------------------------------------------------------------- proposers
 @dataclass
-class OracleProposer:
+class OracleProposer(Proposer):
     """Knows the target's greedy continuation of each prompt (test-only proposer, real contract).
 
     ``wrong=False``: a tree in which the true path is hidden behind ``decoys`` wrong siblings
@@ -284,9 +289,6 @@ class OracleProposer:
         n = len(toks)
         return TokenTree(np.asarray(toks, np.int64), np.asarray(parents, np.int64), np.ones(n), (self.name,) * n)
 
-    def release(self, state: DraftSessionState) -> None:
-        pass
-
 
 def longest_matching_path(tree: TokenTree, truth: Sequence[int]) -> int:
     """Length of the longest root-to-node path of ``tree`` whose tokens are a prefix of ``truth``."""
@@ -313,29 +315,44 @@ def check_greedy_steps(log, prompt: Sequence[int], generated: Sequence[int]) -> 
         committed += len(result.tokens)
 
 
-class ContextRecorder:
-    """Wraps a proposer and records the context (committed tokens) it is asked to continue."""
+class ForwardingProposer(Proposer):
+    """Forwards every hook and capability to ``inner`` (real contract); tests override what they watch."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner: Proposer) -> None:
         self.inner = inner
         self.name = inner.name
-        self.contexts: list[list[int]] = []
+
+    @property
+    def feedback_topk(self) -> int:
+        return self.inner.feedback_topk
+
+    @property
+    def feedback_min_ngram(self) -> int:
+        return self.inner.feedback_min_ngram
+
+    def prepare(self, state: DraftSessionState) -> None:
+        self.inner.prepare(state)
+
+    def observe(self, state: DraftSessionState, feedback) -> None:
+        self.inner.observe(state, feedback)
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
-        self.contexts.append(list(state.tokens))
         return self.inner.propose(state, budget)
 
     def release(self, state: DraftSessionState) -> None:
         self.inner.release(state)
 
-    def __getattr__(self, name: str):
-        # the optional hooks (prepare, observe) and attributes (feedback_topk) of the wrapped proposer
-        return getattr(self.inner, name)
 
+class ContextRecorder(ForwardingProposer):
+    """Wraps a proposer and records the context (committed tokens) it is asked to continue."""
 
-def feedback_topk(proposer) -> int:
-    """Top-k rows the proposer wants the verifier to report (token recycling), 0 for none."""
-    return getattr(proposer, "feedback_topk", 0)
+    def __init__(self, inner: Proposer) -> None:
+        super().__init__(inner)
+        self.contexts: list[list[int]] = []
+
+    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
+        self.contexts.append(list(state.tokens))
+        return self.inner.propose(state, budget)
 
 
 def check_drafter_contexts(contexts: list[list[int]], log, prompt: Sequence[int], generated: Sequence[int]) -> None:
@@ -348,3 +365,8 @@ def check_drafter_contexts(contexts: list[list[int]], log, prompt: Sequence[int]
     for ctx in contexts:
         assert ctx == full[: len(ctx)], "drafter context is not the committed sequence"
         assert len(ctx) in lengths, f"drafter saw {len(ctx)} tokens; committed lengths were {lengths}"
+
+
+def drafter_of(engine: Engine) -> LocalDrafter | None:
+    """The drafter of an engine wired with one (``engine_for``), for checks of its sessions."""
+    return engine.drafters[0][1]() if engine.drafters else None

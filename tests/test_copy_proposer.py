@@ -21,7 +21,8 @@ from spec_helpers import (
 )
 
 from drafter_service.copy_proposer import CopyIndex, CopyProposer, match_lengths
-from drafter_service.proposer import Budget, DraftSessionState, make_proposer
+from drafter_service.proposer import DraftSessionState, make_proposer
+from specmesh.contract import Budget
 from specmesh.fast_llama import make_runner
 from specmesh.sampling import SamplingParams
 

@@ -9,6 +9,7 @@ proposals after cache reuse against proposals from a fresh cache.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -18,8 +19,10 @@ import torch
 from spec_helpers import BACKENDS, make_prompts
 
 from drafter_service.draft_model import DraftModelProposer
-from drafter_service.proposer import Budget, DraftSessionState
-from specmesh.sampling import SamplingParams, warp_probs
+from drafter_service.proposer import DraftSessionState
+from specmesh.contract import Budget
+from specmesh.sampling import SamplingParams
+from specmesh.warp import warp_probs
 
 PROMPTS = make_prompts(6, seed=17)
 
@@ -33,8 +36,7 @@ GREEDY = SamplingParams()
 
 
 def _state(tokens, sampling=GREEDY, seed=0):
-    gen = torch.Generator().manual_seed(seed) if not sampling.greedy else None
-    return DraftSessionState("s", list(tokens), sampling, gen)
+    return DraftSessionState("s", list(tokens), dataclasses.replace(sampling, seed=seed))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

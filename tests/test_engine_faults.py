@@ -10,21 +10,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from spec_helpers import MAX_POSITIONS, VOCAB, engine_for, greedy, make_prompts
+from spec_helpers import MAX_POSITIONS, VOCAB, drafter_of, engine_for, greedy, make_prompts
 
 from drafter_service.drafter import LocalDrafter
-from drafter_service.proposer import Budget, DraftSessionState, make_proposer
+from drafter_service.proposer import DraftSessionState, Proposer, make_proposer
+from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
 from orchestrator.policy import StaticPolicy
+from specmesh.contract import Budget, UnknownSessionError
 from specmesh.sampling import SamplingParams
-from specmesh.tree import TokenTree
-from verifier_service.verifier import LocalVerifier, UnknownSessionError
+from specmesh.tree import InvalidTreeError, TokenTree
+from verifier_service.verifier import LocalVerifier
 
 MAX_NEW = 24
 PROMPTS = make_prompts(4, seed=9)
 
 
-class FlakyProposer:
+class FlakyProposer(Proposer):
     """Wraps a real proposer; raises (or returns ``bad_tree``) on the ``fail_at``-th call."""
 
     def __init__(self, inner, fail_at: int = 2, exc: Exception | None = None, bad_tree=None) -> None:
@@ -75,7 +77,7 @@ def test_drafter_that_raises(model_sets, ar_reference, fail_at):
     target, draft = _near(model_sets)
     for prompt in PROMPTS:
         flaky = FlakyProposer(make_proposer("draft_model_tree", draft_runner=draft), fail_at, RuntimeError("draft GPU fell off"))
-        engine = engine_for(target, flaky, 8, 4)
+        engine = engine_for(target, flaky, 8, 4, strict=False)
         res = engine.generate(prompt, greedy(MAX_NEW))
         assert res.token_ids == ar_reference("random", "hf", prompt, MAX_NEW)
         assert res.finish_reason == "length"
@@ -86,7 +88,7 @@ def test_drafter_that_raises(model_sets, ar_reference, fail_at):
         idx = res.stats.steps.index(bad[0])
         assert all(s.num_proposed == 0 for s in res.stats.steps[idx:])
         assert flaky.calls == fail_at
-        assert engine.drafter._sessions == {} and engine.verifier.num_sessions == 0
+        assert drafter_of(engine)._sessions == {} and engine.verifier.num_sessions == 0
 
 
 @pytest.mark.parametrize("name", list(BAD_TREES))
@@ -94,7 +96,7 @@ def test_drafter_returning_an_invalid_tree(model_sets, ar_reference, name):
     target, draft = _near(model_sets)
     for prompt in PROMPTS[:2]:
         flaky = FlakyProposer(make_proposer("draft_model", draft_runner=draft), 2, bad_tree=BAD_TREES[name])
-        engine = engine_for(target, flaky, 8, 4)
+        engine = engine_for(target, flaky, 8, 4, strict=False)
         res = engine.generate(prompt, greedy(MAX_NEW))
         assert res.token_ids == ar_reference("random", "hf", prompt, MAX_NEW)
         assert res.stats.num_draft_errors == 1
@@ -102,11 +104,25 @@ def test_drafter_returning_an_invalid_tree(model_sets, ar_reference, name):
         assert engine.verifier.num_sessions == 0
 
 
+@pytest.mark.parametrize("fault", ["raises", "too_many_nodes", "out_of_vocab"])
+def test_strict_engines_surface_drafter_bugs(model_sets, fault):
+    """The suite's engines are strict: a proposer bug fails the request instead of hiding behind the fallback
+    to plain decoding (whose output is identical, so equality tests alone could not see it)."""
+    target, draft = _near(model_sets)
+    inner = make_proposer("draft_model", draft_runner=draft)
+    flaky = (FlakyProposer(inner, 2, RuntimeError("a proposer bug")) if fault == "raises"
+             else FlakyProposer(inner, 2, bad_tree=BAD_TREES[fault]))
+    engine = engine_for(target, flaky, 8, 4)
+    with pytest.raises(RuntimeError if fault == "raises" else InvalidTreeError):
+        engine.generate(PROMPTS[0], greedy(MAX_NEW))
+    assert engine.verifier.num_sessions == 0 and drafter_of(engine)._sessions == {}
+
+
 def test_drafter_returning_an_invalid_tree_while_sampling(model_sets):
     """Sampling requests fall back the same way (the tree's draft distribution is malformed)."""
     target, draft = _near(model_sets)
     flaky = FlakyProposer(make_proposer("draft_model", draft_runner=draft), 1, bad_tree=BAD_TREES["bad_q"])
-    engine = engine_for(target, flaky, 8, 4)
+    engine = engine_for(target, flaky, 8, 4, strict=False)
     res = engine.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_new_tokens=MAX_NEW, ignore_eos=True))
     assert len(res.token_ids) == MAX_NEW and res.stats.num_draft_errors == 1
 
@@ -121,17 +137,14 @@ def test_drafter_ignoring_its_budget_near_the_context_limit(model_sets, ar_refer
     base = PROMPTS[0]
     prompt = (base * (MAX_POSITIONS // len(base) + 1))[: MAX_POSITIONS - MAX_NEW]
 
-    class Greedy8:  # proposes 8 tokens whatever the budget says
+    class Greedy8(Proposer):  # proposes 8 tokens whatever the budget says
         name = "greedy8"
 
         def propose(self, state, budget):
             return TokenTree.chain([5] * 8, source=self.name)
 
-        def release(self, state):
-            pass
-
     expected = engine_for(target).generate(prompt, greedy(MAX_NEW)).token_ids
-    res = engine_for(target, Greedy8(), 4, 2).generate(prompt, greedy(MAX_NEW))
+    res = engine_for(target, Greedy8(), 4, 2, strict=False).generate(prompt, greedy(MAX_NEW))
     assert res.token_ids == expected
     assert res.stats.num_draft_errors >= 1  # the oversize tree is reported, not silently verified
 
@@ -140,7 +153,7 @@ def test_drafter_ignoring_its_budget_near_the_context_limit(model_sets, ar_refer
 def test_drafter_past_its_deadline_returns_a_partial_tree(model_sets, ar_reference, proposer):
     """A deadline that is already over when drafting starts: the draft model stops after one level."""
     target, draft = _near(model_sets)
-    engine = Engine(LocalVerifier(target), LocalDrafter(make_proposer(proposer, draft_runner=draft)),
+    engine = Engine(LocalVerifier(target), only(LocalDrafter(make_proposer(proposer, draft_runner=draft))),
                     StaticPolicy(8, 6, draft_timeout_s=1e-9))
     for prompt in PROMPTS[:2]:
         res = engine.generate(prompt, greedy(MAX_NEW))
@@ -177,7 +190,7 @@ class _DeadDrafter:
 def test_unreachable_drafter_never_fails_the_request(model_sets, ar_reference, fail):
     target, draft = _near(model_sets)
     drafter = _DeadDrafter(LocalDrafter(make_proposer("draft_model", draft_runner=draft)), fail)
-    engine = Engine(LocalVerifier(target), drafter, StaticPolicy(4, 4))
+    engine = Engine(LocalVerifier(target), only(drafter), StaticPolicy(4, 4))
     prompt = PROMPTS[1]
     res = engine.generate(prompt, greedy(MAX_NEW))  # must not raise
     assert res.token_ids == ar_reference("random", "hf", prompt, MAX_NEW)
@@ -205,8 +218,8 @@ def test_bad_prompt_is_a_clear_value_error(model_sets, ar_reference, name, propo
     with pytest.raises(ValueError, match=message):
         engine.generate(prompt, greedy(MAX_NEW))
     assert engine.verifier.num_sessions == 0
-    if engine.drafter is not None:
-        assert engine.drafter._sessions == {}
+    if drafter_of(engine) is not None:
+        assert drafter_of(engine)._sessions == {}
     # and the engine keeps serving
     assert engine.generate(PROMPTS[0], greedy(MAX_NEW)).token_ids == ar_reference("random", "hf", PROMPTS[0], MAX_NEW)
 
@@ -241,9 +254,9 @@ def test_client_disconnect_releases_sessions(model_sets):
     stream = engine.stream(PROMPTS[0], greedy(MAX_NEW))
     next(stream)
     next(stream)
-    assert engine.verifier.num_sessions == 1 and len(engine.drafter._sessions) == 1
+    assert engine.verifier.num_sessions == 1 and len(drafter_of(engine)._sessions) == 1
     stream.close()  # the client went away mid-request
-    assert engine.verifier.num_sessions == 0 and engine.drafter._sessions == {}
+    assert engine.verifier.num_sessions == 0 and drafter_of(engine)._sessions == {}
 
 
 @pytest.mark.parametrize("proposer", [None, "draft_model"])

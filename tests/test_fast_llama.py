@@ -75,3 +75,22 @@ def test_make_runner_falls_back_for_unsupported_models() -> None:
     assert type(make_runner(model, "auto")) is ModelRunner
     with pytest.raises(ValueError, match="fast runner cannot run"):
         make_runner(model, "fast")
+
+
+@pytest.mark.parametrize("model_fn", [lambda: _llama(4), lambda: _llama(2), _qwen2], ids=["mha-tied", "gqa", "qwen2-bias"])
+def test_the_runner_keeps_one_copy_of_the_weights_and_the_hf_module_still_runs(model_fn) -> None:
+    model = model_fn()
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = model(ids).logits
+    fast = FastLlamaRunner(model)
+    held = [fast.lm_head, fast.norm, fast.embed] + [w for layer in fast.layers for w in layer]
+    runner_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t is not None}
+    # every parameter of the HF module is a view into the runner's weights: one copy in memory
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= set(runner_storages)
+    assert sum(runner_storages.values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-12)
+    cache = fast.new_cache()
+    torch.testing.assert_close(fast.forward(cache, ids[0], range(30)), before[0].float(), rtol=1e-10, atol=1e-10)

@@ -14,10 +14,12 @@ from drafter_service.fusion import (
     parse_members,
     tree_outcomes,
 )
-from drafter_service.proposer import Budget, DraftSessionState
+from drafter_service.proposer import DraftSessionState, Proposer
+from drafter_service.tree_builders import TreeBuilder
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
-from specmesh.tree import TokenTree, TreeBuilder
+from specmesh.tree import TokenTree
 
 
 def _tree(paths: list[list[int]], source: str, prob: float = 0.5) -> TokenTree:
@@ -84,7 +86,7 @@ def test_calibration_moves_from_the_claim_to_the_evidence():
     assert cal.estimate("y", 0.9) == pytest.approx(0.9)  # per source
 
 
-class _Fixed:
+class _Fixed(Proposer):
     """A member that always proposes the same paths."""
 
     def __init__(self, name: str, paths: list[list[int]], prob: float) -> None:
@@ -92,9 +94,6 @@ class _Fixed:
 
     def propose(self, state, budget):
         return _tree(self.paths, self.name, self.prob)
-
-    def release(self, state):
-        pass
 
 
 def test_live_calibration_learns_which_member_to_trust():

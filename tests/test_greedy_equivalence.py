@@ -20,7 +20,6 @@ from spec_helpers import (
     check_drafter_contexts,
     check_greedy_steps,
     engine_for,
-    feedback_topk,
     greedy,
     make_prompts,
     naive_greedy,
@@ -73,7 +72,7 @@ def test_speculative_greedy_equals_ar(model_sets, ar_reference, proposer, budget
     ms = model_sets(kind)
     target = ms.runner("target", backend)
     recorder = ContextRecorder(make_proposer(proposer, draft_runner=ms.runner("near", backend)))
-    verifier = RecordingVerifier(target, feedback_topk=feedback_topk(recorder))
+    verifier = RecordingVerifier(target, feedback_topk=recorder.feedback_topk)
     engine = engine_for(target, recorder, *budget, verifier=verifier)
     accepted = 0
     for i, prompt in enumerate(PROMPTS[:num_prompts]):

@@ -13,7 +13,6 @@ import grpc
 import pytest
 import service_helpers as sh
 
-from orchestrator.embedded import default_budget
 from specmesh.client import AsyncClient, Client
 from specmesh.sampling import SamplingParams
 
@@ -28,8 +27,7 @@ MAX_NEW = 40
 
 
 def embedded_ids(stack, proposer, prompt, sampling: SamplingParams, budget=None) -> list[int]:
-    nodes, depth = budget or default_budget(proposer)
-    engine = stack.engine(proposer, nodes, depth)
+    engine = stack.engine(proposer, *(budget or ()))  # unset: the proposer's default budget
     return engine.generate(stack.tokenizer.encode(prompt), sampling).token_ids
 
 

@@ -19,9 +19,11 @@ from spec_helpers import (
     OracleProposer,
     RecordingVerifier,
     assert_cache_matches,
+    drafter_of,
     engine_for,
     fresh_kv,
     greedy,
+    layer_kv,
     make_prompts,
 )
 
@@ -54,8 +56,8 @@ def _run_and_check(engine, verifier, prompt, sampling, draft_runner=None, draft_
             gathered += result.accepted_nodes != tuple(range(result.num_accepted))
         assert committed[-1] == session.pending
         assert_cache_matches(session.cache, fresh_kv(target_runner, committed[:-1]), "verifier cache")
-        if draft_name is not None and engine.drafter is not None and engine.drafter._sessions:
-            state = _only(engine.drafter._sessions)
+        if draft_name is not None and drafter_of(engine) is not None and drafter_of(engine)._sessions:
+            state = _only(drafter_of(engine)._sessions)
             dc = state.scratch.get(draft_name)
             if dc is not None:
                 # committed first (all of them, or all but the last right after the prefill at open),
@@ -147,3 +149,23 @@ def test_tree_forward_logits_equal_sequential_forward_of_each_path(model_sets, b
             seq = prefix + [int(tree.tokens[j]) for j in tree.path_to(i)]
             want = runner.forward(runner.new_cache(), seq, range(len(seq)))[-1]
             torch.testing.assert_close(logits[i], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keep_moves_only_the_accepted_rows_in_place(model_sets, backend):
+    """Compaction to a non-prefix path writes the kept tree rows below the prefix; the prefix is not copied."""
+    runner = model_sets("random").runner("target", backend)
+    cache = runner.new_cache()
+    runner.forward(cache, list(range(1, 21)), range(20))
+    tree = TokenTree(np.asarray([30, 31, 32, 33]), np.asarray([-1, 0, -1, 2]), np.ones(4))  # two chains
+    runner.forward(cache, tree.tokens, tree.position_ids(20), tree_attend_mask(20, torch.from_numpy(tree.ancestor_mask)))
+    layers = runner.model.config.num_hidden_layers
+    before = [tuple(t.clone() for t in layer_kv(cache, i)) for i in range(layers)]
+    storages = [layer_kv(cache, i)[0].untyped_storage().data_ptr() for i in range(layers)]
+    cache.keep(20, [2, 3])
+    assert cache.length == 22
+    for i in range(layers):
+        keys, values = layer_kv(cache, i)
+        assert keys.untyped_storage().data_ptr() == storages[i]  # rows moved within the same buffer
+        torch.testing.assert_close(keys, torch.cat([before[i][0][:, :20], before[i][0][:, 22:24]], dim=1))
+        torch.testing.assert_close(values, torch.cat([before[i][1][:, :20], before[i][1][:, 22:24]], dim=1))

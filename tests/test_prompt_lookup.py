@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_service.prompt_lookup import PromptLookupProposer, continuations_tree, ngram_continuations
-from drafter_service.proposer import Budget, DraftSessionState, make_proposer
+from drafter_service.proposer import DraftSessionState, make_proposer
+from specmesh.contract import Budget
 from specmesh.sampling import SamplingParams
 
 SETTINGS = settings(max_examples=300, deadline=None)

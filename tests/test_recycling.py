@@ -6,8 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafter_service.proposer import Budget, DraftSessionState, make_proposer
+from drafter_service.proposer import DraftSessionState, make_proposer
 from drafter_service.recycling import AdjacencyTable, expand_tree
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback, VerifyFeedback
 from specmesh.sampling import SamplingParams
 

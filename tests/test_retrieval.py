@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import service_helpers as sh
 from redis_helpers import RedisServer
-from spec_helpers import engine_for, greedy, make_prompts
+from spec_helpers import ForwardingProposer, engine_for, greedy, make_prompts
 
 from drafter_service.ngram_store import (
     FallbackNGramStore,
@@ -22,15 +22,16 @@ from drafter_service.ngram_store import (
     StoreLearner,
     tokenizer_fingerprint,
 )
-from drafter_service.proposer import Budget, DraftSessionState
+from drafter_service.proposer import DraftSessionState
 from drafter_service.remote import DrafterClient
 from drafter_service.retrieval import RetrievalProposer
+from drafter_service.tree_builders import weighted_paths_tree
 from specmesh import rpc
+from specmesh.app.local_mesh import LocalRedis
+from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback, VerifyFeedback
-from specmesh.local_mesh import LocalRedis
-from specmesh.model_runner import load_tokenizer
+from specmesh.models import load_tokenizer
 from specmesh.sampling import SamplingParams
-from specmesh.tree import weighted_paths_tree
 
 PROMPTS = make_prompts(4, seed=11)
 MAX_NEW = 40
@@ -83,21 +84,18 @@ def test_jacobi_ngrams_from_the_verifier_reach_the_store():
     assert prop.propose(state, Budget(4, 4)).tokens.tolist() == [9, 10]
 
 
-class _StopsRedisMidRequest:
+class _StopsRedisMidRequest(ForwardingProposer):
     """Retrieval that kills Redis on its 5th proposal: the rest of the request runs on memory."""
 
     def __init__(self, inner: RetrievalProposer, server: LocalRedis) -> None:
-        self.inner, self.server, self.calls = inner, server, 0
-        self.name = inner.name
+        super().__init__(inner)
+        self.server, self.calls = server, 0
 
     def propose(self, state, budget):
         self.calls += 1
         if self.calls == 5:
             self.server.stop()
         return self.inner.propose(state, budget)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def test_redis_stopped_mid_request_fails_no_request(model_sets, ar_reference):

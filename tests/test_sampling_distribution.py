@@ -26,10 +26,12 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from orchestrator.policy import StaticPolicy
-from specmesh.sampling import SamplingParams, warp_probs
+from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
+from specmesh.warp import warp_probs
 from verifier_service import verification
 from verifier_service.verification import verify_sample
+from verifier_service.verifier import LocalVerifier
 
 P_PASS = 1e-3  # a correct rule must pass at this level (fixed seeds: deterministic)
 P_FAIL = 1e-6  # a broken rule must fail at this level
@@ -472,3 +474,36 @@ def test_engine_autoregressive_sampling_matches_exact_law(e2e_models, ar_pairs):
     model = e2e_models[0]
     for name, warp in WARPS.items():
         assert chisquare_p(ar_pairs(name), exact_pair_law(model, E2E_PROMPT, warp)) > P_PASS, name
+
+
+@pytest.mark.parametrize("warp", [(1.0, 3, 1.0), (1.0, 0, 0.4), (0.7, 4, 0.6)], ids=["top_k", "top_p", "all"])
+def test_the_verifier_warps_p_as_the_draft_warps_q(e2e_models, warp):
+    """A fast tie between the two sides of lossless sampling: the verifier samples and accepts only inside
+    the support of p = warp_probs(target logits), the function the draft model ships q from (checked in
+    test_draft_model). A verifier skipping top-k or top-p on p fails here in a second, where the distribution
+    tests above take minutes to see it."""
+    model, target_runner, _ = e2e_models
+    temperature, top_k, top_p = warp
+
+    @torch.no_grad()
+    def support(context: list[int]) -> set[int]:
+        logits = model(torch.tensor([context])).logits[0, -1].double()
+        return set(torch.nonzero(warp_probs(logits, temperature, top_k, top_p)).flatten().tolist())
+
+    verifier = LocalVerifier(target_runner)
+    cut = 0
+    for seed in range(60):
+        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=4)
+        first = verifier.prefill("s", E2E_PROMPT, sp).first_token
+        assert first in support(E2E_PROMPT)  # sampled from p after the prompt
+        allowed = support(E2E_PROMPT + [first])
+        outside = [t for t in range(E2E_VOCAB) if t not in allowed]
+        cut += bool(outside)
+        # a drafted token p gives no mass is never accepted (point mass: accepted with p(x) / 1)
+        tree = TokenTree.chain(outside[:1] or [first])
+        result = verifier.verify("s", tree)
+        if outside:
+            assert result.num_accepted == 0
+        assert result.tokens[-1] in (allowed if not result.num_accepted else support(E2E_PROMPT + [first] + list(result.tokens[:-1])))
+        verifier.release("s")
+    assert cut > 30  # the warp really cut tokens off

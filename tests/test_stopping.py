@@ -14,8 +14,9 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from spec_helpers import engine_for, make_prompts
+from spec_helpers import ForwardingProposer, engine_for, make_prompts
 
+from drafter_service.proposer import make_proposer
 from orchestrator.engine import GenerationResult
 from orchestrator.stats import RequestStats
 from orchestrator.stopping import StopChecker, TextStream
@@ -223,3 +224,35 @@ def test_text_stream_holds_back_nothing_without_stop_strings():
     assert text.push([0, 6], None) == "abb"
     assert text.push([2], None) == "c"
     assert text.flush(None) == ""
+
+
+class _ReleaseRecorder(ForwardingProposer):
+    """Records the context the drafter holds when its session closes (what learning proposers learn from)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.at_release: list[list[int]] = []
+
+    def release(self, state) -> None:
+        self.at_release.append(list(state.tokens))
+        self.inner.release(state)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_drafter_holds_exactly_the_emitted_tokens_at_close(model_sets, ar_reference, overlap):
+    """A stop in the middle of a step commits tokens past it; the drafter is synced to what was emitted,
+    not to what was committed (learning proposers must never learn text the user never got)."""
+    ms = model_sets("random")
+    target = ms.runner("target", "hf")
+    recorder = _ReleaseRecorder(make_proposer("draft_model", draft_runner=ms.runner("same", "hf")))
+    engine = engine_for(target, recorder, 8, 8)
+    engine.overlap = overlap
+    cut_mid_step = 0
+    for prompt in PROMPTS:
+        full = ar_reference("random", "hf", prompt, MAX_NEW)
+        sp = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(full[5],), ignore_eos=True)
+        res = engine.generate(prompt, sp)
+        assert recorder.at_release[-1] == list(prompt) + res.token_ids
+        committed = 1 + sum(s.num_accepted + 1 for s in res.stats.steps)
+        cut_mid_step += committed > len(res.token_ids)
+    assert cut_mid_step > 0  # the stop really cut a step short

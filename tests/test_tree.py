@@ -1,4 +1,4 @@
-"""TokenTree: derived fields against brute force on random trees; validation; TreeBuilder."""
+"""TokenTree: derived fields against brute force on random trees; validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specmesh.tree import InvalidTreeError, TokenTree, TreeBuilder
+from specmesh.tree import InvalidTreeError, TokenTree
 
 VOCAB = 50
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -95,6 +95,63 @@ def test_point_mass_when_no_distributions():
     ids, probs = tree.draft_dist(1)
     assert ids.tolist() == [6] and probs.tolist() == [1.0]
     assert tree.parents.tolist() == [-1, 0, 1] and tree.max_depth == 3
+
+
+# ------------------------------------------------ PEARL operations: main line, subtree, head
+@SETTINGS
+@given(trees())
+def test_main_path_follows_the_most_likely_child_to_a_leaf(tree: TokenTree):
+    """From the root, each step takes the child of highest draft probability (the first of equals),
+    down to a leaf."""
+    path = tree.main_path()
+    parent = -1
+    for node in path:
+        kids = tree.children_of(parent)
+        best = max(tree.draft_probs[k] for k in kids)
+        assert node == next(k for k in kids if tree.draft_probs[k] == best)
+        parent = node
+    assert not tree.children_of(parent)  # it ends at a leaf (or the root of an empty tree)
+    assert path == (tree.path_to(path[-1]) if path else [])
+
+
+def ref_descendants(parents: list[int], node: int) -> list[int]:
+    """Proper descendants of ``node`` in index order, by walking every node's parent links."""
+    return [i for i in range(len(parents)) if node in ref_ancestors(parents, i)]
+
+
+@SETTINGS
+@given(trees(with_dists=True).filter(lambda t: t.num_nodes > 0), st.data())
+def test_subtree_is_the_descendants_reindexed_with_their_data(tree: TokenTree, data):
+    node = data.draw(st.integers(0, tree.num_nodes - 1))
+    sub = tree.subtree(node).validate(VOCAB)
+    parents = tree.parents.tolist()
+    kept = ref_descendants(parents, node)
+    assert sub.num_nodes == len(kept)
+    new_index = {old: new for new, old in enumerate(kept)}
+    for new, old in enumerate(kept):
+        assert sub.parents[new] == (-1 if parents[old] == node else new_index[parents[old]])
+        assert sub.tokens[new] == tree.tokens[old] and sub.draft_probs[new] == tree.draft_probs[old]
+        assert sub.sources[new] == tree.sources[old]
+        for a, b in zip(sub.draft_dist(new), tree.draft_dist(old), strict=True):
+            assert a.tolist() == b.tolist()
+    # every path below node is a root path of the subtree, spelling the same tokens
+    below = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)[len(tree.path_to(node)):]) for i in kept}
+    assert below == {tuple(int(sub.tokens[j]) for j in sub.path_to(i)) for i in range(sub.num_nodes)}
+
+
+@SETTINGS
+@given(trees(with_dists=True), st.integers(-2, 30))
+def test_head_keeps_the_first_nodes_with_their_distributions(tree: TokenTree, k: int):
+    head = tree.head(k).validate(VOCAB)
+    n = min(max(k, 0), tree.num_nodes)
+    assert head.num_nodes == n
+    assert head.tokens.tolist() == tree.tokens[:n].tolist() and head.parents.tolist() == tree.parents[:n].tolist()
+    assert head.draft_probs.tolist() == tree.draft_probs[:n].tolist() and head.sources == tree.sources[:n]
+    for i in range(n):  # the last node's distribution included
+        for a, b in zip(head.draft_dist(i), tree.draft_dist(i), strict=True):
+            assert a.tolist() == b.tolist()
+    if head.q_cu is not None:
+        assert head.q_ids.shape[0] == head.q_cu[-1] == (tree.q_cu[n] if n else 0)
 
 
 # ------------------------------------------------------------- rejection
@@ -208,47 +265,3 @@ def test_valid_distribution_tree_passes():
 def test_malformed_draft_distributions_are_rejected(q_cu, q_ids, q_probs, why):
     with pytest.raises(InvalidTreeError, match=why):
         _dists_tree(q_cu, q_ids, q_probs).validate(VOCAB)
-
-
-# ------------------------------------------------------------- TreeBuilder
-@SETTINGS
-@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), min_size=1, max_size=8))
-def test_tree_builder_shares_prefixes(paths):
-    builder = TreeBuilder()
-    ends = [builder.add_path(p, source="x") for p in paths]
-    tree = builder.build().validate(VOCAB)
-    # one node per distinct non-empty prefix
-    prefixes = {tuple(p[:k]) for p in paths for k in range(1, len(p) + 1)}
-    assert tree.num_nodes == len(prefixes)
-    # every path is found again, ending at the node add_path returned
-    for p, end in zip(paths, ends, strict=True):
-        assert [int(tree.tokens[i]) for i in tree.path_to(end)] == list(p)
-    # no two siblings share a token
-    for kids in tree.children:
-        toks = [int(tree.tokens[k]) for k in kids]
-        assert len(toks) == len(set(toks))
-
-
-@SETTINGS
-@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), min_size=1, max_size=8), st.integers(0, 12))
-def test_tree_builder_respects_max_nodes(paths, max_nodes):
-    builder = TreeBuilder()
-    for p in paths:
-        builder.add_path(p, max_nodes=max_nodes)
-    tree = builder.build().validate(VOCAB, max_nodes=max_nodes)
-    # what was kept is ancestor-closed and each kept path is a prefix of an input path
-    inputs = {tuple(p) for p in paths}
-    for i in range(tree.num_nodes):
-        toks = tuple(int(tree.tokens[j]) for j in tree.path_to(i))
-        assert any(q[: len(toks)] == toks for q in inputs)
-
-
-def test_tree_builder_add_dedups_and_keeps_first_prob():
-    b = TreeBuilder()
-    a = b.add(-1, 7, 0.5, "x")
-    assert b.add(-1, 7, 0.9, "y") == a
-    c = b.add(a, 7, 0.25)
-    assert c != a and b.find(a, 7) == c and b.find(-1, 8) is None
-    tree = b.build()
-    assert tree.tokens.tolist() == [7, 7] and tree.parents.tolist() == [-1, 0]
-    assert tree.draft_probs.tolist() == [0.5, 0.25] and tree.sources == ("x", "")

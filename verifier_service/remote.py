@@ -13,13 +13,11 @@ from collections.abc import Sequence
 import grpc
 
 from specmesh import rpc
-from specmesh.model_runner import ModelInfo
+from specmesh.contract import ModelInfo, PrefillResult, UnknownSessionError, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.wire import feedback_from_proto, sampling_to_proto, tree_to_proto
-from verifier_service.server import SERVICE_NAME
-from verifier_service.verifier import PrefillResult, UnknownSessionError, VerifyResult
+from specmesh.wire import VERIFIER_SERVICE, feedback_from_proto, sampling_to_proto, tree_to_proto
 
 log = logging.getLogger("specmesh.remote_verifier")
 RELEASE_TIMEOUT = 5.0  # Release runs even after the request's deadline passed
@@ -29,7 +27,7 @@ class VerifierClient(rpc.ReplicaChannel):
     def __init__(self, address: str, security: rpc.Security, call_timeout: float = 60.0) -> None:
         # Info and Release change nothing that a retry could duplicate
         super().__init__(address, security, verifier_pb2_grpc.VerifierStub,
-                         [(SERVICE_NAME, "Info"), (SERVICE_NAME, "Release")])
+                         [(VERIFIER_SERVICE, "Info"), (VERIFIER_SERVICE, "Release")])
         self.call_timeout = call_timeout
         self.info: ModelInfo | None = None
 

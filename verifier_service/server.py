@@ -16,15 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from specmesh import serving
+from specmesh import models, serving
+from specmesh.contract import UnknownSessionError
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.wire import feedback_to_proto, sampling_from_proto, tree_from_proto
-from verifier_service.lookahead import LookaheadConfig
-from verifier_service.verifier import LocalVerifier, UnknownSessionError
+from specmesh.wire import VERIFIER_SERVICE, feedback_to_proto, sampling_from_proto, tree_from_proto
+from verifier_service.arguments import add_lookahead_argument
+from verifier_service.verifier import LocalVerifier
 
 log = logging.getLogger("specmesh.verifier")
-SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -110,6 +110,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 # ---------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    models.add_target_arguments(p)
+    models.add_runtime_arguments(p)
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (default: 127.0.0.1:50052)")
     p.add_argument("--max-tree-nodes", type=int, default=256,
                    help="largest tree accepted per Verify; larger ones get INVALID_ARGUMENT (default: 256)")
@@ -118,21 +120,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feedback-topk", type=int, default=0, metavar="K",
                    help="report the target's top-K next tokens after every verified row with each Verify, "
                         "for learning drafters such as Token Recycling (default: 0 = off)")
-    p.add_argument("--lookahead", type=LookaheadConfig.argument, default=None, metavar="W,N",
-                   help="run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
-                        "forward) and report the N-grams it harvests with each Verify (default: off)")
+    add_lookahead_argument(p, "run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
+                              "forward) and report the N-grams it harvests with each Verify (default: off)")
     serving.add_server_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from specmesh.cli import load_target_runner
-
     serving.setup_logging(args)
     security = serving.server_security(args)
-    runner, model_name = load_target_runner(args)
+    try:
+        path = models.model_dir(args.target or models.demo_model("target"))
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
+    models.set_threads(args.threads)
+    runner = models.load_runner(path, models.torch_dtype(args.dtype), args.runner)
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
     verifier = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead)
-    servicer = VerifierServicer(verifier, model_name, args.session_ttl)
-    return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME,
-                         background=servicer.reap_idle_sessions)
+    servicer = VerifierServicer(verifier, str(path), args.session_ttl)
+    return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
+                         VERIFIER_SERVICE, background=servicer.reap_idle_sessions)

@@ -1,4 +1,4 @@
-"""The Verifier interface and its in-process implementation on a target ModelRunner.
+"""The in-process Verifier (``specmesh.contract.Verifier``) on a target ModelRunner.
 
 A session's KV cache holds every committed token except the newest one (the
 "pending" token: the previous bonus, or the first token after prefill). A verify
@@ -19,15 +19,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
 
+from specmesh.contract import PrefillResult, UnknownSessionError, VerifyResult
 from specmesh.feedback import VerifyFeedback
-from specmesh.model_runner import KVCache, ModelInfo, ModelRunner, tree_attend_mask
-from specmesh.sampling import SamplingParams, warp_probs
+from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
+from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
+from specmesh.warp import warp_probs
 from verifier_service.lookahead import (
     LookaheadConfig,
     branch_parents,
@@ -39,38 +40,6 @@ from verifier_service.lookahead import (
     window_span,
 )
 from verifier_service.verification import Acceptance, verify_greedy, verify_sample
-
-
-class UnknownSessionError(KeyError):
-    pass
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    accepted_nodes: tuple[int, ...]  # tree node indices along the accepted path
-    tokens: tuple[int, ...]  # accepted draft tokens + the bonus token (newly committed)
-    seconds: float  # time spent in the verifier (forward + acceptance + compaction)
-    feedback: VerifyFeedback | None = None  # top-k rows / Jacobi n-grams, when the verifier is configured for them
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.accepted_nodes)
-
-
-class Verifier(Protocol):
-    info: ModelInfo
-
-    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult: ...
-
-    def verify(self, session_id: str, tree: TokenTree) -> VerifyResult: ...
-
-    def release(self, session_id: str) -> None: ...
 
 
 @dataclass

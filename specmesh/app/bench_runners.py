@@ -5,14 +5,35 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from specmesh.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from specmesh.bench import MethodSpec
+HF_METHODS = ("hf_ar", "hf_assisted", "hf_prompt_lookup")
+GRPC_PREFIX = "grpc:"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method of the benchmark, parsed (``bench.parse_method``)."""
+
+    label: str  # as typed; unique within a run
+    name: str  # ar, a proposer name, or one of HF_METHODS
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name in HF_METHODS
+
+    @property
+    def is_grpc(self) -> bool:
+        return self.name.startswith(GRPC_PREFIX)
+
+    @property
+    def base_name(self) -> str:
+        """The method without its ``grpc:`` prefix."""
+        return self.name.removeprefix(GRPC_PREFIX)
 
 # keys of hf_assisted that transformers reads from the draft model's generation config
 ASSISTANT_CONFIG_KEYS = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"}

@@ -54,19 +54,24 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specmesh.bench_runners import ForwardMeter, RunOutput, measured_run, method_runner
+from specmesh.app.bench_runners import (
+    GRPC_PREFIX,
+    HF_METHODS,
+    ForwardMeter,
+    MethodSpec,
+    RunOutput,
+    measured_run,
+    method_runner,
+)
 from specmesh.sampling import SamplingParams
 
-HF_METHODS = ("hf_ar", "hf_assisted", "hf_prompt_lookup")
-GRPC_PREFIX = "grpc:"
-# Options of HF methods when the spec leaves them unset (specmesh budgets default per proposer in
-# orchestrator.embedded.DEFAULT_BUDGETS; HF assisted keeps transformers' own defaults).
+# Options of HF methods when the spec leaves them unset (specmesh budgets default per proposer in the
+# proposer registry, drafter_service/proposer.py; HF assisted keeps transformers' own defaults).
 HF_DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"hf_prompt_lookup": {"prompt_lookup_num_tokens": 10}}
 LOOP_WINDOW = 64  # tokens at the end of an output examined for a loop
 LOOP_MAX_PERIOD = 32
@@ -76,26 +81,6 @@ FEEDBACK_TOPK = 8  # top-k rows a spawned verifier reports (token recycling)
 
 
 # ----------------------------------------------------------------- method specs
-@dataclass(frozen=True)
-class MethodSpec:
-    label: str  # as typed; unique within a run
-    name: str  # ar, a proposer name, or one of HF_METHODS
-    options: tuple[tuple[str, object], ...] = ()
-
-    @property
-    def is_hf(self) -> bool:
-        return self.name in HF_METHODS
-
-    @property
-    def is_grpc(self) -> bool:
-        return self.name.startswith(GRPC_PREFIX)
-
-    @property
-    def base_name(self) -> str:
-        """The method without its ``grpc:`` prefix."""
-        return self.name.removeprefix(GRPC_PREFIX)
-
-
 def method_names() -> list[str]:
     from drafter_service.proposer import proposer_names
 
@@ -104,9 +89,12 @@ def method_names() -> list[str]:
 
 
 def needs_draft(name: str) -> bool:
-    from orchestrator.embedded import NEEDS_DRAFT_MODEL
+    from drafter_service.proposer import proposer_spec
 
-    return name.removeprefix(GRPC_PREFIX) in NEEDS_DRAFT_MODEL or name == "hf_assisted"
+    base = name.removeprefix(GRPC_PREFIX)
+    if base in HF_METHODS or base == "ar":
+        return base == "hf_assisted"
+    return proposer_spec(base).needs_draft_model
 
 
 def default_methods(has_draft: bool) -> list[str]:
@@ -125,9 +113,9 @@ def parse_method(spec: str, known: Sequence[str]) -> MethodSpec:
     options = dict(HF_DEFAULT_OPTIONS.get(name, {}))
     base = name.removeprefix(GRPC_PREFIX)
     if base not in HF_METHODS and base != "ar":
-        from orchestrator.embedded import default_budget
+        from drafter_service.proposer import proposer_spec
 
-        options["max_nodes"], options["max_depth"] = default_budget(base)
+        options["max_nodes"], options["max_depth"] = proposer_spec(base).default_budget
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
@@ -364,7 +352,7 @@ def load_prompts(path: Path, limit: int | None) -> list[dict]:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from specmesh.cli import load_stack, resolve_models
+    from specmesh.app.stack import load_stack, resolve_models
 
     target_dir, draft_dir = resolve_models(args)
     try:  # usage errors: one line, no traceback
@@ -389,8 +377,8 @@ def _grpc_client(args, specs, target_dir, draft_dir, resources: contextlib.ExitS
     """A client of `specmesh serve` when grpc: methods run: --server, or a mesh spawned here."""
     if not any(s.is_grpc for s in specs):
         return None
+    from specmesh.app.local_mesh import LocalMesh
     from specmesh.client import Client
-    from specmesh.local_mesh import LocalMesh
 
     address = args.server
     if address is None:
@@ -554,7 +542,7 @@ def markdown_table(report: dict) -> str:
 
 # ----------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Bench options; the model options (--target, --draft, --runner, --dtype, --threads) come from specmesh.cli."""
+    """Bench options; the model options (--target, --draft, --runner, --dtype, --threads) come from specmesh.app.cli."""
     parser.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="JSONL with id, prompt, max_new_tokens")
     parser.add_argument("--methods", nargs="+", metavar="SPEC",
                         help="NAME or NAME:key=value,... with NAME one of ar, a proposer (keys: max_nodes, max_depth, "
@@ -590,13 +578,3 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=1))
     print(report["table"])
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from specmesh import cli
-
-    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

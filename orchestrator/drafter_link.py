@@ -1,0 +1,296 @@
+"""A request's link to its drafter: which drafter drafts, what it holds, what happens when it fails.
+
+A request gets its drafter candidates in order of preference (embedded: its one
+LocalDrafter; `serve`: the drafter replicas, least-loaded first, then prompt lookup in
+its own process). The link
+
+- keeps the drafter's view of the context (``DraftContext``) and turns what the engine
+  wants drafted from (the committed tokens, plus a hypothesis when drafting ahead) into
+  context edits (rollback, append);
+- runs every call to the drafter through one ``DraftWorker``: on a background thread in
+  the overlapped (PEARL) loop, so drafting overlaps verification, or at once on the
+  engine's thread in the sequential loop;
+- checks every tree against the contract (vocabulary, the step's budget): this is the
+  trust boundary between drafter and orchestrator, and no other part of the orchestrator
+  checks trees again (the verifier checks what reaches it, its own boundary);
+- fails over: when the drafter in use raises (dead, timed out, unreachable) or sends a
+  tree that breaks the contract, the failure is recorded for the step's stats, the drafter
+  is closed and the next candidate is opened with every committed token; that step is
+  verified without a tree and the new drafter drafts from the next step on. With no
+  candidate left the request decodes plainly. Drafts never change the output, so none of
+  this does;
+- hands the verifier's feedback over with the next drafter call, and before closing brings
+  the drafter's context to exactly the emitted tokens (a short, best-effort sync), so
+  proposers can learn from finished sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from specmesh.contract import Budget, Drafter, common_prefix_len
+from specmesh.feedback import DraftFeedback, VerifyFeedback
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+
+log = logging.getLogger("specmesh.drafter_link")
+
+DrafterCandidate = tuple[str, Callable[[], Drafter]]  # (name for stats and logs, factory called when needed)
+SYNC_TIMEOUT_S = 0.5  # the context sync before a drafter session closes
+MAX_UNSENT_FEEDBACK = 16  # verifications' feedback kept for the next drafter call (zero budgets send none)
+
+
+def only(drafter: Drafter | None, name: str = "drafter") -> list[DrafterCandidate]:
+    """The candidates of a request with one drafter and no fallback (none for plain decoding)."""
+    return [] if drafter is None else [(name, lambda: drafter)]
+
+
+@dataclass
+class DraftContext:
+    """What a drafter session holds, as seen by the engine: the committed tokens up to
+    ``mark`` (counted after the prompt), followed by ``tail``, which is either committed
+    tokens it has not been told about yet or a hypothesis it drafted ahead on."""
+
+    mark: int = 0
+    tail: list[int] = field(default_factory=list)
+
+    def edit(self, committed: Sequence[int], hypothesis: Sequence[int] = ()) -> tuple[int, list[int]]:
+        """(rollback, new_tokens) that bring the drafter to ``committed + hypothesis``; records it.
+        ``committed`` is every token committed after the prompt."""
+        target = list(committed[self.mark :]) + list(hypothesis)
+        keep = common_prefix_len(self.tail, target)
+        rollback, append = len(self.tail) - keep, target[keep:]
+        self.mark, self.tail = len(committed), list(hypothesis)
+        return rollback, append
+
+
+class DraftWorker:
+    """Runs calls to drafters in submission order, each answered by a Future: on one background
+    thread (``background``: drafting overlaps the caller's work), or at once on the caller's
+    thread. A drafter is never called from two threads at once."""
+
+    def __init__(self, background: bool) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft-worker") if background else None
+
+    @property
+    def background(self) -> bool:
+        return self._pool is not None
+
+    def open(self, drafter: Drafter, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Future:
+        return self._submit(drafter.open, session_id, list(prompt), sampling)
+
+    def propose(self, drafter: Drafter, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int,
+                feedback: DraftFeedback | None) -> Future:
+        """Future of (tree, seconds the drafter worked on it)."""
+
+        def timed() -> tuple[TokenTree, float]:
+            t0 = time.perf_counter()
+            tree = drafter.propose(session_id, new_tokens, budget, rollback, feedback)
+            return tree, time.perf_counter() - t0
+
+        return self._submit(timed)
+
+    def close(self, drafter: Drafter, session_id: str) -> Future:
+        return self._submit(drafter.close, session_id)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _submit(self, fn: Callable, *args) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+
+@dataclass
+class _InUse:
+    name: str
+    drafter: Drafter
+    opening: Future  # its open(); a failed open explains why its proposals fail
+
+
+@dataclass
+class PendingDraft:
+    """A draft asked of the drafter in use; ``collect`` it."""
+
+    future: Future  # (tree, seconds)
+    budget: Budget
+    asked: _InUse  # the drafter asked: its answer is dropped if it was failed over meanwhile
+
+
+class DrafterLink:
+    """One request's drafter. ``committed`` is the request's list of tokens committed after the prompt
+    (the engine appends to it; the link only reads it)."""
+
+    def __init__(self, candidates: Sequence[DrafterCandidate], session_id: str, vocab_size: int,
+                 committed: list[int], background: bool, strict: bool = False) -> None:
+        """``strict``: a drafter failure is raised instead of failed over (a proposer bug then fails the
+        request rather than hiding behind plain decoding: tests, debugging a proposer)."""
+        self.candidates = list(candidates)
+        self.strict = strict
+        self.session_id = session_id
+        self.vocab_size = vocab_size
+        self.committed = committed
+        self.worker = DraftWorker(background)
+        self.view = DraftContext()
+        self._next = 0  # next candidate to try
+        self._in_use: _InUse | None = None
+        self._prompt: list[int] = []
+        self._sampling = SamplingParams()
+        self._errors: list[str] = []  # failures not yet reported in a step
+        self._unsent: list[VerifyFeedback] = []  # verifier feedback not yet given to the drafter
+        self._stop: threading.Event | None = None  # ends the pre-draft in flight
+
+    @property
+    def active(self) -> bool:
+        """A drafter is in use (False once every candidate failed, or with none)."""
+        return self._in_use is not None
+
+    # ------------------------------------------------------------ lifetime
+    def open(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        """Start opening the first candidate that opens (on the worker; see ``wait_open``)."""
+        self._prompt, self._sampling = list(prompt), sampling
+        self._open_next()
+
+    def wait_open(self) -> None:
+        """Wait for the drafter in use to be open; a failure there fails over."""
+        if self._in_use is not None:
+            try:
+                self._in_use.opening.result()
+            except Exception as exc:
+                self.fail(exc)
+
+    def close(self, num_emitted: int) -> None:
+        """Stop drafting ahead, close the drafter in use and the worker. Before closing, the drafter's context
+        is brought to exactly the first ``num_emitted`` committed tokens (a stop may cut the last step), with
+        the last feedback, so proposers that learn from finished sessions see them (bounded by SYNC_TIMEOUT_S,
+        best effort)."""
+        self._stop_predraft()
+        in_use, self._in_use = self._in_use, None
+        if in_use is not None:
+            emitted = self.committed[:num_emitted]
+            rollback, new = self.view.edit(emitted)
+            budget = Budget(0, 0, deadline=time.monotonic() + SYNC_TIMEOUT_S)
+            try:
+                self.worker.propose(in_use.drafter, self.session_id, new, budget, rollback,
+                                    self._feedback(len(emitted))).result()
+            except Exception as exc:  # learning from this session is lost; the request is not
+                log.debug("context sync before close failed: %s: %s", type(exc).__name__, exc)
+            try:
+                self.worker.close(in_use.drafter, self.session_id).result()
+            except Exception:  # closing is best effort: the drafter may be gone
+                pass
+        self.worker.shutdown()
+
+    # ------------------------------------------------------------ drafting
+    def start(self, budget: Budget, hypothesis: Sequence[int] = (), stop: threading.Event | None = None
+              ) -> PendingDraft | None:
+        """Ask for a tree drafted from the committed tokens + ``hypothesis``; None without a drafter.
+        ``stop``: the event that ends a pre-draft early (set by ``collect`` for greedy requests)."""
+        if self._in_use is None:
+            return None
+        rollback, new = self.view.edit(self.committed, hypothesis)
+        self._stop = stop
+        future = self.worker.propose(self._in_use.drafter, self.session_id, new, budget, rollback, self._feedback())
+        return PendingDraft(future, budget, self._in_use)
+
+    def collect(self, pending: PendingDraft | None) -> tuple[TokenTree | None, float]:
+        """(tree, drafter seconds) of a draft asked with ``start``; (None, ...) when there is none or it
+        failed (the failure is recorded and the next candidate opened). A greedy pre-draft is told to
+        stop first: the tree it has by then is as good as any (drafts never change greedy output)."""
+        if self._sampling.greedy:
+            self._stop_predraft()
+        self._stop = None
+        if pending is None:
+            return None, 0.0
+        try:
+            tree, seconds = pending.future.result()
+        except Exception as exc:
+            if pending.asked is self._in_use:
+                opening = pending.asked.opening
+                self.fail(opening.exception() if opening.done() and opening.exception() else exc)
+            return None, 0.0
+        if pending.asked is not self._in_use:  # failed over while it was queued
+            return None, seconds
+        try:
+            return tree.validate(self.vocab_size, pending.budget.max_nodes, pending.budget.max_depth), seconds
+        except Exception as exc:
+            self.fail(exc)
+            return None, seconds
+
+    def draft(self, budget: Budget, hypothesis: Sequence[int] = ()) -> tuple[TokenTree, float]:
+        """``start`` and ``collect`` at once; an empty tree when there is none."""
+        tree, seconds = self.collect(self.start(budget, hypothesis))
+        return (tree if tree is not None else TokenTree.empty()), seconds
+
+    # ------------------------------------------------------------ feedback and failures
+    def add_feedback(self, feedback: VerifyFeedback) -> None:
+        """Feedback of one verification, for the next drafter call (the newest MAX_UNSENT_FEEDBACK kept)."""
+        if self._in_use is not None:
+            self._unsent = self._unsent[-(MAX_UNSENT_FEEDBACK - 1):] + [feedback]
+
+    def fail(self, exc: BaseException) -> None:
+        """The drafter in use failed: record it, close it, open the next candidate with every committed
+        token (or decode without drafts when none is left)."""
+        self._stop_predraft()
+        if self.strict:
+            raise exc
+        in_use, self._in_use = self._in_use, None
+        if in_use is None:
+            return
+        self._record(in_use.name, exc)
+        self.worker.close(in_use.drafter, self.session_id)  # best effort: it may be the one that died
+        self._open_next()
+
+    def take_errors(self) -> str:
+        """The failures since the last call, for the step's stats ("" if none)."""
+        errors, self._errors = self._errors, []
+        return "; ".join(errors)
+
+    # ------------------------------------------------------------ internals
+    def _feedback(self, num_committed: int | None = None) -> DraftFeedback:
+        """What goes with a drafter call: the committed length (prompt + ``num_committed`` tokens, default
+        all committed so far) and the feedback not yet sent."""
+        verified, self._unsent = tuple(self._unsent), []
+        count = len(self.committed) if num_committed is None else num_committed
+        return DraftFeedback(len(self._prompt) + count, verified)
+
+    def _open_next(self) -> None:
+        """Open the next candidate that opens: on the worker, with the prompt and every committed token."""
+        while self._next < len(self.candidates):
+            name, factory = self.candidates[self._next]
+            self._next += 1
+            try:
+                drafter = factory()
+                opening = self.worker.open(drafter, self.session_id, self._prompt + self.committed, self._sampling)
+            except Exception as exc:
+                self._record(name, exc)
+                continue
+            if opening.done() and opening.exception() is not None:  # opened at once, and failed
+                self._record(name, opening.exception())
+                continue
+            self._in_use = _InUse(name, drafter, opening)
+            self.view = DraftContext(mark=len(self.committed))
+            return
+        if self.candidates and self._errors:
+            self._errors.append("no drafter left: decoding without drafts")
+
+    def _record(self, name: str, exc: BaseException) -> None:
+        message = f"{name}: {type(exc).__name__}: {exc}"
+        log.warning("session %s: drafter failed (%s); failing over", self.session_id, message)
+        self._errors.append(message)
+
+    def _stop_predraft(self) -> None:
+        if self._stop is not None:
+            self._stop.set()

@@ -1,0 +1,135 @@
+"""The contracts between the floors: what an orchestrator asks of a drafter and of a verifier.
+
+One torch-free module, so that everything that only moves requests around (the gRPC
+orchestrator, the client SDK, the wire conversions) can speak these types without
+loading a model stack. Implementations live below their own floors:
+``drafter_service`` (LocalDrafter, RemoteDrafter), ``verifier_service`` (LocalVerifier,
+RemoteVerifier); the orchestrator's Engine receives them as these protocols.
+
+- ``Budget``: how much a drafter may propose in one step.
+- ``Drafter``: a session receives context edits (rollback, then append) and answers
+  with a candidate ``TokenTree`` within the budget.
+- ``Verifier``: ``prefill`` a session, ``verify`` one tree per step (accepted path +
+  bonus token), ``release`` its KV cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specmesh.feedback import DraftFeedback, VerifyFeedback
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+
+
+# --------------------------------------------------------------------- budget
+@dataclass(frozen=True)
+class Budget:
+    max_nodes: int  # nodes in the tree (not counting the root)
+    max_depth: int  # longest root-to-leaf path
+    deadline: float | None = None  # time.monotonic() by which the tree must be ready
+    # SpecDec++-style stop rule: stop extending a path once its estimated probability of being
+    # accepted whole (product of its nodes' draft probabilities) falls below this; 0 = off
+    min_path_prob: float = 0.0
+    # set by the orchestrator to end a pre-draft early (PEARL: the verification it overlaps is over)
+    stop: threading.Event | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0 or self.max_depth < 0:
+            raise ValueError("budget sizes must be >= 0")
+        if not 0.0 <= self.min_path_prob <= 1.0:
+            raise ValueError("min_path_prob must be in [0, 1]")
+
+    @property
+    def is_zero(self) -> bool:
+        return self.max_nodes == 0 or self.max_depth == 0
+
+    def expired(self) -> bool:
+        """True once drafting should stop and return what it has: past the deadline, or told to stop."""
+        if self.stop is not None and self.stop.is_set():
+            return True
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+# -------------------------------------------------------------------- drafter
+class Drafter(Protocol):
+    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None: ...
+
+    def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,
+                feedback: DraftFeedback | None = None) -> TokenTree:
+        """Edit the context (``edit_context``: drop ``rollback`` tokens, append ``new_tokens``), hand
+        ``feedback`` (what the verifier saw, how much of the context is committed) to the proposer, and
+        draft within ``budget``. A zero budget only edits the context (the sync before ``close``)."""
+        ...
+
+    def close(self, session_id: str) -> None: ...
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_rollback(rollback: int, context_length: int) -> None:
+    """A rollback must leave at least one token of the context; ValueError otherwise."""
+    if not 0 <= rollback < context_length:
+        raise ValueError(f"cannot roll back {rollback} of the session's {context_length} tokens")
+
+
+def edit_context(tokens: list[int], new_tokens: Sequence[int], rollback: int) -> None:
+    """Apply a context edit in place: drop ``rollback`` tokens from the end, then append ``new_tokens``."""
+    check_rollback(rollback, len(tokens))
+    if rollback:
+        del tokens[-rollback:]
+    tokens.extend(new_tokens)
+
+
+# ------------------------------------------------------------------- verifier
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+
+
+class UnknownSessionError(KeyError):
+    """The verifier holds no session of that id (never opened, released, reaped or owned by another caller)."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted_nodes: tuple[int, ...]  # tree node indices along the accepted path
+    tokens: tuple[int, ...]  # accepted draft tokens + the bonus token (newly committed)
+    seconds: float  # time spent in the verifier (forward + acceptance + compaction)
+    feedback: VerifyFeedback | None = None  # top-k rows / Jacobi n-grams, when the verifier is configured for them
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+
+class Verifier(Protocol):
+    info: ModelInfo
+
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult: ...
+
+    def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
+        """One forward over the session's pending token and ``tree``; accepts a path, appends the bonus
+        token. Raises InvalidTreeError for a tree that breaks the contract, UnknownSessionError."""
+        ...
+
+    def release(self, session_id: str) -> None: ...
