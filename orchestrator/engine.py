@@ -62,11 +62,14 @@ class Engine:
         strict: bool = False,
     ) -> None:
         """``drafters``: the drafter candidates in order of preference (``drafter_link.only(drafter)`` for
-        one; none = plain decoding). ``strict``: a drafter failure fails the request instead of failing
-        over (tests and proposer debugging: a drafter bug cannot hide behind plain decoding)."""
+        one; none = plain decoding). ``policy``: how much to speculate per step (``policy.build_policy``),
+        required with drafters. ``strict``: a drafter failure fails the request instead of failing over
+        (tests and proposer debugging: a drafter bug cannot hide behind plain decoding)."""
+        if policy is None and drafters:
+            raise ValueError("an engine with drafters needs a speculation policy (orchestrator.policy.build_policy)")
         self.verifier = verifier
         self.drafters = list(drafters)
-        self.policy = policy or StaticPolicy()
+        self.policy = policy or StaticPolicy(0, 0)
         self.decode = decode
         self.overlap = overlap  # PEARL: draft the next tree while the current one is verified
         # what drafting ahead assumes: "path" = the tree's main line is accepted (PEARL);

@@ -52,8 +52,8 @@ def deadline_in(seconds: float | None) -> float | None:
 class StaticPolicy:
     """The same budget every step (0 nodes = plain autoregressive decoding)."""
 
-    max_nodes: int = 8
-    max_depth: int = 8
+    max_nodes: int
+    max_depth: int
     draft_timeout_s: float | None = None
     restart_depth: int | None = None  # depth of a ``restart`` draft (pre-verify); None = max_depth
 
@@ -274,8 +274,8 @@ class AdaptivePolicy:
     keeps being measured, unless speculation could not pay even if every draft token were accepted.
     """
 
-    max_nodes: int = 8  # caps, e.g. the proposer's default budget
-    max_depth: int = 8
+    max_nodes: int  # caps, e.g. the proposer's default budget
+    max_depth: int
     draft_timeout_s: float | None = None
     window: int = 32  # recent steps the estimates use
     prior_acceptance: float = 0.6

@@ -3,9 +3,9 @@
 Each request runs the same Engine as embedded mode, on a worker thread, wired to
 one verifier replica (sticky for the request: it holds the KV cache) and to its
 drafter candidates: the drafter replicas in least-loaded order, then a local
-prompt-lookup proposer, which the engine fails over along. The client's deadline bounds every hop; a client that
-cancels stops the engine, which releases the verifier session and closes the
-drafter stream.
+prompt-lookup proposer, which the engine fails over along. The client's deadline
+bounds every hop; a client that cancels stops the engine, which releases the
+verifier session and closes the drafter stream.
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ def _bad_history(n=20):
 
 
 def test_probe_after_probe_every_steps_without_a_tree():
-    policy = AdaptivePolicy(probe_every=8)
+    policy = AdaptivePolicy(8, 8, probe_every=8)
     zero = _step(0, 0, verify=0.010, budget=(0, 0))
     assert policy.next_budget(_stats(_bad_history()), 100).is_zero
     assert policy.next_budget(_stats(_bad_history() + [zero] * 7), 100).is_zero
@@ -285,17 +285,17 @@ def test_probe_after_probe_every_steps_without_a_tree():
     # the step after a (rejected) probe: no tree again until the next probe_every zeros
     after = _bad_history() + [zero] * 8 + [_step(2, 0, verify=0.0104, draft=0.002)]
     assert policy.next_budget(_stats(after), 100).is_zero
-    assert AdaptivePolicy(probe_every=0).next_budget(_stats(_bad_history() + [zero] * 8), 100).is_zero
+    assert AdaptivePolicy(8, 8, probe_every=0).next_budget(_stats(_bad_history() + [zero] * 8), 100).is_zero
 
 
 def test_no_probe_when_even_accepted_drafts_would_not_pay():
     slow = [_step(4, 0, draft=0.400, verify=0.0108) for _ in range(20)]  # a draft level: 10 verifications
     zero = _step(0, 0, verify=0.010, budget=(0, 0))
-    assert AdaptivePolicy().next_budget(_stats(slow + [zero] * 8), 100).is_zero
+    assert AdaptivePolicy(8, 8).next_budget(_stats(slow + [zero] * 8), 100).is_zero
 
 
 def test_a_request_recovers_once_bad_history_leaves_the_window():
-    policy = AdaptivePolicy(window=32, probe_every=0)
+    policy = AdaptivePolicy(8, 8, window=32, probe_every=0)
     zero = _step(0, 0, verify=0.010, budget=(0, 0))
     assert policy.next_budget(_stats(_bad_history(100) + [zero] * 16), 100).is_zero  # 16 bad steps in the window
     assert not policy.next_budget(_stats(_bad_history(100) + [zero] * 32), 100).is_zero
