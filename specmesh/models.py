@@ -103,11 +103,20 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(minimum: int):
+    """An argparse type: an int no smaller than ``minimum`` (a clear usage error otherwise)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specmesh.models import positive_int
+from specmesh.models import int_at_least, positive_int
+
+non_negative_int = int_at_least(0)
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -24,13 +26,6 @@ class OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 # ------------------------------------------------------------------ generate
