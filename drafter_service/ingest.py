@@ -135,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
         store = MemoryNGramStore(config, namespace)
 
     def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
+        # a whole file is longer than the model's context; that is fine here (n-grams are cut from it), so
+        # transformers' "sequence length is longer than the specified maximum" warning is not a fault
+        return tokenizer(text, add_special_tokens=False, verbose=False).input_ids
 
     try:
         stats = ingest(files, encode, store, args.jsonl_field, args.max_tokens, progress=not args.quiet)

@@ -133,6 +133,12 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
 )}
 
 
+# The default of `generate`, `serve` and the drafter server, chosen by measurement (README, "Where it stands").
+DEFAULT_PROPOSER = "fused"
+DEFAULT_PROPOSER_WHY = ("model-free, and the fastest measured on the benchmark and demo pairs; it learns from every "
+                        "request a process serves")
+
+
 def register(spec: ProposerSpec) -> ProposerSpec:
     """Add a proposer to the registry (or replace the one of that name)."""
     _REGISTRY[spec.name] = spec

@@ -21,7 +21,7 @@ import grpc
 
 from drafter_service.arguments import add_members_argument, add_store_argument
 from drafter_service.drafter import LocalDrafter
-from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
+from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
 from specmesh import models, serving
 from specmesh.contract import check_rollback
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
@@ -151,8 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"proposers to serve ({', '.join(proposer_names())}; default: all, the draft-model ones "
                         "only with a draft model)")
     p.add_argument("--default-proposer", default=None,
-                   help="proposer for sessions that name none (default: draft_model with a draft model, "
-                        "else prompt_lookup)")
+                   help=f"proposer for sessions that name none (default: {DEFAULT_PROPOSER} when served, else the "
+                        "first of --proposers)")
     p.add_argument("--max-tree-nodes", type=int, default=256,
                    help="largest tree drafted: the drafter's capacity, whatever a budget asks for (default: 256)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -184,8 +184,7 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
     missing = [n for n in names if n in needs_draft and draft_runner is None]
     if missing:
         raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")
-    default = args.default_proposer or ("draft_model" if "draft_model" in names else
-                                        "prompt_lookup" if "prompt_lookup" in names else names[0])
+    default = args.default_proposer or (DEFAULT_PROPOSER if DEFAULT_PROPOSER in names else names[0])
     try:
         resources = dict(draft_runner=draft_runner, store=_open_store(args, draft_dir))
         proposers = {n: make_proposer(n, **resources, **({"members": args.members} if n == "fused" and args.members

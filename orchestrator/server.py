@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from drafter_service.drafter import LocalDrafter
-from drafter_service.proposer import make_proposer, proposer_names
+from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, make_proposer, proposer_names
 from drafter_service.remote import DrafterClient
 from orchestrator.arguments import add_speculation_arguments
 from orchestrator.engine import Engine, GenerationResult
@@ -42,6 +42,7 @@ from orchestrator.stopping import TextStream
 from specmesh import models, rpc, serving
 from specmesh.contract import UnknownSessionError
 from specmesh.sampling import SamplingParams
+from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.wire import GENERATE_SERVICE, sampling_from_proto
 from verifier_service.remote import VerifierClient
@@ -101,7 +102,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         verifiers: Sequence[VerifierClient],
         drafters: Sequence[DrafterClient],
         tokenizer,
-        default_proposer: str | None = "draft_model",
+        default_proposer: str | None = DEFAULT_PROPOSER,
         draft_timeout: float = 1.0,
         max_concurrent: int = 64,
         max_queued: int = 256,
@@ -265,8 +266,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", default=[], metavar="HOST:PORT",
                    help="a drafter replica (repeatable); least-loaded first, failing over to the next, then to "
                         "local prompt lookup, then to plain decoding")
-    p.add_argument("--proposer", default="draft_model", choices=proposer_names() + ["none"],
-                   help="proposer for requests that name none (default: draft_model)")
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER, choices=proposer_names() + ["none"],
+                   help=f"proposer for requests that name none (default: {DEFAULT_PROPOSER}: {DEFAULT_PROPOSER_WHY})")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory for text prompts (default: the verifier's model directory when it "
                         "exists here, else the bundled demo target's)")
@@ -287,7 +288,7 @@ def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
         local = Path(verifier_model) if verifier_model else None
         path = local if local is not None and (local / "tokenizer.json").is_file() else models.demo_model("target")
     log.info("tokenizer: %s", path)
-    return models.load_tokenizer(path)
+    return load_text_tokenizer(path)  # without transformers where it can: serve runs no model
 
 
 def run(args: argparse.Namespace) -> int:

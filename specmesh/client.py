@@ -154,6 +154,12 @@ class _Base:
     def _timeout(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout
 
+    def _call_options(self, timeout: float | None) -> dict:
+        """A call with a deadline waits for the server to be ready within it (gRPC wait-for-ready: a server
+        still starting is waited for, not an UNAVAILABLE); one without fails fast when it is down."""
+        timeout = self._timeout(timeout)
+        return dict(timeout=timeout, metadata=self._metadata, wait_for_ready=timeout is not None)
+
 
 class Client(_Base):
     """Blocking client of `specmesh serve`. Errors are ``grpc.RpcError`` with the server's status code."""
@@ -163,8 +169,7 @@ class Client(_Base):
 
     def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Iterator[Chunk]:
         """Chunks as the server commits tokens; params as ``generate``."""
-        call = self._stub.GenerateStream(_request(prompt, **params), timeout=self._timeout(timeout),
-                                         metadata=self._metadata)
+        call = self._stub.GenerateStream(_request(prompt, **params), **self._call_options(timeout))
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -175,8 +180,18 @@ class Client(_Base):
         """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes, max_depth, overlap
         (PEARL on/off), policy ("static" | "adaptive") and restart_depth; unset = the server's defaults."""
-        msg = self._stub.Generate(_request(prompt, **params), timeout=self._timeout(timeout), metadata=self._metadata)
+        msg = self._stub.Generate(_request(prompt, **params), **self._call_options(timeout))
         return _completion(msg)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the server to accept connections (e.g. while it starts);
+        TimeoutError otherwise."""
+        import grpc
+
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"no server ready at {self.address} within {timeout:g} s") from None
 
     def health(self, timeout: float = 5.0) -> str:
         """The server's health status name: SERVING, NOT_SERVING, ..."""
@@ -203,8 +218,7 @@ class AsyncClient(_Base):
 
     async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                      **params) -> AsyncIterator[Chunk]:
-        call = self._stub.GenerateStream(_request(prompt, **params), timeout=self._timeout(timeout),
-                                         metadata=self._metadata)
+        call = self._stub.GenerateStream(_request(prompt, **params), **self._call_options(timeout))
         try:
             async for msg in call:
                 yield _chunk(msg)
@@ -212,9 +226,17 @@ class AsyncClient(_Base):
             call.cancel()
 
     async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
-        msg = await self._stub.Generate(_request(prompt, **params), timeout=self._timeout(timeout),
-                                        metadata=self._metadata)
+        msg = await self._stub.Generate(_request(prompt, **params), **self._call_options(timeout))
         return _completion(msg)
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the server to accept connections; TimeoutError otherwise."""
+        import asyncio
+
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no server ready at {self.address} within {timeout:g} s") from None
 
     async def health(self, timeout: float = 5.0) -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

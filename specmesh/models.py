@@ -73,7 +73,9 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
     """Load any local Hugging Face causal LM directory (never touches the network); float32 by default."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per load of a local model is noise on a command's stderr
     model = AutoModelForCausalLM.from_pretrained(str(model_dir(path)), dtype=dtype or torch.float32,
                                                  local_files_only=True)
     return model.to(device).eval()
@@ -98,7 +100,23 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=RUNNERS, default="auto",
                    help="forward implementation: 'fast' = specmesh's lean Llama-family path, 'hf' = transformers; "
                         "'auto' picks fast where it applies (default: auto)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an int no smaller than ``minimum`` (a clear usage error otherwise)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:

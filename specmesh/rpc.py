@@ -170,9 +170,12 @@ def _denying_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHan
 
 
 # -------------------------------------------------------------------- server
-def new_server(security: Security) -> grpc.aio.Server:
+def new_server(security: Security, reuse_port: bool = False) -> grpc.aio.Server:
+    """``reuse_port``: share the listening port with other processes (SO_REUSEPORT, gRPC's own default);
+    off, a port already in use is an error instead of two servers answering on it at random."""
     interceptors = [BearerTokenInterceptor(security.token)] if security.token else []
-    return grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+    options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))]
+    return grpc.aio.server(interceptors=interceptors, options=options)
 
 
 async def run_server(
@@ -194,9 +197,13 @@ async def run_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
     creds = security.server_credentials()
-    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's "Failed to bind"
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is not this machine's "
+                      "(--reuse-port lets servers share a port)")
     await server.start()
     for name in ("", *service_names):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

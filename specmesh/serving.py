@@ -25,6 +25,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight calls get to finish after SIGTERM (default: 10)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound port to this file once serving (useful with --listen HOST:0)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="share the --listen port with other processes (SO_REUSEPORT); by default a port in use is "
+                        "an error")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -61,7 +64,7 @@ def serve(
     ``background()`` runs beside it and is cancelled at shutdown."""
 
     async def main() -> None:
-        server = rpc.new_server(security)
+        server = rpc.new_server(security, args.reuse_port)
         add_to_server(servicer, server)
         task = asyncio.ensure_future(background()) if background is not None else None
         try:
@@ -71,5 +74,8 @@ def serve(
             if task is not None:
                 task.cancel()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as exc:  # cannot listen: one line, not a traceback
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
     return 0

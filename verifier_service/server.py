@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -22,7 +23,9 @@ from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import VERIFIER_SERVICE, feedback_to_proto, sampling_from_proto, tree_from_proto
 from verifier_service.arguments import add_lookahead_argument
-from verifier_service.verifier import LocalVerifier
+
+if TYPE_CHECKING:
+    from verifier_service.verifier import LocalVerifier
 
 log = logging.getLogger("specmesh.verifier")
 
@@ -117,9 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest tree accepted per Verify; larger ones get INVALID_ARGUMENT (default: 256)")
     p.add_argument("--session-ttl", type=float, default=600.0,
                    help="release a session's KV cache after this many seconds without a call (default: 600)")
-    p.add_argument("--feedback-topk", type=int, default=0, metavar="K",
-                   help="report the target's top-K next tokens after every verified row with each Verify, "
-                        "for learning drafters such as Token Recycling (default: 0 = off)")
+    p.add_argument("--feedback-topk", type=int, default=8, metavar="K",
+                   help="report the target's top-K next tokens after every verified row with each Verify, for "
+                        "learning drafters such as Token Recycling (also inside the default fused mix); 0 = off "
+                        "(default: 8)")
     add_lookahead_argument(p, "run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
                               "forward) and report the N-grams it harvests with each Verify (default: off)")
     serving.add_server_arguments(p)
@@ -136,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     runner = models.load_runner(path, models.torch_dtype(args.dtype), args.runner)
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
+    from verifier_service.verifier import LocalVerifier
+
     verifier = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead)
     servicer = VerifierServicer(verifier, str(path), args.session_ttl)
     return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,

@@ -57,7 +57,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from specmesh.app.bench_runners import (
     GRPC_PREFIX,
@@ -362,6 +361,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     except (ValueError, OSError) as exc:
         raise SystemExit(f"specmesh bench: {exc}") from None
 
+    import torch
+
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     stack = load_stack(args)
     with contextlib.ExitStack() as resources:
@@ -481,6 +482,7 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
 def environment() -> dict:
     import importlib.util
 
+    import torch
     import transformers
 
     return {

@@ -6,8 +6,6 @@ import copy
 import time
 from dataclasses import dataclass
 
-import torch
-
 from specmesh.sampling import SamplingParams
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_prompt_lookup")
@@ -126,6 +124,8 @@ class HFRunner:
         self.kwargs.update(options)
 
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
+        import torch
+
         ids = torch.tensor([prompt], dtype=torch.long)
         kwargs = dict(self.kwargs, max_new_tokens=sampling.max_new_tokens, attention_mask=torch.ones_like(ids))
         if sampling.greedy:

@@ -1,44 +1,70 @@
-"""The ``specmesh`` command line: generate, bench, ingest, train-pair, and the servers."""
+"""The ``specmesh`` command line: generate, bench, ingest, train-pair, and the servers.
+
+Only the command being run defines its options (and imports what they need), so ``--help``,
+``--version`` and every usage error answer at once, in one line, before any model is loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import statistics
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from drafter_service.arguments import add_members_argument, proposers_help
-from orchestrator.arguments import add_speculation_arguments
-from specmesh.app.stack import add_embedded_arguments, load_stack
+from specmesh.models import int_at_least, positive_int
+
+non_negative_int = int_at_least(0)
 
 
-def _add_generate(sub) -> None:
-    from drafter_service.proposer import proposer_names
+class OneLineErrors(argparse.ArgumentParser):
+    """Usage errors in one line (the full usage of `generate` is 20 lines; --help has it)."""
 
-    p = sub.add_parser("generate", help="generate text with speculative decoding (embedded: one process, no servers)",
-                       description="Generate a continuation of PROMPT, streaming the text, then print one stats line "
-                                   "(tokens, tau = mean tokens committed per verification step, tokens/s) on stderr.")
-    p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ------------------------------------------------------------------ generate
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    from drafter_service.arguments import add_members_argument, proposers_help
+    from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names
+    from orchestrator.arguments import add_speculation_arguments
+    from specmesh.app.stack import add_embedded_arguments
+
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input, UTF-8)")
     add_embedded_arguments(p)
     add_members_argument(p)
     p.add_argument("--proposer", default=None, choices=proposer_names() + ["none"], metavar="NAME",
                    help="how drafts are made, with its default budget (nodes x depth): " + proposers_help() +
-                        "; 'none' = plain autoregressive decoding "
-                        "(default: draft_model when a draft model is available, else prompt_lookup)")
-    p.add_argument("--max-nodes", type=int, default=None, help="tree budget: nodes per step (default: per proposer)")
-    p.add_argument("--max-depth", type=int, default=None, help="tree budget: depth per step (default: per proposer)")
+                        f"; 'none' = plain autoregressive decoding (default: {DEFAULT_PROPOSER}: "
+                        f"{DEFAULT_PROPOSER_WHY})")
+    p.add_argument("--max-nodes", type=non_negative_int, default=None,
+                   help="tree budget: nodes per step (default: the proposer's)")
+    p.add_argument("--max-depth", type=non_negative_int, default=None,
+                   help="tree budget: depth per step (default: the proposer's)")
     add_speculation_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
+    p.add_argument("--top-k", type=non_negative_int, default=0,
+                   help="sample among the k most likely tokens (default: 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--compare-ar", action="store_true",
-                   help="also run plain autoregressive decoding and report the speedup and whether outputs match")
-    p.add_argument("--json", action="store_true", help="print the full statistics as JSON on stdout at the end")
+                   help="also run plain autoregressive decoding, interleaved with more runs of the method "
+                        "(--repeats), and report the median speedup with its spread and whether outputs match")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="with --compare-ar: runs of each, interleaved (default: 3)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout and nothing else: text, token_ids, finish_reason, proposer, "
+                        "server, stats (prompt_tokens, generated_tokens, steps, tau, tokens_per_second, "
+                        "total_seconds, acceptance_per_position, draft_errors) and, with --compare-ar, compare_ar; "
+                        "the same in both modes")
     r = p.add_argument_group("remote", "generate through a running `specmesh serve` instead of in this process "
                                        "(model options are then the server's business and ignored)")
     r.add_argument("--server", default=None, metavar="HOST:PORT", help="address of `specmesh serve`")
@@ -48,15 +74,28 @@ def _add_generate(sub) -> None:
     r.add_argument("--tls-cert", type=Path, default=None, help="PEM client certificate (mutual TLS)")
     r.add_argument("--tls-key", type=Path, default=None, help="PEM key of --tls-cert")
     r.add_argument("--timeout", type=float, default=None, help="deadline of the request in seconds (default: none)")
-    p.set_defaults(func=cmd_generate)
+    r.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds to wait for the server to become ready, e.g. while it starts (default: 60)")
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        prompt = args.prompt
+    else:
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SystemExit(f"specmesh generate: standard input is not UTF-8 text (byte {exc.start})") from None
+    if not prompt:
+        raise SystemExit("specmesh generate: empty prompt")
+    return prompt
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from drafter_service.proposer import DEFAULT_PROPOSER
     from specmesh.sampling import SamplingParams
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt:
-        raise SystemExit("specmesh generate: empty prompt")
+    prompt = read_prompt(args)
     try:
         sampling = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -64,59 +103,106 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
-    if args.server:
-        return generate_remote(args, prompt)
-    stack = load_stack(args)
-    proposer = args.proposer or ("draft_model" if stack.draft_runner is not None else "prompt_lookup")
+    proposer = args.proposer or DEFAULT_PROPOSER
     if args.members and proposer != "fused":
         raise SystemExit("specmesh generate: --members is for --proposer fused")
+    run = _remote_runs(args, prompt, sampling, proposer) if args.server else _embedded_runs(args, prompt, sampling, proposer)
+    try:
+        return report(args, proposer, run)
+    except ValueError as exc:  # e.g. a prompt longer than the target's context
+        raise SystemExit(f"specmesh generate: {exc}") from None
+
+
+@dataclass
+class Outcome:
+    """One generation, as both modes report it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict  # the keys of generate.proto's RequestStats
+    seconds: float
+
+
+def report(args: argparse.Namespace, proposer: str, run) -> int:
+    """Run the method (its text streamed to stdout unless --json), optionally interleaved with plain decoding,
+    and print the stats line (stderr) or the JSON object (stdout). ``run(method, echo)`` -> Outcome."""
+    out = run(proposer, echo=not args.json)
+    s = out.stats
+    line = (f"[specmesh] {'server=' + args.server + ' ' if args.server else ''}proposer={proposer} "
+            f"tokens={s['generated_tokens']} steps={s['steps']} tau={s['tau']:.2f} "
+            f"tok/s={s['tokens_per_second']:.1f} finish={out.finish_reason}")
+    doc = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "proposer": proposer,
+           "server": args.server, "stats": s}
+    if args.compare_ar:
+        ratios, same, ar_rates = [], True, []
+        for i in range(args.repeats):
+            spec = out if i == 0 else run(proposer, echo=False)
+            ar = run("none", echo=False)
+            ratios.append(ar.seconds / spec.seconds if spec.seconds else float("nan"))
+            same &= ar.token_ids == spec.token_ids
+            ar_rates.append(ar.stats["tokens_per_second"])
+        median, greedy = statistics.median(ratios), args.temperature == 0
+        doc["compare_ar"] = {"speedup_median": median, "speedup_min": min(ratios), "speedup_max": max(ratios),
+                             "repeats": args.repeats, "ar_tokens_per_second": statistics.median(ar_rates),
+                             "same_as_ar": same if greedy else None}
+        line += (f" | ar tok/s={doc['compare_ar']['ar_tokens_per_second']:.1f} speedup={median:.2f}x "
+                 f"[{min(ratios):.2f}-{max(ratios):.2f} over {args.repeats} interleaved runs]")
+        if greedy:
+            line += f" same_as_ar={same}"
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(line, file=sys.stderr)
+    return 0
+
+
+def _stats(summary: dict) -> dict:
+    keys = ("prompt_tokens", "generated_tokens", "steps", "tau", "tokens_per_second", "total_seconds",
+            "acceptance_per_position", "draft_errors")
+    return {k: summary[k] for k in keys}
+
+
+def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str):
+    from orchestrator.engine import GenerationResult
+    from orchestrator.stats import RequestStats
+    from orchestrator.stopping import TextStream
+    from specmesh.app.stack import load_stack
+
+    stack = load_stack(args)
     options = {"members": args.members} if args.members else {}
     try:
-        engine = stack.engine(proposer, args.max_nodes, args.max_depth, overlap=args.overlap,
-                              policy=args.policy, restart_depth=args.restart_depth, **options)
+        engines = {name: stack.engine(name, args.max_nodes, args.max_depth, overlap=args.overlap, policy=args.policy,
+                                      restart_depth=args.restart_depth, **(options if name != "none" else {}))
+                   for name in {proposer, "none"}}
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
     prompt_ids = stack.tokenizer.encode(prompt)
 
-    from orchestrator.engine import GenerationResult
-    from orchestrator.stats import RequestStats
-    from orchestrator.stopping import TextStream
+    def run(name: str, echo: bool) -> Outcome:
+        result = GenerationResult([], "", RequestStats())
+        text, pieces = TextStream(stack.decode, sampling.stop), []
+        for event in engines[name].stream(prompt_ids, sampling, result):
+            pieces.append(text.push(event.tokens, result.text_limit))
+            if echo:
+                sys.stdout.write(pieces[-1])
+                sys.stdout.flush()
+        pieces.append(text.flush(result.text_limit))
+        if echo:
+            sys.stdout.write(pieces[-1] + "\n")
+        return Outcome(result.token_ids, "".join(pieces), result.finish_reason, _stats(result.stats.summary()),
+                       result.stats.total_seconds)
 
-    result = GenerationResult([], "", RequestStats())
-    text = TextStream(stack.decode, sampling.stop)
-    for event in engine.stream(prompt_ids, sampling, result):
-        sys.stdout.write(text.push(event.tokens, result.text_limit))
-        sys.stdout.flush()
-    sys.stdout.write(text.flush(result.text_limit) + "\n")
-    s = result.stats
-    line = (f"[specmesh] proposer={proposer} tokens={s.num_generated} steps={s.num_steps} tau={s.tau:.2f} "
-            f"tok/s={s.tokens_per_second:.1f} finish={result.finish_reason}")
-    report = {"proposer": proposer, "stats": s.summary(), "finish_reason": result.finish_reason}
-    if args.compare_ar:
-        ar = stack.engine(None).generate(prompt_ids, sampling)
-        speedup = ar.stats.total_seconds / s.total_seconds if s.total_seconds else float("nan")
-        same = ar.token_ids == result.token_ids
-        line += f" | ar tok/s={ar.stats.tokens_per_second:.1f} speedup={speedup:.2f}x"
-        if sampling.greedy:
-            line += f" same_as_ar={same}"
-        report["ar"] = ar.stats.summary()
-        report["speedup"] = speedup
-    print(line, file=sys.stderr)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    return 0
+    return run
 
 
-def generate_remote(args: argparse.Namespace, prompt: str) -> int:
-    """`specmesh generate --server`: the same output and stats line, through the client SDK."""
-    import time
-
+def _remote_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str):
     import grpc
 
     from specmesh.client import Client
 
-    params = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    params = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                  top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos,
                   overlap=args.overlap, policy=args.policy, restart_depth=args.restart_depth,
                   max_nodes=args.max_nodes, max_depth=args.max_depth)  # unset: the proposer's default budget
     try:
@@ -124,95 +210,121 @@ def generate_remote(args: argparse.Namespace, prompt: str) -> int:
                         tls_key=args.tls_key, timeout=args.timeout)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
+    try:
+        client.wait_ready(args.connect_timeout)
+    except TimeoutError as exc:
+        raise SystemExit(f"specmesh generate: {exc}") from None
 
-    def run(proposer, echo: bool):
-        ids, steps, finish, start = [], [], "", time.perf_counter()
-        for chunk in client.stream(prompt, proposer=proposer, **params):
-            ids += chunk.token_ids
-            steps += [chunk.step] if chunk.step is not None else []
-            finish = chunk.finish_reason or finish
-            if echo:
+    def run(name: str, echo: bool) -> Outcome:
+        """Streamed when echoing (the server's request stats arrive only with the unary call), else unary."""
+        start = time.perf_counter()
+        try:
+            if not echo:
+                done = client.generate(prompt, proposer=name, **params)
+                return Outcome(done.token_ids, done.text, done.finish_reason, _stats(done.stats),
+                               time.perf_counter() - start)
+            ids, pieces, finish, steps = [], [], "", []
+            for chunk in client.stream(prompt, proposer=name, **params):
+                ids += chunk.token_ids
+                pieces.append(chunk.text)
+                steps += [chunk.step] if chunk.step is not None else []
+                finish = chunk.finish_reason or finish
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-        return ids, steps, finish, time.perf_counter() - start
-
-    with client:
-        try:
-            ids, steps, finish, seconds = run(args.proposer, echo=True)
-            sys.stdout.write("\n")
-            tau = sum(s.num_accepted + 1 for s in steps) / max(len(steps), 1)
-            line = (f"[specmesh] server={args.server} proposer={args.proposer or 'default'} tokens={len(ids)} "
-                    f"steps={len(steps)} tau={tau:.2f} tok/s={len(ids) / seconds:.1f} finish={finish}")
-            report = {"tokens": len(ids), "steps": len(steps), "tau": tau, "seconds": seconds, "finish_reason": finish,
-                      "draft_errors": [s.draft_error for s in steps if s.draft_error]}
-            if args.compare_ar:
-                ar_ids, _, _, ar_seconds = run("none", echo=False)
-                report["speedup"] = ar_seconds / seconds
-                line += f" | ar tok/s={len(ar_ids) / ar_seconds:.1f} speedup={ar_seconds / seconds:.2f}x"
-                if args.temperature == 0:
-                    line += f" same_as_ar={ar_ids == ids}"
         except grpc.RpcError as exc:
             raise SystemExit(f"specmesh generate: {exc.code().name}: {exc.details()}") from None
-    print(line, file=sys.stderr)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    return 0
+        seconds = time.perf_counter() - start
+        sys.stdout.write("\n")
+        stats = {"generated_tokens": len(ids), "steps": len(steps),
+                 "tau": sum(s.num_accepted + 1 for s in steps) / max(len(steps), 1),
+                 "tokens_per_second": len(ids) / seconds if seconds else 0.0}
+        return Outcome(ids, "".join(pieces), finish, stats, seconds)
 
-
-# ----------------------------------------------------------------- servers
-def _add_servers(sub) -> None:
-    from drafter_service import server as drafter_server
-    from orchestrator import server as orchestrator_server
-    from verifier_service import server as verifier_server
-
-    v = sub.add_parser("verifier", help="serve the target model: the Verifier gRPC service",
-                       description="Run a verifier replica: prefill, tree verification and KV caches of sessions.")
-    verifier_server.add_arguments(v)
-    v.set_defaults(func=verifier_server.run)
-    d = sub.add_parser("drafter", help="serve proposers: the Drafter gRPC service",
-                       description="Run a drafter replica: one bidirectional stream per session, candidate trees out.")
-    drafter_server.add_arguments(d)
-    d.set_defaults(func=drafter_server.run)
-    s = sub.add_parser("serve", help="serve Generate over remote verifiers and drafters (the orchestrator)",
-                       description="Run the orchestrator: the Generate gRPC service that clients and "
-                                   "`specmesh generate --server` talk to.")
-    orchestrator_server.add_arguments(s)
-    s.set_defaults(func=orchestrator_server.run)
+    return run
 
 
 # ---------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description="specmesh: speculative decoding, drafters and verifiers as services")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    from specmesh.app import bench, train_pair
+@dataclass(frozen=True)
+class Command:
+    help: str
+    description: str
+    arguments: str  # "module:function" that adds the command's options
+    run: str  # "module:function" that runs it with the parsed arguments
 
-    b = sub.add_parser("bench", help="measure speculative methods against autoregressive decoding and HF peers",
-                       description="Run every prompt of a JSONL file through AR and each method, interleaved, in one "
-                                   "process; print a markdown table and write JSON.")
-    bench.add_arguments(b)  # bench's own options; the model options are shared with generate
-    add_embedded_arguments(b)
-    b.set_defaults(func=bench.run)
-    t = sub.add_parser("train-pair", help="train a small target/draft pair (Llama architecture, byte-level BPE)",
-                       description="Train a tokenizer, a target and a draft model on Python source files and save them "
-                                   "in Hugging Face format.")
-    train_pair.add_arguments(t)
-    t.set_defaults(func=train_pair.run)
-    from drafter_service import ingest
 
-    i = sub.add_parser("ingest", help="tokenize files and fill an n-gram store for retrieval drafting (REST)",
-                       description="Tokenize files (directories are walked) and add their n-grams to a Redis store "
-                                   "or to a snapshot file that drafters load with --ngram-store.")
-    ingest.add_arguments(i)
-    i.set_defaults(func=ingest.run)
-    _add_servers(sub)
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from specmesh.app import bench
+    from specmesh.app.stack import add_embedded_arguments
+
+    bench.add_arguments(p)  # bench's own options; the model options are shared with generate
+    add_embedded_arguments(p)
+
+
+COMMANDS = {
+    "generate": Command("generate text with speculative decoding (embedded: one process, no servers)",
+                        "Generate a continuation of PROMPT, streaming the text, then print one stats line (tokens, "
+                        "tau = mean tokens committed per verification step, tokens/s) on stderr.",
+                        "specmesh.app.cli:add_generate_arguments", "specmesh.app.cli:cmd_generate"),
+    "bench": Command("measure speculative methods against autoregressive decoding and HF peers",
+                     "Run every prompt of a JSONL file through AR and each method, interleaved, in one process; "
+                     "print a markdown table and write JSON.",
+                     "specmesh.app.cli:_bench_arguments", "specmesh.app.bench:run"),
+    "train-pair": Command("train a small target/draft pair (Llama architecture, byte-level BPE)",
+                          "Train a tokenizer, a target and a draft model on Python source files and save them in "
+                          "Hugging Face format.",
+                          "specmesh.app.train_pair:add_arguments", "specmesh.app.train_pair:run"),
+    "ingest": Command("tokenize files and fill an n-gram store for retrieval drafting (REST)",
+                      "Tokenize files (directories are walked) and add their n-grams to a Redis store or to a "
+                      "snapshot file that drafters load with --ngram-store.",
+                      "drafter_service.ingest:add_arguments", "drafter_service.ingest:run"),
+    "verifier": Command("serve the target model: the Verifier gRPC service",
+                        "Run a verifier replica: prefill, tree verification and KV caches of sessions.",
+                        "verifier_service.server:add_arguments", "verifier_service.server:run"),
+    "drafter": Command("serve proposers: the Drafter gRPC service",
+                       "Run a drafter replica: one bidirectional stream per session, candidate trees out.",
+                       "drafter_service.server:add_arguments", "drafter_service.server:run"),
+    "serve": Command("serve Generate over remote verifiers and drafters (the orchestrator)",
+                     "Run the orchestrator: the Generate gRPC service that clients and `specmesh generate --server` "
+                     "talk to.",
+                     "orchestrator.server:add_arguments", "orchestrator.server:run"),
+}
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("specmesh")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the options of ``commands`` are defined (None: every command's)."""
+    parser = OneLineErrors(prog="specmesh", description="specmesh: speculative decoding, drafters and verifiers as "
+                                                        "services")
+    parser.add_argument("--version", action="version", version=f"specmesh {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.description)
+        if commands is None or name in commands:
+            _resolve(command.arguments)(p)
+        p.set_defaults(func=command.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
+    return int(_resolve(args.func)(args) or 0)
 
 
 if __name__ == "__main__":

