@@ -139,12 +139,17 @@ class _Base:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         timeout: float | None = None,
+        wait_for_ready: bool = False,
         aio: bool = False,
     ) -> None:
         """``timeout``: default deadline in seconds of each call (None = none); TLS is used when
-        ``tls_ca`` is given (``tls_cert``/``tls_key`` = client certificate for mutual TLS)."""
+        ``tls_ca`` is given (``tls_cert``/``tls_key`` = client certificate for mutual TLS).
+        ``wait_for_ready``: a call with a deadline waits within it for a server that is not up yet (gRPC
+        wait-for-ready) instead of failing at once with UNAVAILABLE; off by default, so a server that is
+        down or refuses the credentials is reported at once. ``wait_ready`` waits explicitly."""
         self.address = address
         self.timeout = timeout
+        self.wait_for_ready = wait_for_ready
         self._security = rpc.Security.load(token, token_file, tls_cert, tls_key, tls_ca)
         options = rpc.channel_options([(_SERVICE, "Generate"), (_SERVICE, "GenerateStream")])
         self._channel = rpc.insecure_or_secure_channel(address, self._security, options, aio=aio)
@@ -155,10 +160,8 @@ class _Base:
         return timeout if timeout is not None else self.timeout
 
     def _call_options(self, timeout: float | None) -> dict:
-        """A call with a deadline waits for the server to be ready within it (gRPC wait-for-ready: a server
-        still starting is waited for, not an UNAVAILABLE); one without fails fast when it is down."""
         timeout = self._timeout(timeout)
-        return dict(timeout=timeout, metadata=self._metadata, wait_for_ready=timeout is not None)
+        return dict(timeout=timeout, metadata=self._metadata, wait_for_ready=self.wait_for_ready and timeout is not None)
 
 
 class Client(_Base):

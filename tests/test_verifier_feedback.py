@@ -387,7 +387,8 @@ def test_cli_options():
     args = p.parse_args(["--feedback-topk", "8", "--lookahead", "4,3"])
     assert args.feedback_topk == 8 and args.lookahead == LookaheadConfig(4, 3)
     defaults = p.parse_args([])
-    assert defaults.feedback_topk == 0 and defaults.lookahead is None
+    # top-k on by default since fused (with recycling) is the default proposer; the Jacobi window stays off
+    assert defaults.feedback_topk == 8 and defaults.lookahead is None
     with pytest.raises(SystemExit):
         p.parse_args(["--lookahead", "4"])
 

@@ -315,7 +315,7 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=command.help, description=command.description)
         if commands is None or name in commands:
             _resolve(command.arguments)(p)
-        p.set_defaults(func=command.run)
+        p.set_defaults(func=lambda args, run=command.run: _resolve(run)(args))  # imported when it runs
     return parser
 
 
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
-    return int(_resolve(args.func)(args) or 0)
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":
