@@ -177,7 +177,7 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
                    for name in {proposer, "none"}}
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
-    prompt_ids = stack.tokenizer.encode(prompt)
+    prompt_ids = stack.tokenizer.encode(prompt, verbose=False)  # too long a prompt gets our own one-line error
 
     def run(name: str, echo: bool) -> Outcome:
         result = GenerationResult([], "", RequestStats())
