@@ -102,7 +102,9 @@ def budget_to_proto(budget: Budget, timeout_ms: int = 0) -> common_pb2.Budget:
 
 
 def budget_from_proto(msg: common_pb2.Budget, now: float) -> Budget:
-    """``now``: time.monotonic() when the message arrived; the deadline is relative to it."""
+    """``now``: time.monotonic() when the message arrived; the deadline is relative to it (0 = none)."""
+    if msg.timeout_ms < 0:
+        raise ValueError(f"budget timeout_ms must be >= 0 (0 = no deadline), got {msg.timeout_ms}")
     deadline = now + msg.timeout_ms / 1000.0 if msg.timeout_ms > 0 else None
     return Budget(msg.max_nodes, msg.max_depth, deadline, msg.min_path_prob)
 

@@ -42,16 +42,19 @@ def run_cli(*args: str, stdin: bytes = b"", timeout: float = 120) -> tuple[int |
     (["generate", "x", "--threads", "0"], b"", 2, "--threads: must be >= 1, got 0"),
     (["generate", "x", "--max-new-tokens", "0"], b"", 2, "--max-new-tokens: must be >= 1"),
     (["generate", "x", "--proposer", "nope"], b"", 2, "invalid choice: 'nope'"),
-    (["generate", "x", "--temperature", "-1"], b"", "specmesh generate: temperature must be >= 0, got -1.0", None),
-    (["generate", "x", "--temperature", "inf", "--top-p", "0"], b"", "specmesh generate: top_p must be in (0, 1], got 0.0",
+    (["generate", "x", "--temperature", "-1"], b"", "specmesh generate: temperature must be a finite number >= 0, got -1.0",
+     None),
+    (["generate", "x", "--temperature", "inf"], b"", "specmesh generate: temperature must be a finite number >= 0, got inf",
+     None),
+    (["generate", "x", "--temperature", "1", "--top-p", "0"], b"", "specmesh generate: top_p must be in (0, 1], got 0.0",
      None),
     (["generate", "x", "--proposer", "copy", "--members", "copy+retrieval"], b"",
      "specmesh generate: --members is for --proposer fused", None),
     (["generate"], bytes(range(256)) * 8, "specmesh generate: standard input is not UTF-8 text (byte 128)", None),
     (["generate"], b"", "specmesh generate: empty prompt", None),
     (["bogus"], b"", 2, "invalid choice: 'bogus'"),
-], ids=["max-nodes", "threads", "max-new-tokens", "proposer", "temperature", "top-p", "members", "binary-stdin",
-        "empty", "command"])
+], ids=["max-nodes", "threads", "max-new-tokens", "proposer", "temperature", "temperature-inf", "top-p", "members",
+        "binary-stdin", "empty", "command"])
 def test_bad_arguments_are_one_line_before_any_model_loads(args, stdin, code, message):
     got, torch_loaded, stderr = run_cli(*args, stdin=stdin)
     if message is None:  # a SystemExit whose code is the message itself (printed by Python, exit status 1)

@@ -122,6 +122,10 @@ def test_budget_round_trip_with_relative_deadline() -> None:
     assert (budget.max_nodes, budget.max_depth) == (8, 4)
     assert budget.deadline == pytest.approx(100.25)
     assert budget_from_proto(budget_to_proto(Budget(1, 1)), now=5.0).deadline is None
+    with pytest.raises(ValueError, match="timeout_ms must be >= 0"):
+        budget_from_proto(budget_to_proto(Budget(1, 1), timeout_ms=-5), now=5.0)
+    with pytest.raises(ValueError, match="min_path_prob"):
+        budget_from_proto(common_pb2.Budget(max_nodes=1, max_depth=1, min_path_prob=float("nan")), now=5.0)
 
 
 def test_client_sdk_imports_without_torch():

@@ -357,7 +357,8 @@ def test_warp_probs_batched_rows_are_independent():
 
 
 def test_sampling_params_reject_bad_values():
-    for kw in ({"temperature": -0.1}, {"temperature": float("nan")}, {"top_k": -1}, {"top_p": 0.0},
+    for kw in ({"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_k": -1},
+               {"top_p": 0.0}, {"top_p": float("nan")},
                {"top_p": 1.5}, {"max_new_tokens": 0}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
