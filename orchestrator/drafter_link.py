@@ -77,10 +77,6 @@ class DraftWorker:
     def __init__(self, background: bool) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft-worker") if background else None
 
-    @property
-    def background(self) -> bool:
-        return self._pool is not None
-
     def open(self, drafter: Drafter, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Future:
         return self._submit(drafter.open, session_id, list(prompt), sampling)
 
@@ -283,7 +279,7 @@ class DrafterLink:
             self._in_use = _InUse(name, drafter, opening)
             self.view = DraftContext(mark=len(self.committed))
             return
-        if self.candidates and self._errors:
+        if self.candidates:  # every one failed, each recorded above
             self._errors.append("no drafter left: decoding without drafts")
 
     def _record(self, name: str, exc: BaseException) -> None:
