@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
 
-import pytest
+# The suite forks server processes (local_mesh.ServiceProcess: preexec_fn, so a real fork) from a process
+# whose gRPC clients have run. With gRPC's fork support on, the child restarts gRPC's poller between fork and
+# exec and can abort on a closed epoll fd (grpc/grpc#43055; seen here as "drafter exited with -6"). The
+# children exec at once and never use the parent's gRPC state, so the suite runs without fork support.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import pytest  # noqa: E402
 import torch
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
