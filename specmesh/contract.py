@@ -104,6 +104,11 @@ class UnknownSessionError(KeyError):
     """The verifier holds no session of that id (never opened, released, reaped or owned by another caller)."""
 
 
+class CapacityError(RuntimeError):
+    """The verifier cannot take the request now (its KV pool or its admission queue is full): retry later or
+    elsewhere. Raised before any work is done, never for a session already admitted."""
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     first_token: int
@@ -133,3 +138,12 @@ class Verifier(Protocol):
         ...
 
     def release(self, session_id: str) -> None: ...
+
+
+class BatchVerifier(Verifier, Protocol):
+    """A verifier that verifies the trees of many sessions in one forward."""
+
+    def verify_batch(self, requests: Sequence[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+        """One forward over every (session_id, tree) (each session at most once); per request its result,
+        or the exception ``verify`` would have raised for it alone (the others are unaffected)."""
+        ...

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
 from specmesh.model_runner import ModelRunner
 
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2"}
@@ -89,9 +90,18 @@ class FastKVCache:
             self.values[:, :, dst] = self.values.index_select(2, src)
         self.length = prefix_len + len(offsets)
 
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values: [num_kv_heads, n, head_dim] for positions [start, start + n) (reserved)."""
+        self.keys[layer, :, start : start + keys.shape[1]] = keys
+        self.values[layer, :, start : start + keys.shape[1]] = values
+
+    def kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_kv_heads, end, head_dim] keys and values of positions [0, end) (views)."""
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_kv_heads, length, head_dim] keys and values of one layer."""
-        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
+        return self.kv(layer, self.length)
 
 
 def _t(weight: torch.Tensor) -> torch.Tensor:
@@ -193,10 +203,9 @@ class FastLlamaRunner(ModelRunner):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    @torch.inference_mode()
     def forward(
         self,
-        cache: FastKVCache,
+        cache: FastKVCache | PagedKVCache,
         input_ids: Sequence[int] | torch.Tensor,  # [num_new]
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
         attend: torch.Tensor | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
@@ -204,46 +213,81 @@ class FastLlamaRunner(ModelRunner):
     ) -> torch.Tensor:
         """Append ``input_ids`` to ``cache``; return their logits, [num_new, vocab] float32
         (``last_only``: the last token's, [1, vocab]; a prefill skips the output layer for the rest)."""
+        num_new = len(input_ids)
+        rows = slice(num_new - 1, num_new) if last_only else None
+        return self.forward_batch([cache], input_ids, position_ids, [num_new], [attend], rows)
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        caches: Sequence[FastKVCache | PagedKVCache],
+        input_ids: Sequence[int] | torch.Tensor,  # [T]: the new tokens of every request, packed
+        position_ids: Sequence[int] | torch.Tensor,  # [T]
+        num_new: Sequence[int],  # [B]: request r owns rows cu[r]:cu[r + 1], cu = cumsum([0] + num_new)
+        attends: Sequence[torch.Tensor | None],  # [B]: [num_new[r], caches[r].length + num_new[r]] bool or None
+        logit_rows: torch.Tensor | slice | None = None,  # packed rows whose logits are wanted (None = all)
+    ) -> torch.Tensor:
+        """One forward over the new tokens of B sessions: the projections and the MLP run on all T rows at
+        once, attention per session on its own keys (its prefix in its cache + its new rows, under its mask).
+        Appends each session's rows to its cache; returns the logits of ``logit_rows``, [R, vocab] float32."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(-1)
-        num_new = ids.shape[0]
-        start = cache.length
-        end = start + num_new
-        cache.reserve(end)
-        if attend is not None:
-            assert attend.shape == (num_new, end), (attend.shape, start, num_new)
-            mask = attend.to(self.device)
-        elif num_new > 1:
-            mask = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        else:
-            mask = None  # one new token sees everything
+        total = ids.shape[0]
+        assert sum(num_new) == total and len(caches) == len(num_new) == len(attends), (total, num_new)
+        spans = []  # per request: packed rows, cache start, cache end, mask
+        row = 0
+        for cache, n, attend in zip(caches, num_new, attends, strict=True):
+            start, end = cache.length, cache.length + n
+            cache.reserve(end)
+            if attend is not None:
+                assert attend.shape == (n, end), (attend.shape, start, n)
+                mask = attend.to(self.device)
+            elif n > 1:
+                mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+            else:
+                mask = None  # one new token sees everything
+            spans.append((slice(row, row + n), start, end, mask))
+            row += n
         cos, sin = self.cos[pos], self.sin[pos]
-        x = self._embed(ids)  # [num_new, hidden]
+        x = self._embed(ids)  # [T, hidden]
         groups = self.num_heads // self.num_kv_heads
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
             h = self._rms(x, ln1)
             qkv = _linear(h, qkv_w, qkv_b)
-            q = qkv[:, : self.q_size].view(num_new, self.num_heads, self.head_dim).transpose(0, 1)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_new, self.num_kv_heads, self.head_dim).transpose(0, 1)
-            v = qkv[:, self.q_size + self.kv_size :].view(num_new, self.num_kv_heads, self.head_dim).transpose(0, 1)
-            q = self._rope(q, cos, sin)
-            cache.keys[i, :, start:end] = self._rope(k, cos, sin)
-            cache.values[i, :, start:end] = v
-            keys = cache.keys[i, :, :end]
-            values = cache.values[i, :, :end]
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=groups > 1
-            )[0]  # [heads, num_new, head_dim]
-            x = x + _linear(attn.transpose(0, 1).reshape(num_new, self.q_size), o_w, o_b)
+            q = qkv[:, : self.q_size].view(total, self.num_heads, self.head_dim).transpose(0, 1)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(total, self.num_kv_heads, self.head_dim).transpose(0, 1)
+            v = qkv[:, self.q_size + self.kv_size :].view(total, self.num_kv_heads, self.head_dim).transpose(0, 1)
+            q = self._rope(q, cos, sin)  # [heads, T, head_dim]
+            k = self._rope(k, cos, sin)  # [kv_heads, T, head_dim]
+            outs = []
+            for cache, (rows, start, end, mask) in zip(caches, spans, strict=True):
+                cache.write(i, start, k[:, rows], v[:, rows])
+                keys, values = cache.kv(i, end)  # [kv_heads, end, head_dim]
+                outs.append(F.scaled_dot_product_attention(
+                    q[None, :, rows], keys[None], values[None], attn_mask=mask, scale=self.scale,
+                    enable_gqa=groups > 1,
+                )[0])  # [heads, n, head_dim]
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [heads, T, head_dim]
+            x = x + _linear(attn.transpose(0, 1).reshape(total, self.q_size), o_w, o_b)
             h = self._rms(x, ln2)
             gu = _linear(h, gate_up)
             gate, up = gu.chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down)
-        cache.length = end
-        if last_only:
-            x = x[-1:]
+        for cache, (_, _, end, _) in zip(caches, spans, strict=True):
+            cache.length = end
+        if logit_rows is not None:
+            x = x[logit_rows]
         logits = _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias)
         return logits.float()
+
+    def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPool:
+        """A paged KV pool for this model's sessions (``PagedKVCache``s from ``pool.open``)."""
+        return KVPool(len(self.layers), self.num_kv_heads, self.head_dim, num_blocks, block_size, self.dtype,
+                      self.device)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return KVPool.bytes_per_token(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
 
 
 def make_runner(model: PreTrainedModel, backend: str = "auto") -> ModelRunner:

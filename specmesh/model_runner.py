@@ -107,6 +107,38 @@ class ModelRunner:
         cache.length += num_new
         return out.logits[0].float()
 
+    def forward_batch(
+        self,
+        caches: Sequence[KVCache],
+        input_ids: Sequence[int] | torch.Tensor,  # [T]: the new tokens of every request, packed
+        position_ids: Sequence[int] | torch.Tensor,  # [T]
+        num_new: Sequence[int],  # [B]
+        attends: Sequence[torch.Tensor | None],  # [B]: [num_new[r], caches[r].length + num_new[r]] bool or None
+        logit_rows: torch.Tensor | slice | None = None,  # packed rows whose logits are wanted (None = all)
+    ) -> torch.Tensor:
+        """The batched entry point of ``FastLlamaRunner.forward_batch``; the generic Hugging Face path runs
+        one forward per request (same results, no shared forward)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+        pos = torch.as_tensor(position_ids, dtype=torch.long).reshape(-1)
+        outs, row = [], 0
+        for cache, n, attend in zip(caches, num_new, attends, strict=True):
+            outs.append(self.forward(cache, ids[row : row + n], pos[row : row + n], attend))
+            row += n
+        logits = torch.cat(outs) if outs else torch.zeros(0, self.info.vocab_size)
+        return logits if logit_rows is None else logits[logit_rows]
+
+    def new_pool(self, num_blocks: int, block_size: int) -> None:
+        """No paged pool on the generic path: sessions keep Hugging Face caches (``new_cache``); the verifier
+        still accounts their memory in blocks."""
+        return None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+
 
 def tree_attend_mask(prefix_len: int, ancestor_rows: torch.Tensor) -> torch.Tensor:
     """Mask for new tokens arranged as a tree on top of ``prefix_len`` cached positions.

@@ -12,6 +12,14 @@ target's top-k next tokens after every verified row (pending + tree nodes), one
 of W guess tokens rides along in the same forward as a branch the tree never sees, and
 the n-grams it harvests are reported (``verifier_service/lookahead.py``). Neither changes
 what is accepted nor what stays in the KV cache.
+
+Batching: ``step`` runs one forward over the next prompt chunk of any number of prefilling
+sessions and the trees of any number of verifying ones (``ModelRunner.forward_batch``:
+packed rows, attention per session under its own tree mask), then one argmax (and top-k)
+over all rows and one host copy. Every session's KV lives in one paged pool
+(``specmesh.kv_pool``); ``admit`` reserves a session's worst case, so a step never runs out
+of memory. ``prefill`` / ``verify`` are the one-session case; ``BatchingVerifier``
+(``verifier_service/batching.py``) gathers the calls of many threads into steps.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 
 from specmesh.contract import PrefillResult, UnknownSessionError, VerifyResult
 from specmesh.feedback import VerifyFeedback
+from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, BlockAllocator, PagedKVCache
 from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
@@ -41,21 +50,57 @@ from verifier_service.lookahead import (
 )
 from verifier_service.verification import Acceptance, verify_greedy, verify_sample
 
+DEFAULT_KV_CACHE_GB = 2.0  # the KV pool's budget when none is given (capped: see kv_pool_blocks)
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step of one session's prefill
+
+
+def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: int) -> int:
+    """Blocks that fit in ``kv_cache_gb`` GiB; by default (None) DEFAULT_KV_CACHE_GB, but never more than 64
+    sessions at the model's full context need (a tiny model does not reserve gigabytes)."""
+    per_block = runner.kv_bytes_per_token * block_size
+    if kv_cache_gb is not None:
+        if not kv_cache_gb > 0:
+            raise ValueError(f"the KV cache budget must be > 0 GiB, got {kv_cache_gb}")
+        return max(1, int(kv_cache_gb * 2**30 // per_block))
+    cap = 64 * -(-min(runner.info.max_positions, 1 << 16) // block_size)
+    return max(1, min(int(DEFAULT_KV_CACHE_GB * 2**30 // per_block), cap))
+
 
 @dataclass
 class _Session:
-    cache: KVCache
-    pending: int  # newest committed token, not yet in the cache
+    cache: KVCache | PagedKVCache
     sampling: SamplingParams
-    generator: torch.Generator | None = field(default=None)
+    generator: torch.Generator | None
+    table: list[int]  # the KV blocks accounted to the session (the paged cache's own table, or bookkeeping only)
+    prompt: list[int]  # the whole prompt
+    prefilled: int = 0  # prompt tokens in the cache; < len(prompt) while the prefill runs (chunked)
+    pending: int = -1  # newest committed token, not yet in the cache (-1 until the prefill is done)
     # lookahead only: the Jacobi window's diagonals ([N - 1, W], last row = the guesses fed next)
     # and the most recent successor of each committed token (fills)
     trail: np.ndarray | None = None
     successors: dict[int, int] = field(default_factory=dict)
 
+    @property
+    def prefilling(self) -> bool:
+        return self.pending < 0
+
+
+@dataclass
+class _Row:
+    """One request's part of a batched forward."""
+
+    session: _Session
+    start: int  # first packed row
+    num_new: int  # rows fed
+    prefix_len: int  # cache length before the step
+    tree: TokenTree | None = None  # verify: the tree; None for a prefill chunk
+    span: int = 0  # verify: Jacobi window rows after the tree rows
+    input_ids: np.ndarray | None = None  # [num_new]
+
 
 class LocalVerifier:
-    """Verifier running the target model in this process."""
+    """Verifier running the target model in this process; one thread drives it (see BatchingVerifier for
+    many callers). Its sessions share one paged KV pool; admission reserves a session's worst case."""
 
     def __init__(
         self,
@@ -63,19 +108,60 @@ class LocalVerifier:
         max_tree_nodes: int = 256,
         feedback_topk: int = 0,
         lookahead: LookaheadConfig | None = None,
+        kv_cache_gb: float | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.runner = runner
         self.info = runner.info
         self.max_tree_nodes = max_tree_nodes
         self.feedback_topk = min(feedback_topk, runner.info.vocab_size)
         self.lookahead = lookahead
+        self.prefill_chunk = prefill_chunk
+        num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size)
+        self.pool = runner.new_pool(num_blocks, block_size)  # None on the generic HF path
+        self.allocator = self.pool.allocator if self.pool is not None else BlockAllocator(num_blocks, block_size)
         self._sessions: dict[str, _Session] = {}
 
     # --------------------------------------------------------------- protocol
     def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult:
         start = time.perf_counter()
+        self.admit(session_id, prompt, sampling)
+        try:
+            first = None
+            while first is None:
+                first = self.step([session_id], ())[0].get(session_id)
+        except BaseException:
+            self.release(session_id)
+            raise
+        return PrefillResult(first, time.perf_counter() - start)
+
+    def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
+        result = self.verify_batch([(session_id, tree)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def verify_batch(self, requests: Sequence[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+        return self.step((), requests)[1]
+
+    def release(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        if isinstance(session.cache, PagedKVCache):
+            session.cache.free()
+        else:
+            self.allocator.free(session.table)
+
+    # ------------------------------------------------------------ scheduling
+    def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        """Check the request and reserve its KV blocks (prompt + max_new_tokens + the largest tree + the
+        lookahead window); the prefill itself runs in ``step``. CapacityError when the pool cannot hold it."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
@@ -89,64 +175,108 @@ class LocalVerifier:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
                 f"target's context of {self.info.max_positions} positions"
             )
+        worst = self.reservation(len(prompt), sampling)
+        if self.pool is not None:
+            cache = self.pool.open(worst)
+            table = cache.table
+        else:
+            table = self.allocator.allocate(worst)
+            cache = self.runner.new_cache()
         generator = None
         if not sampling.greedy:
-            generator = torch.Generator()
+            generator = torch.Generator(device=self.runner.device)
             if sampling.seed is not None:
                 generator.manual_seed(sampling.seed)
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
-        cache = self.runner.new_cache()
-        logits = self.runner.forward(cache, prompt, range(len(prompt)), last_only=True)  # [1, vocab]
-        session = _Session(cache, -1, sampling, generator)
-        first = self._accept(session, TokenTree.empty(), logits).bonus_token
-        session.pending = first
-        if self.lookahead is not None:
-            note_successors(session.successors, prompt + [first])
-            session.trail = initial_trail(first, self.lookahead, session.successors)
-        self._sessions[session_id] = session
-        return PrefillResult(first, time.perf_counter() - start)
+        self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt)
 
-    def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
-        start = time.perf_counter()
-        session = self._get(session_id)
-        tree.validate(self.info.vocab_size, max_nodes=self.max_tree_nodes)
-        cache = session.cache
-        prefix_len = cache.length
-        if prefix_len + 1 + tree.max_depth + 1 > self.info.max_positions:
-            raise InvalidTreeError("tree would run past the target's context length")
-        num_nodes = tree.num_nodes
-        trail = session.trail  # [N - 1, W] or None
-        span = window_span(prefix_len, trail.shape[1], self.info.max_positions) if trail is not None else 0
-        guesses = trail[-1, :span] if trail is not None else np.zeros(0, np.int64)  # [span]
-        input_ids = np.concatenate([[session.pending], tree.tokens, guesses])
-        positions = np.concatenate([[prefix_len], prefix_len + 1 + tree.depth, window_positions(prefix_len, span)])
-        attend = None
-        chain = tree.max_depth == num_nodes
-        if not chain or (span and num_nodes):  # a real tree, or a chain beside the window: explicit mask
-            # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a
-            # second chain below it
-            anc = ancestor_mask(branch_parents(tree.parents, span))
-            attend = tree_attend_mask(prefix_len, torch.from_numpy(anc))
-        logits = self.runner.forward(cache, input_ids, positions, attend)  # [1 + num_nodes + span, vocab]
-        rows = logits[: num_nodes + 1]  # [num_nodes + 1, vocab]: the verified rows
-        acceptance = self._accept(session, tree, rows)
-        cache.keep(prefix_len, [0] + [1 + n for n in acceptance.accepted_nodes])  # drops the window rows too
-        tokens = acceptance.tokens(tree)
-        feedback = None
-        if self.feedback_topk or trail is not None:
-            topk = None
-            if self.feedback_topk:
-                topk = torch.topk(rows, self.feedback_topk, dim=-1).indices.numpy()  # [num_nodes + 1, k]; host sync
-            ngrams = ()
-            if trail is not None:
-                ngrams = self._advance_window(session, logits[num_nodes + 1 :], span, tokens)
-            feedback = VerifyFeedback.of(input_ids[: num_nodes + 1], topk, ngrams)
-        session.pending = acceptance.bonus_token
-        return VerifyResult(acceptance.accepted_nodes, tuple(tokens), time.perf_counter() - start, feedback)
+    def reservation(self, prompt_len: int, sampling: SamplingParams) -> int:
+        """KV positions a session may ever hold: its prompt and output, plus the pending token, the largest
+        tree and the lookahead window of a step."""
+        window = self.lookahead.window if self.lookahead is not None else 0
+        return prompt_len + sampling.max_new_tokens + 1 + self.max_tree_nodes + window
 
-    def release(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+    def can_admit(self, prompt_len: int, sampling: SamplingParams) -> bool:
+        return self.allocator.blocks_for(self.reservation(prompt_len, sampling)) <= self.allocator.num_free
+
+    def prefilling(self, session_id: str) -> bool:
+        return self._get(session_id).prefilling
+
+    @torch.inference_mode()
+    def step(
+        self, prefills: Sequence[str], verifies: Sequence[tuple[str, TokenTree]]
+    ) -> tuple[dict[str, int], list[VerifyResult | Exception]]:
+        """One forward over the next prompt chunk of each session in ``prefills`` (admitted, still prefilling)
+        and the trees of ``verifies``. Returns the first token of every prefill that finished, and per verify
+        its result or the exception it raised alone (an invalid tree, an unknown session)."""
+        start_time = time.perf_counter()
+        rows: list[_Row] = []
+        results: list[VerifyResult | Exception | None] = [None] * len(verifies)
+        verify_rows: list[tuple[int, _Row]] = []
+        ids, positions, attends = [], [], []
+        packed = 0
+        for session_id in prefills:
+            session = self._get(session_id)
+            chunk = session.prompt[session.prefilled : session.prefilled + self.prefill_chunk]
+            row = _Row(session, packed, len(chunk), session.prefilled)
+            ids.append(np.asarray(chunk, np.int64))
+            positions.append(np.arange(session.prefilled, session.prefilled + len(chunk)))
+            attends.append(None)
+            rows.append(row)
+            packed += len(chunk)
+        seen = set(prefills)
+        for index, (session_id, tree) in enumerate(verifies):
+            try:
+                if session_id in seen:
+                    raise ValueError(f"session {session_id!r} appears twice in one step")
+                row = self._verify_row(self._get(session_id), tree, packed)
+            except (ValueError, KeyError) as exc:  # InvalidTreeError, UnknownSessionError, CapacityError-free
+                results[index] = exc
+                continue
+            seen.add(session_id)
+            ids.append(row.input_ids)
+            positions.append(np.concatenate([[row.prefix_len], row.prefix_len + 1 + tree.depth,
+                                             window_positions(row.prefix_len, row.span)]))
+            attends.append(self._tree_attend(row))
+            rows.append(row)
+            verify_rows.append((index, row))
+            packed += row.num_new
+        if not rows:
+            return {}, results
+        # logits of: the last row of each finishing prefill chunk, every row of each verify
+        wanted = []
+        for row in rows:
+            if row.tree is None:
+                if row.prefix_len + row.num_new == len(row.session.prompt):
+                    wanted.append(np.array([row.start + row.num_new - 1]))
+            else:
+                wanted.append(np.arange(row.start, row.start + row.num_new))
+        logit_index = torch.from_numpy(np.concatenate(wanted)) if wanted else torch.zeros(0, dtype=torch.long)
+        logits = self.runner.forward_batch(
+            [row.session.cache for row in rows], np.concatenate(ids), np.concatenate(positions),
+            [row.num_new for row in rows], attends, logit_index.to(self.runner.device),
+        )  # [len(logit_index), vocab]
+        argmax = logits.argmax(dim=-1).cpu().numpy()  # one host copy for every greedy decision and window
+        topk = None
+        if self.feedback_topk and verify_rows:
+            topk = torch.topk(logits, self.feedback_topk, dim=-1).indices.cpu().numpy()  # [R, k]
+        firsts: dict[str, int] = {}
+        offset = 0
+        for session_id, row in zip(prefills, rows, strict=False):
+            row.session.prefilled += row.num_new
+            if row.session.prefilled < len(row.session.prompt):
+                continue
+            first = self._accept(row.session, TokenTree.empty(), logits[offset : offset + 1], argmax[offset : offset + 1])
+            firsts[session_id] = first.bonus_token
+            self._start_decoding(row.session, first.bonus_token)
+            offset += 1
+        elapsed = time.perf_counter() - start_time
+        for index, row in verify_rows:
+            r = slice(offset, offset + row.num_new)
+            results[index] = self._finish_verify(row, logits[r], argmax[r], None if topk is None else topk[r], elapsed)
+            offset += row.num_new
+        return firsts, results
 
     # -------------------------------------------------------------- internals
     def _get(self, session_id: str) -> _Session:
@@ -155,25 +285,70 @@ class LocalVerifier:
         except KeyError:
             raise UnknownSessionError(f"unknown session {session_id!r}") from None
 
+    def _verify_row(self, session: _Session, tree: TokenTree, start: int) -> _Row:
+        if session.prefilling:
+            raise ValueError("the session's prefill has not finished")
+        tree.validate(self.info.vocab_size, max_nodes=self.max_tree_nodes)
+        prefix_len = session.cache.length
+        if prefix_len + 1 + tree.max_depth + 1 > self.info.max_positions:
+            raise InvalidTreeError("tree would run past the target's context length")
+        trail = session.trail  # [N - 1, W] or None
+        span = window_span(prefix_len, trail.shape[1], self.info.max_positions) if trail is not None else 0
+        guesses = trail[-1, :span] if trail is not None else np.zeros(0, np.int64)  # [span]
+        input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
+        capacity = getattr(session.cache, "capacity", None)
+        if capacity is not None and prefix_len + len(input_ids) > capacity:
+            raise ValueError(f"the step needs {prefix_len + len(input_ids)} KV positions, more than the session "
+                             f"reserved at admission ({capacity}: prompt + max_new_tokens + the largest tree)")
+        return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids)
+
     @staticmethod
-    def _advance_window(
-        session: _Session, window_logits: torch.Tensor, span: int, committed: list[int]
-    ) -> list[tuple[int, ...]]:
+    def _tree_attend(row: _Row) -> torch.Tensor | None:
+        tree = row.tree
+        if tree.max_depth == tree.num_nodes and not (row.span and tree.num_nodes):
+            return None  # a chain (the window alone is one too): causal
+        # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a
+        # second chain below it
+        anc = ancestor_mask(branch_parents(tree.parents, row.span))
+        return tree_attend_mask(row.prefix_len, torch.from_numpy(anc))
+
+    def _finish_verify(self, row: _Row, logits: torch.Tensor, argmax: np.ndarray, topk: np.ndarray | None,
+                       elapsed: float) -> VerifyResult:
+        """logits/argmax/topk: the row's [1 + num_nodes + span] outputs."""
+        session, tree = row.session, row.tree
+        verified = tree.num_nodes + 1  # rows taking part in acceptance
+        acceptance = self._accept(session, tree, logits[:verified], argmax[:verified])
+        session.cache.keep(row.prefix_len, [0] + [1 + n for n in acceptance.accepted_nodes])  # drops the window
+        tokens = acceptance.tokens(tree)
+        feedback = None
+        if topk is not None or session.trail is not None:
+            ngrams = self._advance_window(session, argmax[verified:], row.span, tokens) if session.trail is not None else ()
+            feedback = VerifyFeedback.of(row.input_ids[:verified], None if topk is None else topk[:verified], ngrams)
+        session.pending = acceptance.bonus_token
+        return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback)
+
+    def _start_decoding(self, session: _Session, first: int) -> None:
+        session.pending = first
+        if self.lookahead is not None:
+            note_successors(session.successors, session.prompt + [first])
+            session.trail = initial_trail(first, self.lookahead, session.successors)
+
+    @staticmethod
+    def _advance_window(session: _Session, outputs: np.ndarray, span: int, committed: list[int]) -> list[tuple[int, ...]]:
         """One Jacobi iteration: harvest its n-grams, then shift the window past the committed tokens.
 
-        window_logits: [span, vocab]; committed: the step's accepted tokens + bonus."""
-        outputs = window_logits.argmax(dim=-1).numpy()  # [span]; host sync
+        outputs: [span], the target's argmax after each window token; committed: accepted tokens + bonus."""
         ngrams = harvest(session.trail[:, :span], outputs)
         note_successors(session.successors, [session.pending, *committed])
         session.trail = shift_trail(session.trail, outputs, len(committed), committed[-1], session.successors)
         return ngrams
 
     @staticmethod
-    def _accept(session: _Session, tree: TokenTree, logits: torch.Tensor) -> Acceptance:
-        """logits: [num_nodes + 1, vocab]."""
+    def _accept(session: _Session, tree: TokenTree, logits: torch.Tensor, argmax: np.ndarray) -> Acceptance:
+        """logits: [num_nodes + 1, vocab]; argmax: its row-wise argmax (host)."""
         sp = session.sampling
         if sp.greedy:
-            return verify_greedy(tree, logits.argmax(dim=-1).numpy())  # host sync
+            return verify_greedy(tree, argmax)
         probs = warp_probs(logits, sp.temperature, sp.top_k, sp.top_p)
         return verify_sample(tree, probs, session.generator)
 

@@ -1,0 +1,177 @@
+"""A paged KV pool shared by every session of one model.
+
+Storage: one keys and one values tensor per model, [num_layers, num_kv_heads,
+num_blocks * block_size, head_dim]; a *slot* is ``block * block_size + offset``.
+A session owns a block table (its blocks, in order); position p of the session
+lives in slot ``table[p // block_size] * block_size + p % block_size``.
+
+Admission reserves a session's whole worst case up front (prompt + max_new_tokens
++ the largest tree it may send): the blocks are taken at once, so a running
+session can never run out of memory mid-request, and a request the pool cannot
+hold is refused (``CapacityError``) before any work is done. The allocator
+prefers one contiguous run of free blocks for a session (then the PyTorch
+attention path reads the session's keys as a view, without a gather); when the
+pool is fragmented it stitches a table from several runs, and attention gathers
+the slots instead. Compaction after a tree step moves only the accepted tree rows;
+the prefix is never copied.
+
+``BlockAllocator`` is the bookkeeping (no torch); ``KVPool`` adds the tensors and
+``PagedKVCache`` is one session's view of them, with the cache interface of
+``FastKVCache`` (reserve / write / kv / keep / truncate / length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specmesh.contract import CapacityError
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class BlockAllocator:
+    """Which of ``num_blocks`` blocks are free; hands out block tables, contiguous where it can."""
+
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a pool needs at least one block of at least one slot, got {num_blocks} x {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free = np.ones(num_blocks, dtype=bool)
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.sum())
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """Maximal runs of free blocks as (start, length), in block order."""
+        padded = np.concatenate([[False], self._free, [False]]).astype(np.int8)
+        edges = np.flatnonzero(np.diff(padded))  # starts at even indices, ends at odd ones
+        return [(int(s), int(e - s)) for s, e in zip(edges[::2], edges[1::2], strict=True)]
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """A block table for ``num_tokens`` slots: one contiguous run when a free run is long enough (the
+        shortest such run, keeping long runs for long requests), else the longest runs first.
+        Raises CapacityError when fewer blocks are free than needed."""
+        need = self.blocks_for(num_tokens)
+        if need > self.num_free:
+            raise CapacityError(
+                f"the KV pool has {self.num_free} free blocks of {self.block_size} tokens, "
+                f"the request needs {need} ({num_tokens} tokens)"
+            )
+        runs = self._runs()
+        fitting = [run for run in runs if run[1] >= need]
+        if fitting:
+            start, _ = min(fitting, key=lambda run: run[1])
+            table = list(range(start, start + need))
+        else:
+            table = []
+            for start, length in sorted(runs, key=lambda run: -run[1]):
+                take = min(length, need - len(table))
+                table.extend(range(start, start + take))
+                if len(table) == need:
+                    break
+        self._free[table] = False
+        return table
+
+    def free(self, table: Sequence[int]) -> None:
+        if len(table) and self._free[list(table)].any():
+            raise RuntimeError("freeing a KV block that is already free")
+        self._free[list(table)] = True
+
+
+class KVPool:
+    """The pool's tensors: keys/values [num_layers, num_kv_heads, num_blocks * block_size, head_dim]."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = self.keys.device
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def open(self, num_tokens: int) -> PagedKVCache:
+        """A session cache holding up to ``num_tokens`` positions; CapacityError when the pool cannot."""
+        return PagedKVCache(self, self.allocator.allocate(num_tokens))
+
+
+class PagedKVCache:
+    """One session's positions in a KVPool: a fixed block table, reserved at admission."""
+
+    def __init__(self, pool: KVPool, table: list[int]) -> None:
+        self.pool, self.table = pool, table
+        self.length = 0
+        size = pool.block_size
+        self.capacity = len(table) * size
+        blocks = torch.tensor(table, dtype=torch.long)
+        self.slots = (blocks[:, None] * size + torch.arange(size)).reshape(-1).to(pool.device)  # [capacity]
+        contiguous = table == list(range(table[0], table[0] + len(table))) if table else True
+        self.base = table[0] * size if contiguous and table else None  # first slot when contiguous
+
+    # ------------------------------------------------------------ cache interface
+    def reserve(self, length: int) -> None:
+        if length > self.capacity:
+            raise CapacityError(f"the session needs {length} KV positions but reserved {self.capacity} at admission")
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values: [num_kv_heads, n, head_dim] for positions [start, start + n)."""
+        end = start + keys.shape[1]
+        if self.base is not None:
+            self.pool.keys[layer, :, self.base + start : self.base + end] = keys
+            self.pool.values[layer, :, self.base + start : self.base + end] = values
+        else:
+            slots = self.slots[start:end]
+            self.pool.keys[layer].index_copy_(1, slots, keys)
+            self.pool.values[layer].index_copy_(1, slots, values)
+
+    def kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_kv_heads, end, head_dim] keys and values of positions [0, end): a view when contiguous."""
+        if self.base is not None:
+            return (self.pool.keys[layer, :, self.base : self.base + end],
+                    self.pool.values[layer, :, self.base : self.base + end])
+        slots = self.slots[:end]
+        return self.pool.keys[layer].index_select(1, slots), self.pool.values[layer].index_select(1, slots)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv(layer, self.length)
+
+    @torch.inference_mode()
+    def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
+        """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending): only the
+        kept tree rows move (all layers at once), the prefix stays where it is."""
+        offsets = list(keep_offsets)
+        if offsets != list(range(len(offsets))):
+            src = self.slots[torch.tensor(offsets, dtype=torch.long, device=self.pool.device) + prefix_len]
+            dst = self.slots[prefix_len : prefix_len + len(offsets)]
+            for store in (self.pool.keys, self.pool.values):
+                store.index_copy_(2, dst, store.index_select(2, src))
+        self.length = prefix_len + len(offsets)
+
+    def free(self) -> None:
+        """Return the blocks to the pool (idempotent)."""
+        if self.table:
+            self.pool.allocator.free(self.table)
+            self.table = []
+            self.capacity = self.length = 0
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "KVPool", "PagedKVCache"]

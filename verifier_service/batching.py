@@ -1,0 +1,280 @@
+"""Continuous batching: many callers, one model thread, one forward per step for everyone.
+
+``BatchingVerifier`` is the Verifier (``specmesh.contract``) that the gRPC service and
+the embedded engines share. Callers on any thread submit Prefill / Verify / Release and
+block on a future; one scheduler thread owns the LocalVerifier and loops:
+
+1. apply releases (their blocks go back to the pool first),
+2. admit waiting prefills in arrival order while the KV pool can reserve them (a
+   request that must wait sits in a bounded queue; beyond ``max_waiting`` waiting, or
+   when it could never fit in the pool, it gets ``CapacityError`` = RESOURCE_EXHAUSTED),
+3. build one step: every pending Verify (decode first: they are the latency), then the
+   next prompt chunk of prefilling sessions while the step's token budget
+   (``max_batch_tokens``) lasts, so a long prompt never stalls the others,
+4. run it (``LocalVerifier.step``) and resolve the futures.
+
+A session's calls are sequential (the orchestrator waits for each result), so a step
+holds each session at most once. New work arriving during a step joins the next one:
+no timer, no batching window.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from specmesh.contract import CapacityError, PrefillResult, VerifyResult
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+from verifier_service.verifier import LocalVerifier
+
+DEFAULT_MAX_BATCH_TOKENS = 2048
+DEFAULT_MAX_WAITING = 256
+
+
+@dataclass
+class _Prefill:
+    session_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    future: Future
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class BatchStats:
+    """What the scheduler did (read by benchmarks and /metrics)."""
+
+    steps: int = 0
+    verified: int = 0  # Verify calls served
+    prefill_chunks: int = 0
+    tokens: int = 0  # rows fed to the model
+    max_batch: int = 0  # most Verify calls in one step
+
+    @property
+    def mean_batch(self) -> float:
+        return self.verified / self.steps if self.steps else 0.0
+
+
+class BatchingVerifier:
+    """Thread-safe Verifier over a LocalVerifier, batching the calls of all threads (see module doc)."""
+
+    def __init__(self, verifier: LocalVerifier, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        if max_batch_tokens < 1 or max_waiting < 0:
+            raise ValueError(f"max_batch_tokens must be >= 1 and max_waiting >= 0, got {max_batch_tokens}, "
+                             f"{max_waiting}")
+        self.verifier = verifier
+        self.info = verifier.info
+        self.max_tree_nodes = verifier.max_tree_nodes
+        self.max_batch_tokens, self.max_waiting = max_batch_tokens, max_waiting
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._waiting: deque[_Prefill] = deque()  # not admitted yet (the pool is full)
+        self._prefilling: dict[str, _Prefill] = {}  # admitted, prompt chunks still to run
+        self._verifies: dict[str, tuple[TokenTree, Future]] = {}
+        self._releases: list[tuple[str, Future]] = []
+        self._sessions: set[str] = set()  # admitted or waiting, not released: what num_sessions counts
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------- protocol
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult:
+        return self.submit_prefill(session_id, prompt, sampling).result()
+
+    def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
+        return self.submit_verify(session_id, tree).result()
+
+    def verify_batch(self, requests: Sequence[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+        futures = [self.submit_verify(sid, tree) for sid, tree in requests]
+        return [f.exception() or f.result() for f in futures]
+
+    def release(self, session_id: str) -> None:
+        self.submit_release(session_id).result()
+
+    # ------------------------------------------------------------ submission
+    def submit_prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Future:
+        future: Future = Future()
+        with self._cond:
+            self._check_open()
+            need = self._blocks_needed(len(prompt), sampling)
+            if session_id in self._sessions:
+                future.set_exception(ValueError(f"session {session_id!r} already exists"))
+            elif need > self.verifier.allocator.num_blocks:
+                future.set_exception(CapacityError(
+                    f"the request needs {need} KV blocks (prompt + max_new_tokens + the largest tree), more than "
+                    f"the whole pool has ({self.verifier.allocator.num_blocks}); raise --kv-cache-gb"))
+            elif len(self._waiting) >= self.max_waiting and not self._could_admit_now(len(prompt), sampling):
+                future.set_exception(CapacityError(
+                    f"the verifier is full: {len(self._waiting)} requests already wait for KV blocks"))
+            else:
+                self._sessions.add(session_id)
+                self._waiting.append(_Prefill(session_id, list(prompt), sampling, future))
+                self._cond.notify()
+        return future
+
+    def submit_verify(self, session_id: str, tree: TokenTree) -> Future:
+        future: Future = Future()
+        with self._cond:
+            self._check_open()
+            if session_id in self._verifies:
+                future.set_exception(ValueError(f"session {session_id!r} already has a Verify in flight"))
+            else:
+                self._verifies[session_id] = (tree, future)
+                self._cond.notify()
+        return future
+
+    def submit_release(self, session_id: str) -> Future:
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                future.set_result(None)
+                return future
+            self._releases.append((session_id, future))
+            self._cond.notify()
+        return future
+
+    def close(self) -> None:
+        """Stop the scheduler; calls still queued fail with RuntimeError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # ----------------------------------------------------------------- state
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def session_ids(self) -> list[str]:
+        with self._cond:
+            return list(self._sessions)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the verifier is closed")
+
+    def _could_admit_now(self, prompt_len: int, sampling: SamplingParams) -> bool:
+        return not self._waiting and self.verifier.can_admit(prompt_len, sampling)
+
+    # ------------------------------------------------------------- scheduler
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._releases or self._verifies or self._prefilling
+                           or (self._waiting and self._admissible())):
+                    self._cond.wait()
+                if self._closed:
+                    self._fail_all(RuntimeError("the verifier is closed"))
+                    return
+                releases, self._releases = self._releases, []
+                for session_id, _ in releases:
+                    self._sessions.discard(session_id)
+                    gone = RuntimeError(f"session {session_id!r} was released")
+                    self._drop_waiting(session_id, gone)
+                    request = self._prefilling.pop(session_id, None)
+                    _, verify = self._verifies.pop(session_id, (None, None))
+                    for future in (request.future if request else None, verify):
+                        if future is not None and not future.done():
+                            future.set_exception(gone)
+            for session_id, future in releases:
+                self.verifier.release(session_id)
+                future.set_result(None)
+            with self._cond:
+                self._admit()
+                verifies, self._verifies = self._verifies, {}
+                prefills = self._pick_prefills(sum(tree.num_nodes + 1 for tree, _ in verifies.values()))
+            if not verifies and not prefills:
+                continue
+            self._run(prefills, verifies)
+
+    def _admissible(self) -> bool:
+        head = self._waiting[0]
+        return self.verifier.can_admit(len(head.prompt), head.sampling)
+
+    def _blocks_needed(self, prompt_len: int, sampling: SamplingParams) -> int:
+        return self.verifier.allocator.blocks_for(self.verifier.reservation(prompt_len, sampling))
+
+    def _admit(self) -> None:
+        """Admit waiting prefills in arrival order while the pool can reserve them (under the lock)."""
+        while self._waiting:
+            head = self._waiting[0]
+            if not self.verifier.can_admit(len(head.prompt), head.sampling):
+                return  # wait for blocks; later arrivals do not overtake it
+            self._waiting.popleft()
+            try:
+                self.verifier.admit(head.session_id, head.prompt, head.sampling)
+            except Exception as exc:  # an invalid request
+                self._sessions.discard(head.session_id)
+                head.future.set_exception(exc)
+                continue
+            self._prefilling[head.session_id] = head
+
+    def _pick_prefills(self, verify_tokens: int) -> list[str]:
+        """Prefilling sessions whose next chunk fits the step's token budget (at least one if nothing else)."""
+        budget = self.max_batch_tokens - verify_tokens
+        chosen = []
+        for session_id, request in self._prefilling.items():
+            chunk = min(self.verifier.prefill_chunk, len(request.prompt))
+            if chosen or verify_tokens:
+                if chunk > budget:
+                    break
+            chosen.append(session_id)
+            budget -= chunk
+        return chosen
+
+    def _run(self, prefills: list[str], verifies: dict[str, tuple[TokenTree, Future]]) -> None:
+        requests = [(sid, tree) for sid, (tree, _) in verifies.items()]
+        try:
+            firsts, results = self.verifier.step(prefills, requests)
+        except Exception as exc:  # a model failure: every call of the step gets it
+            for _, future in verifies.values():
+                future.set_exception(exc)
+            with self._cond:
+                for session_id in prefills:
+                    request = self._prefilling.pop(session_id)
+                    self._sessions.discard(session_id)
+                    self.verifier.release(session_id)
+                    request.future.set_exception(exc)
+            return
+        self.stats.steps += 1
+        self.stats.verified += len(requests)
+        self.stats.max_batch = max(self.stats.max_batch, len(requests))
+        self.stats.prefill_chunks += len(prefills)
+        for (_, future), result in zip(verifies.values(), results, strict=True):
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        with self._cond:
+            for session_id, first in firsts.items():
+                request = self._prefilling.pop(session_id)
+                request.future.set_result(PrefillResult(first, time.perf_counter() - request.started))
+
+    def _drop_waiting(self, session_id: str, exc: Exception) -> None:
+        for request in list(self._waiting):
+            if request.session_id == session_id:
+                self._waiting.remove(request)
+                request.future.set_exception(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request in [*self._waiting, *self._prefilling.values()]:
+            if not request.future.done():
+                request.future.set_exception(exc)
+        for _, future in self._verifies.values():
+            future.set_exception(exc)
+        for _, future in self._releases:
+            future.set_result(None)
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._verifies.clear()
+        self._releases.clear()
