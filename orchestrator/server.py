@@ -189,9 +189,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 return result, text.flush(result.text_limit)
             except rpc.UpstreamError as exc:
                 last = attempt == len(self.verifiers) - 1
-                if emitted or last or exc.code != grpc.StatusCode.UNAVAILABLE:
+                if emitted or last or exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                     raise
-                log.warning("verifier %s unavailable before the first token; trying another", verifier.address)
+                log.warning("verifier %s %s before the first token; trying another", verifier.address,
+                            "full" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "unavailable")
         raise AssertionError("unreachable")
 
     async def _chunks(self, request, context):

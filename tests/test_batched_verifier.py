@@ -291,3 +291,22 @@ def test_released_mid_prefill_returns_its_blocks(model_sets):
     assert local.prefilling("x") and local.allocator.num_used > 0
     local.release("x")
     assert local.allocator.num_used == 0
+
+
+def test_cancelled_calls_are_skipped_and_the_scheduler_lives_on(model_sets, ar_reference):
+    """A caller that goes away (gRPC cancel/deadline cancels its future) never breaks the scheduler."""
+    runner = model_sets("cyclic").runner("target", "fast")
+    batching = BatchingVerifier(LocalVerifier(runner))
+    try:
+        batching.prefill("a", PROMPTS[0], _sampling())
+        for _ in range(20):  # cancel at random points of the scheduler's cycle
+            batching.submit_verify("a", TokenTree.empty()).cancel()
+            time.sleep(0.001)
+        batching.submit_prefill("gone", PROMPTS[1], _sampling()).cancel()
+        batching.release("gone")
+        got = batching.verify("a", TokenTree.empty()).tokens  # still served
+        assert len(got) == 1
+        batching.release("a")
+        assert batching.verifier.allocator.num_used == 0 and batching.num_sessions == 0
+    finally:
+        batching.close()

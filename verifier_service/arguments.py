@@ -9,3 +9,28 @@ def add_lookahead_argument(p: argparse.ArgumentParser, help: str) -> None:
     from verifier_service.lookahead import LookaheadConfig
 
     p.add_argument("--lookahead", type=LookaheadConfig.argument, default=None, metavar="W,N", help=help)
+
+
+def add_batching_arguments(p: argparse.ArgumentParser) -> None:
+    """The KV pool and the continuous-batching scheduler (`specmesh verifier`, and embedded `bench`)."""
+    from specmesh.kv_pool import DEFAULT_BLOCK_SIZE
+    from verifier_service.batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
+    from verifier_service.verifier import DEFAULT_KV_CACHE_GB, DEFAULT_PREFILL_CHUNK
+
+    g = p.add_argument_group("KV pool and batching")
+    g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help=f"memory of the paged KV pool shared by all sessions; a session reserves its worst case "
+                        f"(prompt + max_new_tokens + the largest tree) at admission, so a running request never "
+                        f"runs out (default: {DEFAULT_KV_CACHE_GB:g}, or less when 64 sessions at full context "
+                        f"need less)")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
+                   help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})")
+    g.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
+                   help=f"rows per batched forward: every pending Verify, then prompt chunks up to this "
+                        f"(default: {DEFAULT_MAX_BATCH_TOKENS})")
+    g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help=f"prompt tokens of one session per step, so a long prompt never stalls decoding "
+                        f"(default: {DEFAULT_PREFILL_CHUNK})")
+    g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
+                   help=f"Prefills waiting for KV blocks; more get RESOURCE_EXHAUSTED (default: "
+                        f"{DEFAULT_MAX_WAITING})")

@@ -20,11 +20,12 @@ no timer, no batching window.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from specmesh.contract import CapacityError, PrefillResult, VerifyResult
@@ -34,6 +35,24 @@ from verifier_service.verifier import LocalVerifier
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
 DEFAULT_MAX_WAITING = 256
+log = logging.getLogger("specmesh.batching")
+
+
+def _claim(future: Future) -> bool:
+    """Mark a call as running; False if its caller cancelled it (then it is skipped). A running future can no
+    longer be cancelled, so its result can always be set."""
+    return future.done() is False and future.set_running_or_notify_cancel()
+
+
+def _settle(future: Future, result=None, exc: BaseException | None = None) -> None:
+    """Resolve a call unless its caller cancelled it meanwhile."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled (or settled) by then: nobody is waiting
+        pass
 
 
 @dataclass
@@ -169,33 +188,42 @@ class BatchingVerifier:
     # ------------------------------------------------------------- scheduler
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not (self._closed or self._releases or self._verifies or self._prefilling
-                           or (self._waiting and self._admissible())):
-                    self._cond.wait()
-                if self._closed:
-                    self._fail_all(RuntimeError("the verifier is closed"))
+            try:
+                if not self._iterate():
                     return
-                releases, self._releases = self._releases, []
-                for session_id, _ in releases:
-                    self._sessions.discard(session_id)
-                    gone = RuntimeError(f"session {session_id!r} was released")
-                    self._drop_waiting(session_id, gone)
-                    request = self._prefilling.pop(session_id, None)
-                    _, verify = self._verifies.pop(session_id, (None, None))
-                    for future in (request.future if request else None, verify):
-                        if future is not None and not future.done():
-                            future.set_exception(gone)
-            for session_id, future in releases:
-                self.verifier.release(session_id)
-                future.set_result(None)
-            with self._cond:
-                self._admit()
-                verifies, self._verifies = self._verifies, {}
-                prefills = self._pick_prefills(sum(tree.num_nodes + 1 for tree, _ in verifies.values()))
-            if not verifies and not prefills:
-                continue
+            except Exception:  # a bug here must not leave every caller hanging
+                log.exception("verifier scheduler step failed")
+
+    def _iterate(self) -> bool:
+        """One scheduling round; False once closed."""
+        with self._cond:
+            while not (self._closed or self._releases or self._verifies or self._prefilling
+                       or (self._waiting and self._admissible())):
+                self._cond.wait()
+            if self._closed:
+                self._fail_all(RuntimeError("the verifier is closed"))
+                return False
+            releases, self._releases = self._releases, []
+            for session_id, _ in releases:
+                self._sessions.discard(session_id)
+                gone = RuntimeError(f"session {session_id!r} was released")
+                self._drop_waiting(session_id, gone)
+                request = self._prefilling.pop(session_id, None)
+                _, verify = self._verifies.pop(session_id, (None, None))
+                for future in (request.future if request else None, verify):
+                    if future is not None:
+                        _settle(future, exc=gone)
+        for session_id, future in releases:
+            self.verifier.release(session_id)
+            _settle(future)
+        with self._cond:
+            self._admit()
+            verifies = {sid: (tree, f) for sid, (tree, f) in self._verifies.items() if _claim(f)}
+            self._verifies = {}
+            prefills = self._pick_prefills(sum(tree.num_nodes + 1 for tree, _ in verifies.values()))
+        if verifies or prefills:
             self._run(prefills, verifies)
+        return True
 
     def _admissible(self) -> bool:
         head = self._waiting[0]
@@ -208,14 +236,21 @@ class BatchingVerifier:
         """Admit waiting prefills in arrival order while the pool can reserve them (under the lock)."""
         while self._waiting:
             head = self._waiting[0]
+            if head.future.cancelled():  # its caller went away while it waited
+                self._waiting.popleft()
+                self._sessions.discard(head.session_id)
+                continue
             if not self.verifier.can_admit(len(head.prompt), head.sampling):
                 return  # wait for blocks; later arrivals do not overtake it
             self._waiting.popleft()
+            if not _claim(head.future):
+                self._sessions.discard(head.session_id)
+                continue
             try:
                 self.verifier.admit(head.session_id, head.prompt, head.sampling)
             except Exception as exc:  # an invalid request
                 self._sessions.discard(head.session_id)
-                head.future.set_exception(exc)
+                _settle(head.future, exc=exc)
                 continue
             self._prefilling[head.session_id] = head
 
@@ -237,14 +272,15 @@ class BatchingVerifier:
         try:
             firsts, results = self.verifier.step(prefills, requests)
         except Exception as exc:  # a model failure: every call of the step gets it
+            log.exception("batched step failed")
             for _, future in verifies.values():
-                future.set_exception(exc)
+                _settle(future, exc=exc)
             with self._cond:
                 for session_id in prefills:
                     request = self._prefilling.pop(session_id)
                     self._sessions.discard(session_id)
                     self.verifier.release(session_id)
-                    request.future.set_exception(exc)
+                    _settle(request.future, exc=exc)
             return
         self.stats.steps += 1
         self.stats.verified += len(requests)
@@ -252,28 +288,30 @@ class BatchingVerifier:
         self.stats.prefill_chunks += len(prefills)
         for (_, future), result in zip(verifies.values(), results, strict=True):
             if isinstance(result, Exception):
-                future.set_exception(result)
+                _settle(future, exc=result)
             else:
-                future.set_result(result)
+                _settle(future, result)
         with self._cond:
             for session_id, first in firsts.items():
                 request = self._prefilling.pop(session_id)
-                request.future.set_result(PrefillResult(first, time.perf_counter() - request.started))
+                _settle(request.future, PrefillResult(first, time.perf_counter() - request.started))
 
     def _drop_waiting(self, session_id: str, exc: Exception) -> None:
         for request in list(self._waiting):
             if request.session_id == session_id:
                 self._waiting.remove(request)
-                request.future.set_exception(exc)
+                if not request.future.cancelled():
+                    _settle(request.future, exc=exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for request in [*self._waiting, *self._prefilling.values()]:
-            if not request.future.done():
-                request.future.set_exception(exc)
+            if not request.future.cancelled():
+                _settle(request.future, exc=exc)
         for _, future in self._verifies.values():
-            future.set_exception(exc)
+            if not future.cancelled():
+                _settle(future, exc=exc)
         for _, future in self._releases:
-            future.set_result(None)
+            _settle(future)
         self._waiting.clear()
         self._prefilling.clear()
         self._verifies.clear()

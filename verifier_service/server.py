@@ -1,9 +1,12 @@
-"""`specmesh verifier`: the Verifier gRPC service, a thin shell over LocalVerifier.
+"""`specmesh verifier`: the Verifier gRPC service, a thin shell over BatchingVerifier.
 
-Model work runs on one worker thread (one forward at a time; sessions interleave
-step by step), so the event loop stays free for health checks and new calls.
-Sessions whose caller vanished without Release (an orchestrator killed mid-request)
-are released after ``session_ttl`` seconds without a call.
+Model work runs on the batching scheduler's thread: the Prefill and Verify calls of
+all sessions pending at a step share one forward (continuous batching, see
+``verifier_service/batching.py``), so the event loop stays free for health checks and
+new calls. A Prefill the KV pool cannot hold waits in a bounded queue; beyond it the
+call gets RESOURCE_EXHAUSTED. Sessions whose caller vanished without Release (an
+orchestrator killed mid-request) are released after ``session_ttl`` seconds without a
+call, which returns their KV blocks.
 """
 
 from __future__ import annotations
@@ -12,34 +15,29 @@ import argparse
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
 
 from specmesh import models, serving
-from specmesh.contract import UnknownSessionError
+from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import VERIFIER_SERVICE, feedback_to_proto, sampling_from_proto, tree_from_proto
-from verifier_service.arguments import add_lookahead_argument
+from verifier_service.arguments import add_batching_arguments, add_lookahead_argument
 
 if TYPE_CHECKING:
-    from verifier_service.verifier import LocalVerifier
+    from verifier_service.batching import BatchingVerifier
 
 log = logging.getLogger("specmesh.verifier")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, verifier: LocalVerifier, model_name: str = "", session_ttl: float = 600.0) -> None:
+    def __init__(self, verifier: BatchingVerifier, model_name: str = "", session_ttl: float = 600.0) -> None:
         self.verifier = verifier
         self.model_name = model_name
         self.session_ttl = session_ttl
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="verifier-model")
         self._last_call: dict[str, float] = {}
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # ------------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
@@ -47,13 +45,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
         try:
             sampling = sampling_from_proto(request.sampling)
-            result = await self._run(self.verifier.prefill, request.session_id, list(request.prompt), sampling)
+            future = self.verifier.submit_prefill(request.session_id, list(request.prompt), sampling)
+            result = await asyncio.wrap_future(future)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CapacityError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except asyncio.CancelledError:
-            # the caller is gone (cancel, deadline) while the prefill ran: nobody will Release it;
-            # queued behind the prefill on the model thread, so it runs once the session exists
-            self._executor.submit(self.verifier.release, request.session_id)
+            # the caller is gone (cancel, deadline) while the prefill waited or ran: nobody will Release it
+            self.verifier.submit_release(request.session_id)
             raise
         self._last_call[request.session_id] = time.monotonic()
         return verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
@@ -62,7 +62,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             tree = tree_from_proto(request.tree)
             self._touch(request.session_id)
-            result = await self._run(self.verifier.verify, request.session_id, tree)
+            result = await asyncio.wrap_future(self.verifier.submit_verify(request.session_id, tree))
         except UnknownSessionError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except (InvalidTreeError, ValueError) as exc:
@@ -76,7 +76,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Release(self, request, context):
         self._last_call.pop(request.session_id, None)
-        await self._run(self.verifier.release, request.session_id)
+        await asyncio.wrap_future(self.verifier.submit_release(request.session_id))
         return verifier_pb2.ReleaseResponse()
 
     async def Info(self, request, context):
@@ -108,7 +108,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     continue
                 log.warning("releasing session %s: no call for %.0f s", session_id, self.session_ttl)
                 self._last_call.pop(session_id, None)
-                await self._run(self.verifier.release, session_id)
+                await asyncio.wrap_future(self.verifier.submit_release(session_id))
 
 
 # ---------------------------------------------------------------------- CLI
@@ -124,6 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="report the target's top-K next tokens after every verified row with each Verify, for "
                         "learning drafters such as Token Recycling (also inside the default fused mix); 0 = off "
                         "(default: 8)")
+    add_batching_arguments(p)
     add_lookahead_argument(p, "run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
                               "forward) and report the N-grams it harvests with each Verify (default: off)")
     serving.add_server_arguments(p)
@@ -140,9 +141,20 @@ def run(args: argparse.Namespace) -> int:
     runner = models.load_runner(path, models.torch_dtype(args.dtype), args.runner)
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
+    from verifier_service.batching import BatchingVerifier
     from verifier_service.verifier import LocalVerifier
 
-    verifier = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead)
+    try:
+        local = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead, args.kv_cache_gb,
+                              args.block_size, args.prefill_chunk)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
+    verifier = BatchingVerifier(local, args.max_batch_tokens, args.max_waiting)
+    log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", local.allocator.num_blocks, local.allocator.block_size,
+             local.allocator.num_blocks * local.allocator.block_size * runner.kv_bytes_per_token / 2**30)
     servicer = VerifierServicer(verifier, str(path), args.session_ttl)
-    return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
-                         VERIFIER_SERVICE, background=servicer.reap_idle_sessions)
+    try:
+        return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
+                             VERIFIER_SERVICE, background=servicer.reap_idle_sessions)
+    finally:
+        verifier.close()

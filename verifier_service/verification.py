@@ -15,11 +15,26 @@ row i + 1 to node i: row r holds the target's prediction for the *children* of r
   output distribution identical to sampling from the target. A deterministic pick
   is the point mass q_c = delta(x_c): accept with probability p(x_c), else zero
   x_c out of p and renormalise.
+
+Batched serving verifies many requests' trees from one target forward. The target's
+outputs then arrive packed: request r owns rows ``cu_rows[r]:cu_rows[r + 1]`` (its
+tree's num_nodes + 1 rows, laid out as above), on the model's device.
+
+- ``verify_greedy_batch``: one argmax over all rows and one host copy, then
+  ``verify_greedy`` per tree.
+- ``verify_sample_batch``: the rule of ``verify_sample``, with the device work done up
+  front for all requests (in the style of vLLM's rejection sampler): each request's
+  uniforms drawn in one call with its own generator, p(x_i) of every node read from its
+  parent's row by one gather, both copied to the host at once. The tree walk runs on the
+  host; the device is read again only after a rejection has changed p at a node (the
+  residual). The bonus tokens are drawn on the device and copied at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -83,6 +98,97 @@ def residual(p: torch.Tensor, q_ids: torch.Tensor, q_vals: torch.Tensor) -> torc
     r.index_add_(0, q_ids.long(), -q_vals)
     r.clamp_(min=0.0)
     total = r.sum()
-    if total <= 0:  # p == q up to rounding: the child would have been accepted surely
-        return p
-    return r / total
+    # p == q up to rounding (total 0): the child would have been accepted surely; keep p. A select, not an
+    # `if`, so that no host sync is needed on a device
+    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+# ------------------------------------------------------------------ batched
+def verify_greedy_batch(
+    trees: Sequence[TokenTree],
+    logits: torch.Tensor,  # [total_rows, vocab], on any device
+    cu_rows: Sequence[int],  # [num_trees + 1], tree r owns rows cu_rows[r]:cu_rows[r + 1]
+) -> list[Acceptance]:
+    """``verify_greedy`` for every tree, from one argmax over the packed rows."""
+    spans = _row_spans(trees, logits, cu_rows)
+    target_argmax = logits.argmax(dim=-1).cpu().numpy()  # [total_rows]; host sync, the only one
+    return [verify_greedy(tree, target_argmax[lo:hi]) for tree, (lo, hi) in zip(trees, spans, strict=True)]
+
+
+def verify_sample_batch(
+    trees: Sequence[TokenTree],
+    probs: torch.Tensor,  # [total_rows, vocab] float64, warped target distributions (sum to 1 per row)
+    cu_rows: Sequence[int],  # [num_trees + 1], tree r owns rows cu_rows[r]:cu_rows[r + 1]
+    generators: Sequence[torch.Generator | None],  # [num_trees] on probs.device; request r uses only its own
+) -> list[Acceptance]:
+    """``verify_sample`` for every tree, with the same output law (not the same random stream)."""
+    assert probs.dtype == torch.float64, probs.dtype
+    assert len(generators) == len(trees), (len(generators), len(trees))
+    spans = _row_spans(trees, probs, cu_rows)
+    if not trees:
+        return []
+    device = probs.device
+    # one uniform per node, one call per request: a seeded request's draws do not depend on its batch
+    uniforms = torch.cat([
+        torch.rand(tree.num_nodes, generator=gen, device=device, dtype=torch.float64)
+        for tree, gen in zip(trees, generators, strict=True)
+    ])  # [total_nodes]
+    # p(x_i) of every node's token, read from its parent's row
+    rows = np.concatenate([lo + 1 + tree.parents for tree, (lo, _) in zip(trees, spans, strict=True)])
+    cols = np.concatenate([tree.tokens for tree in trees])  # rows, cols: [total_nodes]
+    p_tokens = probs[torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)]  # [total_nodes]
+    uniforms_host, p_tokens_host = torch.stack([uniforms, p_tokens]).cpu().numpy()  # host sync
+    cu_nodes = np.cumsum([0] + [tree.num_nodes for tree in trees])  # [num_trees + 1]
+    walks = [
+        _walk_sample(tree, probs[lo:hi], uniforms_host[a:b], p_tokens_host[a:b])
+        for tree, (lo, hi), a, b in zip(trees, spans, cu_nodes[:-1], cu_nodes[1:], strict=True)
+    ]
+    bonus = torch.cat([
+        torch.multinomial(bonus_p, 1, generator=gen)
+        for (_, bonus_p), gen in zip(walks, generators, strict=True)
+    ]).tolist()  # [num_trees]; host sync
+    return [Acceptance(tuple(accepted), token) for (accepted, _), token in zip(walks, bonus, strict=True)]
+
+
+def _walk_sample(
+    tree: TokenTree,
+    target_probs: torch.Tensor,  # [num_nodes + 1, vocab] float64, on the device
+    uniforms: np.ndarray,  # [num_nodes] float64: node i's acceptance draw
+    p_tokens: np.ndarray,  # [num_nodes] float64: p(x_i) in the row of i's parent, before any rejection there
+) -> tuple[list[int], torch.Tensor]:
+    """verify_sample's walk on the host: (accepted path, bonus token's distribution [vocab] on the device)."""
+    accepted: list[int] = []
+    node = -1
+    while True:
+        p = target_probs[node + 1]
+        rejected = False  # once a child is rejected here, p is a residual that lives only on the device
+        chosen = None
+        for child in tree.children_of(node):
+            x = int(tree.tokens[child])
+            q_ids, q_vals = tree.draft_dist(child)
+            q_x = float(q_vals[q_ids == x][0])
+            p_x = float(p[x]) if rejected else float(p_tokens[child])  # host sync only after a rejection
+            if uniforms[child] * q_x < p_x:  # u < min(1, p_x / q_x), without dividing
+                chosen = child
+                break
+            # on CUDA, residual's `total <= 0` test is a host sync as well
+            p = residual(p, torch.as_tensor(q_ids, device=p.device),
+                         torch.as_tensor(q_vals, dtype=torch.float64, device=p.device))
+            rejected = True
+        if chosen is None:
+            return accepted, p
+        accepted.append(chosen)
+        node = chosen
+
+
+def _row_spans(
+    trees: Sequence[TokenTree], packed: torch.Tensor, cu_rows: Sequence[int]
+) -> list[tuple[int, int]]:
+    """(start, end) row of each tree in ``packed`` [total_rows, vocab]; asserts the packing fits the trees."""
+    cu = [int(c) for c in cu_rows]
+    assert packed.ndim == 2, packed.shape
+    assert len(cu) == len(trees) + 1 and cu[0] == 0 and cu[-1] == packed.shape[0], (cu, packed.shape)
+    spans = list(pairwise(cu))
+    for tree, (lo, hi) in zip(trees, spans, strict=True):
+        assert hi - lo == tree.num_nodes + 1, (hi - lo, tree.num_nodes)
+    return spans
