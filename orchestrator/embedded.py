@@ -6,7 +6,7 @@ deployments build the same Engine from remote Drafter/Verifier implementations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, r
 from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_model, load_tokenizer
+from verifier_service.batching import BatchingVerifier
 from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
 
@@ -36,6 +37,8 @@ class EmbeddedStack:
     tokenizer: object
     store_spec: str | None = None  # n-gram store of store-backed proposers (see drafter_service.ngram_store.open_store)
     lookahead: LookaheadConfig | None = None  # the verifier's Jacobi window (lookahead n-grams); None = off
+    kv_cache_gb: float | None = None  # the shared verifiers' KV pool (None: LocalVerifier's default)
+    _shared: dict = field(default_factory=dict)  # (feedback_topk, lookahead) -> BatchingVerifier
 
     @classmethod
     def load(
@@ -75,12 +78,15 @@ class EmbeddedStack:
         policy: str | None = None,
         restart_depth: int | None = None,
         ahead_from: str = "path",
+        shared: bool = False,
         **proposer_opts,
     ) -> Engine:
         """An engine with ``proposer`` (None or "none" = plain autoregressive decoding).
         ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
         ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
-        has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH)."""
+        has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH). ``shared``: verify on the stack's
+        batching verifier, so the requests of all threads using such engines share forwards (an engine is
+        safe to use from many threads at once)."""
         proposer = None if proposer in (None, "none", "ar") else proposer
         drafter, topk, min_ngram = None, 0, 0
         if proposer is not None:
@@ -98,10 +104,28 @@ class EmbeddedStack:
         if lookahead is not None and lookahead.ngram < min_ngram:
             raise ValueError(f"--lookahead N must be at least {min_ngram} for {proposer}'s n-gram store "
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
-        verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk=topk, lookahead=lookahead)
+        if shared:
+            verifier = self.shared_verifier(topk, lookahead)
+        else:
+            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk=topk, lookahead=lookahead)
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         return Engine(verifier, only(drafter, proposer or ""), chosen, self.decode, overlap=overlap,
                       ahead_from=ahead_from)
+
+
+    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None) -> BatchingVerifier:
+        """The stack's batching verifier of that configuration (one KV pool each), created on first use."""
+        key = (feedback_topk, lookahead)
+        if key not in self._shared:
+            local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb)
+            self._shared[key] = BatchingVerifier(local)
+        return self._shared[key]
+
+    def close(self) -> None:
+        """Stop the shared verifiers' schedulers."""
+        for verifier in self._shared.values():
+            verifier.close()
+        self._shared.clear()
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:

@@ -13,9 +13,12 @@ block on a future; one scheduler thread owns the LocalVerifier and loops:
    (``max_batch_tokens``) lasts, so a long prompt never stalls the others,
 4. run it (``LocalVerifier.step``) and resolve the futures.
 
-A session's calls are sequential (the orchestrator waits for each result), so a step
-holds each session at most once. New work arriving during a step joins the next one:
-no timer, no batching window.
+A session's calls are sequential (the orchestrator drafts between two Verifys), so a
+step holds each session at most once. Without care the sessions split into cohorts:
+those answered by step k come back while step k + 1 already runs the others, and every
+step carries half of them. So when fewer Verifys are pending than sessions decode, the
+scheduler waits for the rest, but never longer than half the last step's time (nor
+``max_wait_ms``): a straggler costs the others at most that, once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from verifier_service.verifier import LocalVerifier
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
 DEFAULT_MAX_WAITING = 256
+DEFAULT_MAX_WAIT_MS = 5.0
 log = logging.getLogger("specmesh.batching")
 
 
@@ -83,7 +87,7 @@ class BatchingVerifier:
     """Thread-safe Verifier over a LocalVerifier, batching the calls of all threads (see module doc)."""
 
     def __init__(self, verifier: LocalVerifier, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, max_wait_ms: float = DEFAULT_MAX_WAIT_MS) -> None:
         if max_batch_tokens < 1 or max_waiting < 0:
             raise ValueError(f"max_batch_tokens must be >= 1 and max_waiting >= 0, got {max_batch_tokens}, "
                              f"{max_waiting}")
@@ -91,6 +95,9 @@ class BatchingVerifier:
         self.info = verifier.info
         self.max_tree_nodes = verifier.max_tree_nodes
         self.max_batch_tokens, self.max_waiting = max_batch_tokens, max_waiting
+        self.max_wait = max_wait_ms / 1e3
+        self._step_seconds = 0.0  # moving average of a step's time: bounds the wait for stragglers
+        self._decoding: set[str] = set()  # prefill done, not released: the Verifys a step may expect
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._waiting: deque[_Prefill] = deque()  # not admitted yet (the pool is full)
@@ -200,12 +207,14 @@ class BatchingVerifier:
             while not (self._closed or self._releases or self._verifies or self._prefilling
                        or (self._waiting and self._admissible())):
                 self._cond.wait()
+            self._gather_stragglers()
             if self._closed:
                 self._fail_all(RuntimeError("the verifier is closed"))
                 return False
             releases, self._releases = self._releases, []
             for session_id, _ in releases:
                 self._sessions.discard(session_id)
+                self._decoding.discard(session_id)
                 gone = RuntimeError(f"session {session_id!r} was released")
                 self._drop_waiting(session_id, gone)
                 request = self._prefilling.pop(session_id, None)
@@ -224,6 +233,16 @@ class BatchingVerifier:
         if verifies or prefills:
             self._run(prefills, verifies)
         return True
+
+    def _gather_stragglers(self) -> None:
+        """Under the lock, with work pending: while only some decoding sessions have their Verify in, wait
+        for the others up to min(max_wait, half a step) (see module doc)."""
+        if not self._verifies or self._prefilling or self._releases:
+            return
+        deadline = time.monotonic() + min(self.max_wait, 0.5 * self._step_seconds)
+        while (len(self._verifies) < len(self._decoding) and not self._closed
+               and (remaining := deadline - time.monotonic()) > 0):
+            self._cond.wait(remaining)
 
     def _admissible(self) -> bool:
         head = self._waiting[0]
@@ -269,6 +288,7 @@ class BatchingVerifier:
 
     def _run(self, prefills: list[str], verifies: dict[str, tuple[TokenTree, Future]]) -> None:
         requests = [(sid, tree) for sid, (tree, _) in verifies.items()]
+        started = time.perf_counter()
         try:
             firsts, results = self.verifier.step(prefills, requests)
         except Exception as exc:  # a model failure: every call of the step gets it
@@ -282,6 +302,7 @@ class BatchingVerifier:
                     self.verifier.release(session_id)
                     _settle(request.future, exc=exc)
             return
+        self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.perf_counter() - started)
         self.stats.steps += 1
         self.stats.verified += len(requests)
         self.stats.max_batch = max(self.stats.max_batch, len(requests))
@@ -293,6 +314,7 @@ class BatchingVerifier:
                 _settle(future, result)
         with self._cond:
             for session_id, first in firsts.items():
+                self._decoding.add(session_id)
                 request = self._prefilling.pop(session_id)
                 _settle(request.future, PrefillResult(first, time.perf_counter() - request.started))
 

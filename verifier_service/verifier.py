@@ -48,7 +48,7 @@ from verifier_service.lookahead import (
     window_positions,
     window_span,
 )
-from verifier_service.verification import Acceptance, verify_greedy, verify_sample
+from verifier_service.verification import Acceptance, verify_greedy, verify_sample_batch
 
 DEFAULT_KV_CACHE_GB = 2.0  # the KV pool's budget when none is given (capped: see kv_pool_blocks)
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step of one session's prefill
@@ -261,21 +261,30 @@ class LocalVerifier:
         topk = None
         if self.feedback_topk and verify_rows:
             topk = torch.topk(logits, self.feedback_topk, dim=-1).indices.cpu().numpy()  # [R, k]
-        firsts: dict[str, int] = {}
+        # acceptance: (session, tree, first logits row) of each finishing prefill (an empty tree) and verify
+        accepting: list[tuple[_Session, TokenTree, int]] = []
+        finishing: list[str] = []
         offset = 0
         for session_id, row in zip(prefills, rows, strict=False):
             row.session.prefilled += row.num_new
-            if row.session.prefilled < len(row.session.prompt):
-                continue
-            first = self._accept(row.session, TokenTree.empty(), logits[offset : offset + 1], argmax[offset : offset + 1])
-            firsts[session_id] = first.bonus_token
-            self._start_decoding(row.session, first.bonus_token)
-            offset += 1
-        elapsed = time.perf_counter() - start_time
+            if row.session.prefilled == len(row.session.prompt):
+                accepting.append((row.session, TokenTree.empty(), offset))
+                finishing.append(session_id)
+                offset += 1
+        starts = {}
         for index, row in verify_rows:
-            r = slice(offset, offset + row.num_new)
-            results[index] = self._finish_verify(row, logits[r], argmax[r], None if topk is None else topk[r], elapsed)
+            accepting.append((row.session, row.tree, offset))
+            starts[index] = offset
             offset += row.num_new
+        acceptances = self._accept_all(accepting, logits, argmax)
+        firsts: dict[str, int] = {}
+        for session_id, acceptance in zip(finishing, acceptances, strict=False):
+            firsts[session_id] = acceptance.bonus_token
+            self._start_decoding(self._sessions[session_id], acceptance.bonus_token)
+        elapsed = time.perf_counter() - start_time
+        for (index, row), acceptance in zip(verify_rows, acceptances[len(finishing) :], strict=True):
+            r = slice(starts[index], starts[index] + row.num_new)
+            results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed)
         return firsts, results
 
     # -------------------------------------------------------------- internals
@@ -312,12 +321,11 @@ class LocalVerifier:
         anc = ancestor_mask(branch_parents(tree.parents, row.span))
         return tree_attend_mask(row.prefix_len, torch.from_numpy(anc))
 
-    def _finish_verify(self, row: _Row, logits: torch.Tensor, argmax: np.ndarray, topk: np.ndarray | None,
+    def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
                        elapsed: float) -> VerifyResult:
-        """logits/argmax/topk: the row's [1 + num_nodes + span] outputs."""
+        """argmax/topk: the row's [1 + num_nodes + span] outputs."""
         session, tree = row.session, row.tree
         verified = tree.num_nodes + 1  # rows taking part in acceptance
-        acceptance = self._accept(session, tree, logits[:verified], argmax[:verified])
         session.cache.keep(row.prefix_len, [0] + [1 + n for n in acceptance.accepted_nodes])  # drops the window
         tokens = acceptance.tokens(tree)
         feedback = None
@@ -344,13 +352,30 @@ class LocalVerifier:
         return ngrams
 
     @staticmethod
-    def _accept(session: _Session, tree: TokenTree, logits: torch.Tensor, argmax: np.ndarray) -> Acceptance:
-        """logits: [num_nodes + 1, vocab]; argmax: its row-wise argmax (host)."""
-        sp = session.sampling
-        if sp.greedy:
-            return verify_greedy(tree, argmax)
-        probs = warp_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-        return verify_sample(tree, probs, session.generator)
+    def _accept_all(items: Sequence[tuple[_Session, TokenTree, int]], logits: torch.Tensor,
+                    argmax: np.ndarray) -> list[Acceptance]:
+        """The accepted path of each (session, tree, first row): tree r's outputs are rows
+        [first, first + num_nodes + 1) of logits [R, vocab] (argmax: its row-wise argmax, on the host).
+        Greedy sessions walk the argmax; sampling ones go through one batched rejection sampler."""
+        out: list[Acceptance | None] = [None] * len(items)
+        sampled = []
+        for i, (session, tree, first) in enumerate(items):
+            if session.sampling.greedy:
+                out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
+            else:
+                sampled.append(i)
+        if sampled:
+            probs, cu = [], [0]
+            for i in sampled:
+                session, tree, first = items[i]
+                sp = session.sampling
+                probs.append(warp_probs(logits[first : first + tree.num_nodes + 1], sp.temperature, sp.top_k, sp.top_p))
+                cu.append(cu[-1] + tree.num_nodes + 1)
+            trees = [items[i][1] for i in sampled]
+            generators = [items[i][0].generator for i in sampled]
+            for i, acceptance in zip(sampled, verify_sample_batch(trees, torch.cat(probs), cu, generators), strict=True):
+                out[i] = acceptance
+        return out
 
     @property
     def num_sessions(self) -> int:

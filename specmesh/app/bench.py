@@ -58,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specmesh.app.bench_load import load_table
 from specmesh.app.bench_runners import (
     GRPC_PREFIX,
     HF_METHODS,
@@ -415,6 +416,15 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
         prompts.append((row["id"], ids, max_new))
     if not prompts:
         raise SystemExit("specmesh bench: no prompts to run")
+    if args.concurrency is not None:
+        from specmesh.app.bench_load import run_load_bench
+
+        try:
+            load = run_load_bench(args, specs, stack, prompts, base, client)
+        finally:
+            stack.close()
+        return {"config": _config(args, specs, stack, target_dir, draft_dir, base, prompts, client),
+                "environment": environment(), "load": load}
 
     target_meter, draft_meter = ForwardMeter(stack.target_runner), ForwardMeter(stack.draft_runner)
     try:
@@ -455,27 +465,33 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
             label = s.label if p == 1 else f"{s.label} (pass {p})"
             methods[label] = aggregate([r for r in records if r["method"] == s.label and r["pass"] == p], base.greedy)
     return {
-        "config": {
-            "prompts": str(args.prompts),
-            "target": str(target_dir),
-            "draft": str(draft_dir) if draft_dir else None,
-            "runner": type(stack.target_runner).__name__,
-            "dtype": str(stack.target_runner.dtype),
-            "draft_dtype": str(stack.draft_runner.dtype) if stack.draft_runner else None,
-            "methods": [{"label": s.label, "name": s.name, "options": dict(s.options)} for s in specs],
-            "sampling": dataclasses.asdict(base),
-            "max_new_tokens_override": args.max_new_tokens,
-            "limit": args.limit,
-            "repeats": args.repeats,
-            "passes": args.passes,
-            "ngram_store": args.ngram_store,
-            "lookahead": None if args.lookahead is None else dataclasses.asdict(args.lookahead),
-            "num_prompts": len(prompts),
-            "server": client.address if client is not None else None,
-        },
+        "config": _config(args, specs, stack, target_dir, draft_dir, base, prompts, client),
         "environment": environment(),
         "methods": methods,
         "records": records,
+    }
+
+
+def _config(args, specs, stack, target_dir, draft_dir, base, prompts, client) -> dict:
+    """The report's record of what ran."""
+    return {
+        "prompts": str(args.prompts),
+        "target": str(target_dir),
+        "draft": str(draft_dir) if draft_dir else None,
+        "runner": type(stack.target_runner).__name__,
+        "dtype": str(stack.target_runner.dtype),
+        "draft_dtype": str(stack.draft_runner.dtype) if stack.draft_runner else None,
+        "methods": [{"label": s.label, "name": s.name, "options": dict(s.options)} for s in specs],
+        "sampling": dataclasses.asdict(base),
+        "max_new_tokens_override": args.max_new_tokens,
+        "limit": args.limit,
+        "repeats": args.repeats,
+        "passes": args.passes,
+        "ngram_store": args.ngram_store,
+        "lookahead": None if args.lookahead is None else dataclasses.asdict(args.lookahead),
+        "num_prompts": len(prompts),
+        "server": client.address if client is not None else None,
+        "concurrency": args.concurrency,
     }
 
 
@@ -565,6 +581,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", required=True, metavar="OUT.json", help="write the full report here")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
                         help="`specmesh serve` that grpc:NAME methods go through (token from $SPECMESH_TOKEN)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="N",
+                        help="load mode: for each N, run the prompts with N requests in flight (N client threads; "
+                             "embedded methods share one batching verifier, grpc: ones go through serve) and report "
+                             "aggregate tokens/s, per-token latency p50/p99, TTFT, tau and the verifier's mean batch "
+                             "per method and N, instead of the per-prompt comparison (default: off)")
     parser.add_argument("--spawn-mesh", action="store_true",
                         help="for grpc:NAME methods, start a verifier, a drafter and serve on 127.0.0.1 with this "
                              "command's model options, and stop them at the end")
@@ -573,8 +594,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.passes < 1:
         raise SystemExit("specmesh bench: --repeats and --passes must be >= 1")
+    if args.concurrency is not None and min(args.concurrency) < 1:
+        raise SystemExit("specmesh bench: --concurrency values must be >= 1")
     report = run_bench(args)
-    report["table"] = markdown_table(report)
+    report["table"] = markdown_table(report) if args.concurrency is None else load_table(report["load"])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -1,0 +1,176 @@
+"""`specmesh bench --concurrency N [N ...]`: throughput and latency with N requests in flight.
+
+For each method and each N: N client threads, each streaming its next prompt to the end
+and then taking the next one, so exactly N requests are in flight until the prompts run
+out. Embedded methods share one engine whose verifier batches the requests of all
+threads (``EmbeddedStack.shared_verifier``: one forward per step for everyone);
+``grpc:NAME`` methods go through the client SDK to `specmesh serve`, whose verifier
+batches the same way. Hugging Face methods do not batch across requests and are skipped.
+
+Per method and N: aggregate generated tokens/s (all tokens / wall time from the first
+request to the last), per-token latency p50/p99 (the gaps between streamed tokens,
+pooled over all requests; a step that commits k tokens counts k gaps of a k-th of its
+time, as vLLM's inter-token latency does), time to first token p50, τ (tokens per
+verification step), the verifier's mean batch (Verify calls per forward, embedded only),
+and the speed against ``ar`` at the same N and against the method itself at the lowest N.
+Greedy outputs are checked against the ``ar`` output of the same prompt at N = 1. Every
+level starts from a fresh drafter (in this process; a remote drafter keeps what it
+learned), since the same prompts run at every level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from specmesh.app.bench_runners import MethodSpec
+from specmesh.sampling import SamplingParams
+
+Streamer = Callable[[list[int], SamplingParams], Iterator[tuple[int, bool]]]  # yields (tokens in the chunk, is a step)
+
+
+def embedded_streamer(stack, spec: MethodSpec) -> tuple[Streamer, object]:
+    """The method's engine on the stack's batching verifier (shared by every thread); (stream, verifier)."""
+    engine = stack.engine(None if spec.name == "ar" else spec.name, shared=True, **dict(spec.options))
+
+    def stream(prompt: list[int], sampling: SamplingParams):
+        for event in engine.stream(prompt, sampling):
+            yield list(event.tokens), event.step is not None
+
+    return stream, engine.verifier
+
+
+def grpc_streamer(client, spec: MethodSpec) -> tuple[Streamer, None]:
+    from specmesh.app.bench_runners import GrpcRunner
+
+    params = GrpcRunner(client, spec).params
+
+    def stream(prompt: list[int], sampling: SamplingParams):
+        for chunk in client.stream(prompt, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                   top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+                                   ignore_eos=sampling.ignore_eos, **params):
+            yield list(chunk.token_ids), chunk.step is not None
+
+    return stream, None
+
+
+def run_level(stream: Streamer, prompts: Sequence[tuple[str, list[int], int]], base: SamplingParams,
+              concurrency: int, progress=None) -> tuple[list[dict], float]:
+    """Every prompt once with ``concurrency`` requests in flight; (records, wall seconds)."""
+    queue = list(enumerate(prompts))
+    lock = threading.Lock()
+    records: list[dict] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                index, (pid, ids, max_new) = queue.pop(0)
+            seed = None if base.seed is None else base.seed + index
+            sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
+            try:
+                start = time.perf_counter()
+                tokens, stamps, steps = [], [], 0
+                for chunk, is_step in stream(ids, sampling):
+                    stamps.append((time.perf_counter(), len(chunk)))
+                    tokens += chunk
+                    steps += is_step
+            except BaseException as exc:  # noqa: BLE001 (reported after the other clients stop)
+                with lock:
+                    errors.append(exc)
+                return
+            gaps = [(t - prev) / k for (prev, _), (t, k) in zip(stamps, stamps[1:], strict=False) if k
+                    for _ in range(k)]
+            with lock:
+                records.append({"id": pid, "index": index, "tokens": tokens, "steps": steps, "gaps": gaps,
+                                "ttft": stamps[0][0] - start if stamps else None, "start": start,
+                                "end": stamps[-1][0] if stamps else start})
+                if progress is not None:
+                    progress.update(1)
+
+    threads = [threading.Thread(target=client, name=f"bench-client-{i}") for i in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - start
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    tokens = sum(len(r["tokens"]) for r in records)
+    gaps = np.array([g for r in records for g in r["gaps"]]) * 1e3
+    ttft = np.array([r["ttft"] for r in records if r["ttft"] is not None]) * 1e3
+    steps = sum(r["steps"] for r in records)
+    # τ: tokens per verification step (the first token of each request comes from the prefill)
+    tau = (tokens - len(records)) / steps if steps else None
+    return {
+        "requests": len(records), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+        "itl_p50_ms": float(np.percentile(gaps, 50)) if gaps.size else None,
+        "itl_p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
+        "ttft_p50_ms": float(np.percentile(ttft, 50)) if ttft.size else None, "tau": tau,
+    }
+
+
+def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: SamplingParams, client) -> dict:
+    """The load report: per method, per concurrency, the summary (see module doc)."""
+    from tqdm import tqdm
+
+    levels = sorted(set(args.concurrency))
+    methods = [s for s in specs if not s.is_hf]
+    skipped = [s.label for s in specs if s.is_hf]
+    rows: list[dict] = []
+    reference: dict[int, list[int]] = {}
+    for spec in methods:
+        def fresh(spec=spec):  # learning proposers start from scratch at every level (the prompts repeat)
+            return grpc_streamer(client, spec) if spec.is_grpc else embedded_streamer(stack, spec)
+
+        warm = dataclasses.replace(base, max_new_tokens=min(16, prompts[0][2]))
+        for _ in fresh()[0](prompts[0][1], warm):  # warm-up: the first forwards allocate, page in
+            pass
+        for n in levels:
+            stream, verifier = fresh()
+            before = None if verifier is None else (verifier.stats.steps, verifier.stats.verified)
+            with tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar:
+                records, wall = run_level(stream, prompts, base, n, bar)
+            row = {"method": spec.label, "concurrency": n, **summarize(records, wall)}
+            if verifier is not None:
+                steps, verified = verifier.stats.steps - before[0], verifier.stats.verified - before[1]
+                row["mean_batch"] = verified / steps if steps else None
+            if base.greedy:
+                if spec.base_name == "ar" and n == levels[0]:
+                    reference = {r["index"]: r["tokens"] for r in records}
+                row["greedy_match_ar"] = (sum(reference.get(r["index"]) == r["tokens"] for r in records) / len(records)
+                                          if reference else None)
+            rows.append(row)
+    for row in rows:
+        ar = next((r for r in rows if r["method"] == "ar" and r["concurrency"] == row["concurrency"]), None)
+        first = next(r for r in rows if r["method"] == row["method"])
+        row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+        row["scaling_vs_lowest"] = row["tokens_per_s"] / first["tokens_per_s"]
+    return {"levels": levels, "rows": rows, "skipped": skipped}
+
+
+def load_table(report: dict) -> str:
+    def fmt(x, digits=2):
+        return "–" if x is None else f"{x:.{digits}f}"
+
+    lines = ["| method | concurrency | tokens/s | × ar | × lowest N | ITL p50 ms | ITL p99 ms | TTFT p50 ms | τ | "
+             "mean batch | greedy = ar |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['method']} | {r['concurrency']} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup_vs_ar'])} | "
+                     f"{fmt(r['scaling_vs_lowest'])} | {fmt(r['itl_p50_ms'], 1)} | {fmt(r['itl_p99_ms'], 1)} | "
+                     f"{fmt(r['ttft_p50_ms'], 0)} | {fmt(r['tau'])} | {fmt(r.get('mean_batch'))} | "
+                     f"{fmt(r.get('greedy_match_ar'))} |")
+    if report["skipped"]:
+        lines += ["", "skipped (no batching across requests): " + ", ".join(report["skipped"])]
+    return "\n".join(lines)
