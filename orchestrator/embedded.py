@@ -17,7 +17,7 @@ from drafter_service.ngram_store import tokenizer_fingerprint
 from drafter_service.proposer import make_proposer, proposer_spec
 from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
-from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, resolve_budget
+from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
 from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_model, load_tokenizer
@@ -106,6 +106,7 @@ class EmbeddedStack:
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
         if shared:
             verifier = self.shared_verifier(topk, lookahead)
+            chosen = load_aware(chosen, verifier.costs)
         else:
             verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk=topk, lookahead=lookahead)
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
@@ -118,7 +119,7 @@ class EmbeddedStack:
         key = (feedback_topk, lookahead)
         if key not in self._shared:
             local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb)
-            self._shared[key] = BatchingVerifier(local)
+            self._shared[key] = BatchingVerifier(local, costs=local.profile_costs())
         return self._shared[key]
 
     def close(self) -> None:

@@ -226,5 +226,6 @@ class _Request:
             draft_error=self.link.take_errors(),
             budget=(budget.max_nodes, budget.max_depth),
             step_seconds=time.perf_counter() - t_step,
+            batch_sessions=verified.batch_sessions,
             **extra,
         )

@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 
 from drafter_service.proposer import proposer_spec
 from orchestrator.stats import RequestStats, StepStats
-from specmesh.contract import Budget
+from specmesh.contract import Budget, VerifyCosts
 
 Phase = Literal["sequential", "restart", "predraft"]
 
@@ -329,6 +329,61 @@ class AdaptivePolicy:
     def _probe_due(self, steps: Sequence[StepStats]) -> bool:
         recent = steps[-self.probe_every:] if self.probe_every else ()
         return len(recent) == self.probe_every > 0 and all(s.budget[1] == 0 and s.tree_depth == 0 for s in recent)
+
+
+# ------------------------------------------------------------------ load-aware cap (SmartSpec goodput)
+def nodes_at(depth: int, max_nodes: int, max_depth: int) -> int:
+    """Nodes of a budget cut from (max_nodes, max_depth) to ``depth`` levels: the same share per level."""
+    return 0 if depth == 0 else max(depth, max_nodes * depth // max(max_depth, 1))
+
+
+def batch_goodput_depth(alpha: Sequence[float], costs: VerifyCosts, sessions: int, max_nodes: int,
+                        max_depth: int) -> int:
+    """The depth (0..max_depth) maximising the batch's committed tokens per second when all ``sessions``
+    verify trees of that size in one forward: sessions * E[tokens(d)] / costs.seconds(sessions,
+    sessions * (1 + nodes(d))). Every session's extra rows slow the whole step, so at a large batch trees
+    shrink unless they are accepted well enough to pay for that."""
+    best, best_rate = 0, 0.0
+    for depth in range(max_depth + 1):
+        rows = sessions * (1 + nodes_at(depth, max_nodes, max_depth))
+        rate = expected_tokens(alpha, depth) / costs.seconds(sessions, rows)
+        if rate > best_rate * (1 + 1e-9):  # a deeper tree must gain more than rounding
+            best, best_rate = depth, rate
+    return best
+
+
+@dataclass(frozen=True)
+class LoadAwarePolicy:
+    """Another policy's budget, capped at the depth that maximises the verifier's goodput at its current
+    batch (``batch_goodput_depth``), with the request's own acceptance (``conditional_acceptance``) and the
+    verifier's measured costs (``VerifyCosts``). The batch is the one the request's last step was verified
+    in. A request alone on its verifier keeps the inner budget, so a seeded request that runs alone
+    reproduces exactly whatever the deployment (under load its trees, hence its random stream, depend on
+    the others; its distribution never does)."""
+
+    inner: SpeculationPolicy
+    costs: VerifyCosts
+    window: int = 32
+    prior_acceptance: float = 0.6
+    prior_weight: float = 4.0
+
+    def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget:
+        budget = self.inner.next_budget(stats, remaining_tokens, phase)
+        sessions = stats.steps[-1].batch_sessions if stats.steps else 1
+        if budget.max_depth == 0 or sessions <= 1:
+            return budget
+        steps = stats.steps[-self.window:]
+        alpha = conditional_acceptance(steps, budget.max_depth, self.prior_acceptance, self.prior_weight)
+        depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth)
+        if depth >= budget.max_depth:
+            return budget
+        return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,
+                      budget.min_path_prob)
+
+
+def load_aware(policy: SpeculationPolicy, costs: VerifyCosts | None) -> SpeculationPolicy:
+    """``policy`` capped by the verifier's load when the verifier measured its costs (else as it is)."""
+    return policy if costs is None else LoadAwarePolicy(policy, costs)
 
 
 # ------------------------------------------------------------------ a request's budget and policy

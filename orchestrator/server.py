@@ -35,6 +35,7 @@ from orchestrator.policy import (
     DEFAULT_POLICY,
     SpeculationPolicy,
     build_policy,
+    load_aware,
     resolve_budget,
 )
 from orchestrator.stats import RequestStats, StepStats
@@ -162,7 +163,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
                           for c in least_loaded(self.drafters, self._rng)]
             candidates.append(("local prompt_lookup", lambda: self._local))
-        return Engine(verifier.bind(deadline), candidates, plan.policy, self._decode, overlap=plan.overlap)
+        policy = load_aware(plan.policy, verifier.costs)  # trees sized for this replica's load
+        return Engine(verifier.bind(deadline), candidates, policy, self._decode, overlap=plan.overlap)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

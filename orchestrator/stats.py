@@ -26,6 +26,7 @@ class StepStats:
     predraft_levels: int = 0  # depth of the tree drafted ahead (0 = none)
     predraft_seconds: float = 0.0  # drafter time it took
     ahead_confirmed: bool = False  # the verifier accepted the whole line drafted ahead on (usable if the bonus was guessed)
+    batch_sessions: int = 1  # sessions the verifier verified in the same forward as this step
 
 
 @dataclass

@@ -121,10 +121,24 @@ class VerifyResult:
     tokens: tuple[int, ...]  # accepted draft tokens + the bonus token (newly committed)
     seconds: float  # time spent in the verifier (forward + acceptance + compaction)
     feedback: VerifyFeedback | None = None  # top-k rows / Jacobi n-grams, when the verifier is configured for them
+    batch_sessions: int = 1  # sessions verified in the same forward (the verifier's load at this step)
 
     @property
     def num_accepted(self) -> int:
         return len(self.accepted_nodes)
+
+
+@dataclass(frozen=True)
+class VerifyCosts:
+    """A verifier's batched forward time, seconds = base + per_session * sessions + per_row * rows
+    (rows: every token fed, all sessions together), measured by the verifier on its own hardware."""
+
+    base: float
+    per_session: float
+    per_row: float
+
+    def seconds(self, sessions: int, rows: int) -> float:
+        return self.base + self.per_session * sessions + self.per_row * rows
 
 
 class Verifier(Protocol):

@@ -15,6 +15,9 @@ from orchestrator.policy import (
     PROBE_DEPTH,
     AdaptivePolicy,
     CostModel,
+    LoadAwarePolicy,
+    StaticPolicy,
+    batch_goodput_depth,
     bonus_guess_rate,
     choose_depth,
     choose_overlap,
@@ -23,12 +26,15 @@ from orchestrator.policy import (
     fill_ratio,
     fit_costs,
     node_cost,
+    nodes_at,
     nodes_for_depth,
     overlap_rate,
     step_time,
     stop_threshold,
 )
 from orchestrator.stats import RequestStats, StepStats
+from specmesh.contract import VerifyCosts
+from verifier_service.verifier import fit_verify_costs
 
 PHASES = ("sequential", "restart", "predraft")
 
@@ -394,3 +400,49 @@ def test_choose_overlap_picks_the_best_pair_of_the_grid(alpha, guess, a, b, draf
 def test_choose_overlap_stops_drafting_when_nothing_is_accepted():
     costs = CostModel(0.01, 0.002, 0.002, 0.001)
     assert choose_overlap([0.0] * 4, 0.9, costs, lambda d: d, 4) == (0, 0)
+
+
+# ------------------------------------------------------------------ load-aware cap
+
+CPU_LIKE = VerifyCosts(base=3.5e-3, per_session=0.4e-3, per_row=0.2e-3)  # measured on the stdlib target (2 cores)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8), st.integers(1, 64), st.floats(1e-6, 1e-3))
+def test_trees_never_grow_with_the_batch(alpha, sessions, per_row):
+    """Every extra row costs (per_row > 0): a deeper tree's cost ratio to a shallower one grows with the batch."""
+    costs = VerifyCosts(3e-3, 0.3e-3, per_row)
+    depths = [batch_goodput_depth(alpha, costs, b, 16, 8) for b in (sessions, sessions + 1, 2 * sessions)]
+    assert depths == sorted(depths, reverse=True)
+
+
+def test_free_rows_keep_the_whole_tree_and_costly_rows_drop_it():
+    alpha = [0.7] * 8
+    assert batch_goodput_depth(alpha, VerifyCosts(3e-3, 0.0, 0.0), 32, 16, 8) == 8
+    assert batch_goodput_depth([0.2] * 8, VerifyCosts(1e-3, 0.0, 1e-3), 32, 16, 8) == 0
+    # on the measured CPU costs: a well-accepted proposer keeps a tree at 16 sessions, a poor one does not
+    assert batch_goodput_depth([0.9] * 8, CPU_LIKE, 16, 16, 8) > 0
+    assert batch_goodput_depth([0.3] * 8, CPU_LIKE, 16, 16, 8) == 0
+
+
+def test_load_aware_policy_caps_only_under_load():
+    inner = StaticPolicy(16, 8)
+    policy = LoadAwarePolicy(inner, VerifyCosts(1e-3, 0.0, 1e-4))
+    poor = [_step(8, 0, nodes=16, batch_sessions=32) for _ in range(10)]
+    assert policy.next_budget(RequestStats(), 100) == inner.next_budget(RequestStats(), 100)  # no step yet
+    alone = [_step(8, 0, nodes=16) for _ in range(10)]
+    assert policy.next_budget(RequestStats(steps=alone), 100) == inner.next_budget(RequestStats(steps=alone), 100)
+    capped = policy.next_budget(RequestStats(steps=poor), 100)
+    assert (capped.max_nodes, capped.max_depth) == (0, 0)
+    good = [_step(8, 8, nodes=16, batch_sessions=4) for _ in range(10)]
+    kept = policy.next_budget(RequestStats(steps=good), 100)
+    assert kept.max_depth > 0 and kept.max_nodes == nodes_at(kept.max_depth, 16, 8)
+
+
+@given(st.floats(0, 1e-2), st.floats(0, 1e-3), st.floats(0, 1e-3))
+def test_fit_verify_costs_recovers_exact_costs(base, per_session, per_row):
+    truth = VerifyCosts(base, per_session, per_row)
+    points = [(b, b * n, truth.seconds(b, b * n)) for b in (1, 8) for n in (1, 8)]
+    fitted = fit_verify_costs(points)
+    for b, rows, seconds in points:
+        assert fitted.seconds(b, rows) == pytest.approx(seconds, rel=1e-6, abs=1e-12)
+    assert min(fitted.base, fitted.per_session, fitted.per_row) >= 0

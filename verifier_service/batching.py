@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
-from specmesh.contract import CapacityError, PrefillResult, VerifyResult
+from specmesh.contract import CapacityError, PrefillResult, VerifyCosts, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from verifier_service.verifier import LocalVerifier
@@ -87,11 +87,15 @@ class BatchingVerifier:
     """Thread-safe Verifier over a LocalVerifier, batching the calls of all threads (see module doc)."""
 
     def __init__(self, verifier: LocalVerifier, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 max_waiting: int = DEFAULT_MAX_WAITING, max_wait_ms: float = DEFAULT_MAX_WAIT_MS) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+                 costs: VerifyCosts | None = None) -> None:
+        """``costs``: the forward's measured costs (``LocalVerifier.profile_costs``), which the orchestrator's
+        load-aware policy sizes trees with; None = not measured (trees are not capped by load)."""
         if max_batch_tokens < 1 or max_waiting < 0:
             raise ValueError(f"max_batch_tokens must be >= 1 and max_waiting >= 0, got {max_batch_tokens}, "
                              f"{max_waiting}")
         self.verifier = verifier
+        self.costs = costs
         self.info = verifier.info
         self.max_tree_nodes = verifier.max_tree_nodes
         self.max_batch_tokens, self.max_waiting = max_batch_tokens, max_waiting

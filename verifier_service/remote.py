@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import grpc
 
 from specmesh import rpc
-from specmesh.contract import ModelInfo, PrefillResult, UnknownSessionError, VerifyResult
+from specmesh.contract import ModelInfo, PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
@@ -30,6 +30,7 @@ class VerifierClient(rpc.ReplicaChannel):
                          [(VERIFIER_SERVICE, "Info"), (VERIFIER_SERVICE, "Release")])
         self.call_timeout = call_timeout
         self.info: ModelInfo | None = None
+        self.costs: VerifyCosts | None = None  # the replica's measured forward costs (load-aware trees)
 
     def fetch_info(self, timeout: float) -> verifier_pb2.VerifierInfo:
         """Wait up to ``timeout`` s for the replica to come up; remembers its ModelInfo."""
@@ -39,6 +40,8 @@ class VerifierClient(rpc.ReplicaChannel):
         except grpc.RpcError as exc:
             raise rpc.UpstreamError(f"verifier {self.address}", exc.code(), exc.details()) from None
         self.info = ModelInfo(msg.vocab_size, msg.max_positions, tuple(msg.eos_token_ids))
+        measured = msg.cost_base_s or msg.cost_per_session_s or msg.cost_per_row_s
+        self.costs = VerifyCosts(msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s) if measured else None
         return msg
 
     def bind(self, deadline: float | None) -> RemoteVerifier:
@@ -85,7 +88,8 @@ class RemoteVerifier:
                 feedback = feedback_from_proto(msg.feedback)
             except ValueError as exc:  # feedback only helps drafting: drop it, keep the verification
                 log.warning("verifier %s sent malformed feedback (%s); ignored", self.client.address, exc)
-        return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds, feedback)
+        return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds, feedback,
+                            max(1, msg.batch_sessions))
 
     def release(self, session_id: str) -> None:
         """Best effort: the verifier also frees idle sessions by itself."""

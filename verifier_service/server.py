@@ -68,7 +68,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except (InvalidTreeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid tree: {exc}")
         response = verifier_pb2.VerifyResponse(
-            accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds
+            accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds,
+            batch_sessions=result.batch_sessions,
         )
         if result.feedback is not None:
             response.feedback.CopyFrom(feedback_to_proto(result.feedback))
@@ -80,15 +81,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.ReleaseResponse()
 
     async def Info(self, request, context):
-        info = self.verifier.info
-        return verifier_pb2.VerifierInfo(
+        info, costs = self.verifier.info, self.verifier.costs
+        allocator = self.verifier.verifier.allocator
+        msg = verifier_pb2.VerifierInfo(
             vocab_size=info.vocab_size,
             max_positions=info.max_positions,
             eos_token_ids=info.eos_token_ids,
             max_tree_nodes=self.verifier.max_tree_nodes,
             num_sessions=self.verifier.num_sessions,
             model=self.model_name,
+            kv_blocks_total=allocator.num_blocks,
+            kv_blocks_free=allocator.num_free,
+            kv_block_size=allocator.block_size,
+            num_waiting=self.verifier.num_waiting,
         )
+        if costs is not None:
+            msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s = costs.base, costs.per_session, costs.per_row
+        return msg
 
     # -------------------------------------------------------------- internals
     def _touch(self, session_id: str) -> None:
@@ -125,6 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "learning drafters such as Token Recycling (also inside the default fused mix); 0 = off "
                         "(default: 8)")
     add_batching_arguments(p)
+    p.add_argument("--no-cost-profile", dest="cost_profile", action="store_false",
+                   help="do not time a few batched forwards at start-up; without them the orchestrator does not "
+                        "shrink speculation trees as this replica's batch grows (default: profile, well under a "
+                        "second)")
     add_lookahead_argument(p, "run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
                               "forward) and report the N-grams it harvests with each Verify (default: off)")
     serving.add_server_arguments(p)
@@ -149,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
                               args.block_size, args.prefill_chunk)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
-    verifier = BatchingVerifier(local, args.max_batch_tokens, args.max_waiting)
+    costs = None
+    if args.cost_profile:
+        costs = local.profile_costs()
+        log.info("forward costs: %.2f ms + %.3f ms/session + %.3f ms/row", costs.base * 1e3, costs.per_session * 1e3,
+                 costs.per_row * 1e3)
+    verifier = BatchingVerifier(local, args.max_batch_tokens, args.max_waiting, costs=costs)
     log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", local.allocator.num_blocks, local.allocator.block_size,
              local.allocator.num_blocks * local.allocator.block_size * runner.kv_bytes_per_token / 2**30)
     servicer = VerifierServicer(verifier, str(path), args.session_ttl)

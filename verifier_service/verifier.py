@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specmesh.contract import PrefillResult, UnknownSessionError, VerifyResult
+from specmesh.contract import PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
 from specmesh.feedback import VerifyFeedback
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, BlockAllocator, PagedKVCache
 from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
@@ -64,6 +64,22 @@ def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: i
         return max(1, int(kv_cache_gb * 2**30 // per_block))
     cap = 64 * -(-min(runner.info.max_positions, 1 << 16) // block_size)
     return max(1, min(int(DEFAULT_KV_CACHE_GB * 2**30 // per_block), cap))
+
+
+def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
+    """Least squares of seconds = base + per_session * sessions + per_row * rows over (sessions, rows,
+    seconds) points, each coefficient kept >= 0 (a negative one is dropped and the rest refitted)."""
+    data = np.asarray(points, np.float64)
+    columns = [np.ones(len(data)), data[:, 0], data[:, 1]]
+    keep = [0, 1, 2]
+    while True:
+        design = np.stack([columns[k] for k in keep], axis=1)
+        coef, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    values = dict.fromkeys(range(3), 0.0) | {k: max(0.0, float(c)) for k, c in zip(keep, coef, strict=True)}
+    return VerifyCosts(values[0], values[1], values[2])
 
 
 @dataclass
@@ -284,8 +300,53 @@ class LocalVerifier:
         elapsed = time.perf_counter() - start_time
         for (index, row), acceptance in zip(verify_rows, acceptances[len(finishing) :], strict=True):
             r = slice(starts[index], starts[index] + row.num_new)
-            results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed)
+            results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed,
+                                                 len(rows))
         return firsts, results
+
+    @torch.inference_mode()
+    def profile_costs(self, prefix_len: int = 128, sessions: tuple[int, ...] = (1, 8),
+                      rows: tuple[int, ...] = (1, 8), repeats: int = 3) -> VerifyCosts:
+        """Fit ``VerifyCosts`` to timed batched forwards of ``sessions`` scratch sessions holding ``prefix_len``
+        tokens with ``rows`` new tokens each (the fastest of ``repeats`` per point), for the load-aware
+        speculation policy. The scratch sessions' blocks are returned; with too small a pool, fewer sessions."""
+        prefix_len = max(1, min(prefix_len, self.info.max_positions - max(rows) - 1))
+        most = max(sessions)
+        per_session = self.allocator.blocks_for(prefix_len + max(rows))
+        most = max(1, min(most, self.allocator.num_free // max(per_session, 1)))
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(self.info.vocab_size, (prefix_len,), generator=generator).tolist()
+        caches, tables = [], []
+        try:
+            for _ in range(most):
+                if self.pool is not None:
+                    cache = self.pool.open(prefix_len + max(rows))
+                    tables.append(cache)
+                else:
+                    tables.append(self.allocator.allocate(prefix_len + max(rows)))
+                    cache = self.runner.new_cache()
+                self.runner.forward(cache, prompt, range(prefix_len), last_only=True)
+                caches.append(cache)
+            points = []
+            for b in sorted({min(s, most) for s in sessions}):
+                for n in rows:
+                    ids = np.tile(np.asarray(prompt[:n] + [0] * (n - len(prompt[:n])), np.int64), b)
+                    pos = np.tile(np.arange(prefix_len, prefix_len + n), b)
+                    best = float("inf")
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        self.runner.forward_batch(caches[:b], ids, pos, [n] * b, [None] * b)
+                        best = min(best, time.perf_counter() - start)
+                        for cache in caches[:b]:
+                            cache.truncate(prefix_len)
+                    points.append((b, b * n, best))
+        finally:
+            for item in tables:
+                if isinstance(item, PagedKVCache):
+                    item.free()
+                else:
+                    self.allocator.free(item)
+        return fit_verify_costs(points)
 
     # -------------------------------------------------------------- internals
     def _get(self, session_id: str) -> _Session:
@@ -322,7 +383,7 @@ class LocalVerifier:
         return tree_attend_mask(row.prefix_len, torch.from_numpy(anc))
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
-                       elapsed: float) -> VerifyResult:
+                       elapsed: float, batch_sessions: int) -> VerifyResult:
         """argmax/topk: the row's [1 + num_nodes + span] outputs."""
         session, tree = row.session, row.tree
         verified = tree.num_nodes + 1  # rows taking part in acceptance
@@ -333,7 +394,7 @@ class LocalVerifier:
             ngrams = self._advance_window(session, argmax[verified:], row.span, tokens) if session.trail is not None else ()
             feedback = VerifyFeedback.of(row.input_ids[:verified], None if topk is None else topk[:verified], ngrams)
         session.pending = acceptance.bonus_token
-        return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback)
+        return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback, batch_sessions)
 
     def _start_decoding(self, session: _Session, first: int) -> None:
         session.pending = first

@@ -34,16 +34,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "tokens", "seconds", "feedback")
+    __slots__ = ("accepted_nodes", "tokens", "seconds", "feedback", "batch_sessions")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     seconds: float
     feedback: _common_pb2.VerifyFeedback
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., feedback: _Optional[_Union[_common_pb2.VerifyFeedback, _Mapping]] = ...) -> None: ...
+    batch_sessions: int
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., feedback: _Optional[_Union[_common_pb2.VerifyFeedback, _Mapping]] = ..., batch_sessions: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -60,17 +62,31 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("vocab_size", "max_positions", "eos_token_ids", "max_tree_nodes", "num_sessions", "model")
+    __slots__ = ("vocab_size", "max_positions", "eos_token_ids", "max_tree_nodes", "num_sessions", "model", "cost_base_s", "cost_per_session_s", "cost_per_row_s", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "num_waiting")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    COST_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_SESSION_S_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_ROW_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     max_positions: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tree_nodes: int
     num_sessions: int
     model: str
-    def __init__(self, vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_tree_nodes: _Optional[int] = ..., num_sessions: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    cost_base_s: float
+    cost_per_session_s: float
+    cost_per_row_s: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_block_size: int
+    num_waiting: int
+    def __init__(self, vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_tree_nodes: _Optional[int] = ..., num_sessions: _Optional[int] = ..., model: _Optional[str] = ..., cost_base_s: _Optional[float] = ..., cost_per_session_s: _Optional[float] = ..., cost_per_row_s: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
