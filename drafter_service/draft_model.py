@@ -50,7 +50,8 @@ def _sync(runner: ModelRunner, dc: _DraftCache, committed: list[int]) -> torch.T
     # always re-feed at least the last committed token
     common = common_prefix_len(dc.cached, committed, limit=len(committed) - 1)
     dc.cache.truncate(common)
-    logits = runner.forward(dc.cache, committed[common:], range(common, len(committed)), last_only=True)[-1]
+    # drafting decisions run on the host (one [vocab] row per draft forward, wherever the model runs)
+    logits = runner.forward(dc.cache, committed[common:], range(common, len(committed)), last_only=True)[-1].cpu()
     dc.cached = list(committed)
     return logits
 
@@ -120,7 +121,7 @@ class DraftModelProposer(Proposer):
                     or budget.expired()):
                 break
             pos = len(dc.cached)
-            logits = self.runner.forward(dc.cache, [x], [pos])[-1]
+            logits = self.runner.forward(dc.cache, [x], [pos])[-1].cpu()
             dc.cached.append(x)
         tree = TokenTree.chain(tokens, probs, self.name)
         if dists:
@@ -174,7 +175,7 @@ class DraftModelProposer(Proposer):
             attend = tree_attend_mask(base, torch.from_numpy(ancestor_mask(fed_parent)[first:]))
             step_logits = self.runner.forward(
                 dc.cache, [cand_token[c] for c in expand], [base + cand_depth[c] for c in expand], attend
-            )
+            ).cpu()
             log_q = _log_q(step_logits, state)
             frontier = []
             for row, c in enumerate(expand):

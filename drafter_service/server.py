@@ -178,7 +178,12 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
     draft_runner = None
     if draft_dir is not None:
         models.set_threads(args.threads)
-        draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32"), args.runner)
+        try:
+            device = models.resolve_device(args.device)
+        except ValueError as exc:
+            raise SystemExit(f"specmesh {args.command}: {exc}") from None
+        draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
+                                          args.runner, device)
     needs_draft = {n for n in proposer_names() if proposer_spec(n).needs_draft_model}
     names = args.proposers or [n for n in proposer_names() if draft_runner is not None or n not in needs_draft]
     missing = [n for n in names if n in needs_draft and draft_runner is None]

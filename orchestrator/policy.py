@@ -338,14 +338,15 @@ def nodes_at(depth: int, max_nodes: int, max_depth: int) -> int:
 
 
 def batch_goodput_depth(alpha: Sequence[float], costs: VerifyCosts, sessions: int, max_nodes: int,
-                        max_depth: int) -> int:
+                        max_depth: int, fill: float = 1.0) -> int:
     """The depth (0..max_depth) maximising the batch's committed tokens per second when all ``sessions``
     verify trees of that size in one forward: sessions * E[tokens(d)] / costs.seconds(sessions,
-    sessions * (1 + nodes(d))). Every session's extra rows slow the whole step, so at a large batch trees
-    shrink unless they are accepted well enough to pay for that."""
+    sessions * (1 + fill * nodes(d))), ``fill`` = the share of a budget's nodes the drafter really sends.
+    Every session's extra rows slow the whole step, so at a large batch trees shrink unless they are
+    accepted well enough to pay for that."""
     best, best_rate = 0, 0.0
     for depth in range(max_depth + 1):
-        rows = sessions * (1 + nodes_at(depth, max_nodes, max_depth))
+        rows = sessions * (1 + fill * nodes_at(depth, max_nodes, max_depth))
         rate = expected_tokens(alpha, depth) / costs.seconds(sessions, rows)
         if rate > best_rate * (1 + 1e-9):  # a deeper tree must gain more than rounding
             best, best_rate = depth, rate
@@ -374,7 +375,8 @@ class LoadAwarePolicy:
             return budget
         steps = stats.steps[-self.window:]
         alpha = conditional_acceptance(steps, budget.max_depth, self.prior_acceptance, self.prior_weight)
-        depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth)
+        depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
+                                    fill_ratio(steps))
         if depth >= budget.max_depth:
             return budget
         return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 DTYPES = ("float32", "bfloat16", "float64")
+DEVICE_HELP = ("where the model runs: auto (the first CUDA GPU if there is one, else the CPU), cpu, cuda or cuda:N "
+               "(default: auto)")
 RUNNERS = ("auto", "fast", "hf")
 
 
@@ -36,11 +38,34 @@ def model_dir(path: str | Path) -> Path:
     return path
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype from its name ("float32", "bfloat16", ...)."""
+def torch_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """torch dtype from its name ("float32", "bfloat16", ...); "auto": bfloat16 on a GPU, float32 on the CPU
+    (where float32 keeps greedy output exactly that of the model)."""
     import torch
 
+    if name == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``auto`` / None: cuda:0 when torch sees a GPU, else cpu; else the named device, checked."""
+    import torch
+
+    if name in (None, "auto"):
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {name!r}: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: torch sees no CUDA GPU here (use --device cpu)")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif device.type != "cpu":
+        raise ValueError(f"device {name!r}: choose auto, cpu, cuda or cuda:N")
+    return device
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -53,11 +78,12 @@ def cpu_has_fast_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def draft_dtype(name: str | None, otherwise: str) -> torch.dtype:
-    """The draft's dtype: ``name``, or for "auto"/None bfloat16 where the CPU multiplies it natively, else
-    ``otherwise``. A draft's numerics never change the output, only acceptance."""
+def draft_dtype(name: str | None, otherwise: str, device: torch.device | None = None) -> torch.dtype:
+    """The draft's dtype: ``name``, or for "auto"/None bfloat16 on a GPU or where the CPU multiplies it
+    natively, else ``otherwise``. A draft's numerics never change the output, only acceptance."""
     if name in (None, "auto"):
-        return torch_dtype("bfloat16" if cpu_has_fast_bf16() else otherwise)
+        fast = (device is not None and device.type == "cuda") or cpu_has_fast_bf16()
+        return torch_dtype("bfloat16") if fast else torch_dtype(otherwise, device)
     return torch_dtype(name)
 
 
@@ -69,7 +95,7 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> PreTrainedModel:
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> PreTrainedModel:
     """Load any local Hugging Face causal LM directory (never touches the network); float32 by default."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -87,12 +113,13 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto") -> ModelRunner:
-    """A model runner over the model in ``path``: ``backend`` auto (the fast Llama path where it is exact,
-    else transformers), fast or hf."""
+def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto",
+                device: str | torch.device = "cpu") -> ModelRunner:
+    """A model runner over the model in ``path`` on ``device``: ``backend`` auto (the fast Llama path where it
+    is exact, else transformers), fast or hf."""
     from specmesh.fast_llama import make_runner
 
-    return make_runner(load_model(path, dtype), backend)
+    return make_runner(load_model(path, dtype, device), backend)
 
 
 # ------------------------------------------------------------ model options
@@ -101,6 +128,7 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="forward implementation: 'fast' = specmesh's lean Llama-family path, 'hf' = transformers; "
                         "'auto' picks fast where it applies (default: auto)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
 
 
 def int_at_least(minimum: int):
@@ -123,7 +151,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """The target model's options (`specmesh verifier`, and the target half of generate/bench)."""
     p.add_argument("--target", type=Path, default=None,
                    help="target model: any local Hugging Face causal-LM directory (default: the bundled demo target)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="target weights dtype (default: float32)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="target weights dtype; 'auto' = bfloat16 on a GPU, float32 on the CPU (default: auto)")
 
 
 def add_draft_dtype_argument(p: argparse.ArgumentParser, otherwise: str) -> None:

@@ -151,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
     models.set_threads(args.threads)
-    runner = models.load_runner(path, models.torch_dtype(args.dtype), args.runner)
+    try:
+        device = models.resolve_device(args.device)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
+    runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device)
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
     from verifier_service.batching import BatchingVerifier

@@ -335,7 +335,7 @@ class LocalVerifier:
                     best = float("inf")
                     for _ in range(repeats):
                         start = time.perf_counter()
-                        self.runner.forward_batch(caches[:b], ids, pos, [n] * b, [None] * b)
+                        self.runner.forward_batch(caches[:b], ids, pos, [n] * b, [None] * b).sum().item()  # synced
                         best = min(best, time.perf_counter() - start)
                         for cache in caches[:b]:
                             cache.truncate(prefix_len)

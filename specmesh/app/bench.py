@@ -387,9 +387,10 @@ def _grpc_client(args, specs, target_dir, draft_dir, resources: contextlib.ExitS
         if not args.spawn_mesh:
             raise SystemExit("specmesh bench: grpc: methods need --server HOST:PORT or --spawn-mesh")
         threads = ["--threads", str(args.threads)] if args.threads else []
-        verifier = ["--target", str(target_dir), "--dtype", args.dtype, "--runner", args.runner, *threads]
+        device = ["--device", args.device]
+        verifier = ["--target", str(target_dir), "--dtype", args.dtype, "--runner", args.runner, *threads, *device]
         drafter = ["--draft", str(draft_dir) if draft_dir else "none", "--draft-dtype", args.draft_dtype,
-                   "--runner", args.runner, *threads]
+                   "--runner", args.runner, *threads, *device]
         print("starting a local mesh (verifier, drafter, serve)...", file=sys.stderr)
         # the verifier reports top-k rows (token recycling), the drafter shares this command's n-gram store
         verifier += ["--feedback-topk", str(FEEDBACK_TOPK)]

@@ -48,7 +48,12 @@ def load_stack(args: argparse.Namespace):
 
     models.set_threads(args.threads)
     target, draft = resolve_models(args)
+    try:
+        device = models.resolve_device(args.device)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
     return EmbeddedStack.load(
-        target, draft, models.torch_dtype(args.dtype), models.draft_dtype(args.draft_dtype, args.dtype),
+        target, draft, models.torch_dtype(args.dtype, device), models.draft_dtype(args.draft_dtype, args.dtype, device),
         runner=args.runner, store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None),
+        device=device, kv_cache_gb=getattr(args, "kv_cache_gb", None),
     )
