@@ -242,3 +242,20 @@ def test_bench_through_a_spawned_mesh(pair, tmp_path):
     assert methods["grpc:prompt_lookup"]["overhead_ms_per_step"] is not None
     assert methods["grpc:ar"]["speedup_vs_grpc_ar"]["median"] == 1.0
     assert report["config"]["server"].startswith("127.0.0.1:")
+
+
+def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
+    """--concurrency: every level's greedy outputs equal ar's, the verifier really batched at N > 1, and the
+    report has a row per method and level (HF methods skipped: they do not batch across requests)."""
+    report = _bench(pair, tmp_path / "load.json", "--methods", "ar", "prompt_lookup", "hf_ar",
+                    "--concurrency", "1", "3", "--max-new-tokens", "10")
+    load = report["load"]
+    assert load["levels"] == [1, 3] and load["skipped"] == ["hf_ar"]
+    assert [(r["method"], r["concurrency"]) for r in load["rows"]] == [
+        ("ar", 1), ("ar", 3), ("prompt_lookup", 1), ("prompt_lookup", 3)]
+    num_prompts = report["config"]["num_prompts"]
+    for row in load["rows"]:
+        assert row["greedy_match_ar"] == 1.0 and row["requests"] == num_prompts
+        assert row["tokens_per_s"] > 0 and row["itl_p50_ms"] > 0 and row["tau"] >= 1
+    assert max(r["mean_batch"] for r in load["rows"] if r["concurrency"] == 3) > 1.2
+    assert "× ar" in capsys.readouterr().out

@@ -587,6 +587,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "embedded methods share one batching verifier, grpc: ones go through serve) and report "
                              "aggregate tokens/s, per-token latency p50/p99, TTFT, tau and the verifier's mean batch "
                              "per method and N, instead of the per-prompt comparison (default: off)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                        help="with --concurrency: the KV pool of the shared in-process verifier, as `specmesh "
+                             "verifier --kv-cache-gb` (default: the verifier's)")
     parser.add_argument("--spawn-mesh", action="store_true",
                         help="for grpc:NAME methods, start a verifier, a drafter and serve on 127.0.0.1 with this "
                              "command's model options, and stop them at the end")

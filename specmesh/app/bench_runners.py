@@ -40,7 +40,7 @@ ASSISTANT_CONFIG_KEYS = {"num_assistant_tokens", "num_assistant_tokens_schedule"
 class ForwardMeter:
     """Counts a model's forward passes and the time spent in them, whichever path runs them.
 
-    specmesh calls ``runner.forward`` (the fast runner never enters the HF module), HF
+    specmesh calls ``runner.forward`` / ``forward_batch`` (the fast runner never enters the HF module), HF
     ``generate`` calls the module: both are wrapped, and a call nested in another
     (the HF runner's forward calling the module) counts once.
     """
@@ -51,20 +51,22 @@ class ForwardMeter:
         self._runner, self._handles = runner, []
         if runner is None:
             return
-        forward = runner.forward
-
-        def counted(*args, **kwargs):
-            self._enter()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self._exit()
-
-        runner.forward = counted  # instance attribute shadows the method until close()
+        for name in ("forward", "forward_batch"):  # instance attributes shadow the methods until close()
+            setattr(runner, name, self._counted(getattr(runner, name)))
         self._handles = [
             runner.model.register_forward_pre_hook(lambda *_: self._enter()),
             runner.model.register_forward_hook(lambda *_: self._exit(), always_call=True),
         ]
+
+    def _counted(self, fn):
+        def counted(*args, **kwargs):
+            self._enter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._exit()
+
+        return counted
 
     def _enter(self) -> None:
         if self._depth == 0:
@@ -81,7 +83,7 @@ class ForwardMeter:
         for h in self._handles:
             h.remove()
         if self._handles:
-            del self._runner.forward
+            del self._runner.forward, self._runner.forward_batch
 
 
 @dataclass
