@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from spec_helpers import engine_for, greedy, make_prompts
 
 from drafter_service.proposer import proposer_names, proposer_spec
+from specmesh.blocks import BlockAllocator
 from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.fast_llama import FastKVCache
-from specmesh.kv_pool import BlockAllocator
 from specmesh.model_runner import tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, ancestor_mask

@@ -27,7 +27,8 @@ def test_import_contracts_are_kept():
 
 
 @pytest.mark.parametrize("module", ["orchestrator.server", "specmesh.client", "specmesh.contract", "specmesh.wire",
-                                    "drafter_service.remote", "verifier_service.remote"])
+                                    "drafter_service.remote", "verifier_service.remote", "specmesh.blocks",
+                                    "verifier_service.arguments"])
 def test_routing_modules_load_no_model_stack(module):
     """A gRPC orchestrator, the client SDK and the contracts never run a model: importing them loads no torch."""
     code = f"import sys, {module}; loaded = [m for m in ('torch', 'transformers') if m in sys.modules]; print(loaded)"

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from specmesh.blocks import DEFAULT_BLOCK_SIZE
+
+# the verifier's batching defaults (here, without torch, so that `--help` stays fast)
+DEFAULT_KV_CACHE_GB = 2.0  # the KV pool's budget when none is given (capped: see verifier.kv_pool_blocks)
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step of one session's prefill
+DEFAULT_MAX_BATCH_TOKENS = 2048  # rows per batched forward
+DEFAULT_MAX_WAITING = 256  # Prefills waiting for KV blocks
+
 
 def add_lookahead_argument(p: argparse.ArgumentParser, help: str) -> None:
     from verifier_service.lookahead import LookaheadConfig
@@ -13,10 +21,6 @@ def add_lookahead_argument(p: argparse.ArgumentParser, help: str) -> None:
 
 def add_batching_arguments(p: argparse.ArgumentParser) -> None:
     """The KV pool and the continuous-batching scheduler (`specmesh verifier`, and embedded `bench`)."""
-    from specmesh.kv_pool import DEFAULT_BLOCK_SIZE
-    from verifier_service.batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
-    from verifier_service.verifier import DEFAULT_KV_CACHE_GB, DEFAULT_PREFILL_CHUNK
-
     g = p.add_argument_group("KV pool and batching")
     g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help=f"memory of the paged KV pool shared by all sessions; a session reserves its worst case "

@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from specmesh.contract import CapacityError, PrefillResult, VerifyCosts, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
+from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
 from verifier_service.verifier import LocalVerifier
 
-DEFAULT_MAX_BATCH_TOKENS = 2048
-DEFAULT_MAX_WAITING = 256
 DEFAULT_MAX_WAIT_MS = 5.0
 log = logging.getLogger("specmesh.batching")
 
@@ -133,6 +132,11 @@ class BatchingVerifier:
         with self._cond:
             self._check_open()
             need = self._blocks_needed(len(prompt), sampling)
+            try:
+                self.verifier.check_request(list(prompt), sampling)  # a bad request is INVALID_ARGUMENT, first
+            except ValueError as exc:
+                future.set_exception(exc)
+                return future
             if session_id in self._sessions:
                 future.set_exception(ValueError(f"session {session_id!r} already exists"))
             elif need > self.verifier.allocator.num_blocks:

@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
 from specmesh.contract import PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
 from specmesh.feedback import VerifyFeedback
-from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, BlockAllocator, PagedKVCache
+from specmesh.kv_pool import PagedKVCache
 from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
 from specmesh.warp import warp_probs
+from verifier_service.arguments import DEFAULT_KV_CACHE_GB, DEFAULT_PREFILL_CHUNK
 from verifier_service.lookahead import (
     LookaheadConfig,
     branch_parents,
@@ -49,9 +51,6 @@ from verifier_service.lookahead import (
     window_span,
 )
 from verifier_service.verification import Acceptance, verify_greedy, verify_sample_batch
-
-DEFAULT_KV_CACHE_GB = 2.0  # the KV pool's budget when none is given (capped: see kv_pool_blocks)
-DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step of one session's prefill
 
 
 def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: int) -> int:
@@ -181,16 +180,7 @@ class LocalVerifier:
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.info.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt) + sampling.max_new_tokens > self.info.max_positions:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
-                f"target's context of {self.info.max_positions} positions"
-            )
+        self.check_request(prompt, sampling)
         worst = self.reservation(len(prompt), sampling)
         if self.pool is not None:
             cache = self.pool.open(worst)
@@ -206,6 +196,19 @@ class LocalVerifier:
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
         self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt)
+
+    def check_request(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        """ValueError for a request this verifier can never serve (reads only its fixed configuration)."""
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.info.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + sampling.max_new_tokens > self.info.max_positions:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                f"target's context of {self.info.max_positions} positions"
+            )
 
     def reservation(self, prompt_len: int, sampling: SamplingParams) -> int:
         """KV positions a session may ever hold: its prompt and output, plus the pending token, the largest
