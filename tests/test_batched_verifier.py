@@ -310,3 +310,70 @@ def test_cancelled_calls_are_skipped_and_the_scheduler_lives_on(model_sets, ar_r
         assert batching.verifier.allocator.num_used == 0 and batching.num_sessions == 0
     finally:
         batching.close()
+
+
+# ------------------------------------------------------------- sampling
+def test_a_seeded_request_samples_the_same_alone_or_batched(model_sets):
+    """A request's random draws come from its own generator: batching it with other sessions (of other seeds,
+    trees and lengths) changes nothing in its output."""
+    runner = model_sets("cyclic").runner("target", "fast")
+    sampling = SamplingParams(temperature=1.0, top_k=20, seed=5, max_new_tokens=MAX_NEW, ignore_eos=True)
+    alone = engine_for(runner, "prompt_lookup").generate(PROMPTS[1], sampling).token_ids
+    batching = BatchingVerifier(LocalVerifier(runner))
+    outputs: dict[int, list[int]] = {}
+
+    def work(i):
+        sp = sampling if i == 0 else SamplingParams(temperature=0.8, seed=100 + i, max_new_tokens=MAX_NEW)
+        outputs[i] = engine_for(runner, "prompt_lookup", verifier=batching).generate(PROMPTS[1 + i], sp).token_ids
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert batching.stats.max_batch > 1
+    finally:
+        batching.close()
+    assert outputs[0] == alone
+
+
+# --------------------------------------------------------------- service
+def test_verifier_service_exhaustion_and_block_return(demo_stack):
+    """Over gRPC: a Prefill the pool cannot hold is RESOURCE_EXHAUSTED (the queue is off), the running session
+    is unaffected, and released or reaped sessions give their KV blocks back (Info)."""
+    import grpc
+    import service_helpers as sh
+
+    from specmesh import rpc
+    from verifier_service.remote import VerifierClient
+
+    prompt = demo_stack.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    sampling = greedy(16)
+    per_session = len(prompt) + 16 + 1 + 8  # what admission reserves with --max-tree-nodes 8
+    gb = per_session * demo_stack.target_runner.kv_bytes_per_token / 2**30
+    service = sh.verifier("--kv-cache-gb", repr(gb * 1.5), "--block-size", "1", "--max-tree-nodes", "8",
+                          "--max-waiting", "0", "--session-ttl", "2", "--no-cost-profile")
+    try:
+        service.wait_ready()
+        client = VerifierClient(service.address, rpc.Security(), call_timeout=30)
+        info = client.fetch_info(timeout=30)
+        total = info.kv_blocks_total
+        assert info.kv_block_size == 1 and per_session <= total < 2 * per_session
+        remote = client.bind(None)
+        first = remote.prefill("a", prompt, sampling).first_token
+        assert client.fetch_info(timeout=10).kv_blocks_free == total - per_session
+        with pytest.raises(rpc.UpstreamError) as err:
+            remote.prefill("b", prompt, sampling)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        local = LocalVerifier(demo_stack.target_runner, max_tree_nodes=8)
+        assert local.prefill("a", prompt, sampling).first_token == first
+        for _ in range(3):  # the running session is served as before
+            assert remote.verify("a", TokenTree.empty()).tokens == local.verify("a", TokenTree.empty()).tokens
+        remote.release("a")
+        assert client.fetch_info(timeout=10).kv_blocks_free == total
+        remote.prefill("b", prompt, sampling)  # fits now; never released: the idle reaper frees it
+        assert sh.wait_until(lambda: client.fetch_info(timeout=10).kv_blocks_free == total, timeout=20)
+        client.close()
+    finally:
+        service.stop()

@@ -11,7 +11,8 @@ Per method and N: aggregate generated tokens/s (all tokens / wall time from the 
 request to the last), per-token latency p50/p99 (the gaps between streamed tokens,
 pooled over all requests; a step that commits k tokens counts k gaps of a k-th of its
 time, as vLLM's inter-token latency does), time to first token p50, τ (tokens per
-verification step), the verifier's mean batch (Verify calls per forward, embedded only),
+verification step), tree nodes verified per step (what the speculation policy chose), the
+verifier's mean batch (Verify calls per forward, embedded only),
 and the speed against ``ar`` at the same N and against the method itself at the lowest N.
 Greedy outputs are checked against the ``ar`` output of the same prompt at N = 1. Every
 level starts from a fresh drafter (in this process; a remote drafter keeps what it
@@ -30,7 +31,8 @@ import numpy as np
 from specmesh.app.bench_runners import MethodSpec
 from specmesh.sampling import SamplingParams
 
-Streamer = Callable[[list[int], SamplingParams], Iterator[tuple[int, bool]]]  # yields (tokens in the chunk, is a step)
+# yields (tokens in the chunk, tree nodes verified in its step, or None for the prefill's chunk)
+Streamer = Callable[[list[int], SamplingParams], Iterator[tuple[list[int], int | None]]]
 
 
 def embedded_streamer(stack, spec: MethodSpec) -> tuple[Streamer, object]:
@@ -39,7 +41,7 @@ def embedded_streamer(stack, spec: MethodSpec) -> tuple[Streamer, object]:
 
     def stream(prompt: list[int], sampling: SamplingParams):
         for event in engine.stream(prompt, sampling):
-            yield list(event.tokens), event.step is not None
+            yield list(event.tokens), None if event.step is None else event.step.num_proposed
 
     return stream, engine.verifier
 
@@ -53,7 +55,7 @@ def grpc_streamer(client, spec: MethodSpec) -> tuple[Streamer, None]:
         for chunk in client.stream(prompt, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                    top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                                    ignore_eos=sampling.ignore_eos, **params):
-            yield list(chunk.token_ids), chunk.step is not None
+            yield list(chunk.token_ids), None if chunk.step is None else chunk.step.num_proposed
 
     return stream, None
 
@@ -76,11 +78,12 @@ def run_level(stream: Streamer, prompts: Sequence[tuple[str, list[int], int]], b
             sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
             try:
                 start = time.perf_counter()
-                tokens, stamps, steps = [], [], 0
-                for chunk, is_step in stream(ids, sampling):
+                tokens, stamps, steps, nodes = [], [], 0, 0
+                for chunk, step_nodes in stream(ids, sampling):
                     stamps.append((time.perf_counter(), len(chunk)))
                     tokens += chunk
-                    steps += is_step
+                    if step_nodes is not None:
+                        steps, nodes = steps + 1, nodes + step_nodes
             except BaseException as exc:  # noqa: BLE001 (reported after the other clients stop)
                 with lock:
                     errors.append(exc)
@@ -88,7 +91,7 @@ def run_level(stream: Streamer, prompts: Sequence[tuple[str, list[int], int]], b
             gaps = [(t - prev) / k for (prev, _), (t, k) in zip(stamps, stamps[1:], strict=False) if k
                     for _ in range(k)]
             with lock:
-                records.append({"id": pid, "index": index, "tokens": tokens, "steps": steps, "gaps": gaps,
+                records.append({"id": pid, "index": index, "tokens": tokens, "steps": steps, "nodes": nodes, "gaps": gaps,
                                 "ttft": stamps[0][0] - start if stamps else None, "start": start,
                                 "end": stamps[-1][0] if stamps else start})
                 if progress is not None:
@@ -117,6 +120,7 @@ def summarize(records: list[dict], wall: float) -> dict:
         "itl_p50_ms": float(np.percentile(gaps, 50)) if gaps.size else None,
         "itl_p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
         "ttft_p50_ms": float(np.percentile(ttft, 50)) if ttft.size else None, "tau": tau,
+        "nodes_per_step": sum(r["nodes"] for r in records) / steps if steps else None,  # tree size sent
     }
 
 
@@ -190,12 +194,13 @@ def load_table(report: dict) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
 
     lines = ["| method | concurrency | tokens/s | × ar | × lowest N | ITL p50 ms | ITL p99 ms | TTFT p50 ms | τ | "
-             "mean batch | greedy = ar |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "nodes/step | mean batch | greedy = ar |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lines.append(f"| {r['method']} | {r['concurrency']} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup_vs_ar'])} | "
                      f"{fmt(r['scaling_vs_lowest'])} | {fmt(r['itl_p50_ms'], 1)} | {fmt(r['itl_p99_ms'], 1)} | "
-                     f"{fmt(r['ttft_p50_ms'], 0)} | {fmt(r['tau'])} | {fmt(r.get('mean_batch'))} | "
+                     f"{fmt(r['ttft_p50_ms'], 0)} | {fmt(r['tau'])} | {fmt(r.get('nodes_per_step'), 1)} | "
+                     f"{fmt(r.get('mean_batch'))} | "
                      f"{fmt(r.get('greedy_match_ar'))} |")
     gaps = [(r["method"], r["concurrency"], g) for r in report["rows"] for g in r.get("divergence_gaps", ())]
     if gaps:
