@@ -109,7 +109,7 @@ class EmbeddedStack:
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
         if shared:
             verifier = self.shared_verifier(topk, lookahead)
-            chosen = load_aware(chosen, verifier.costs)
+            chosen = load_aware(chosen, verifier.costs, drafting_shares_cores=True)
         else:
             verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk=topk, lookahead=lookahead)
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)

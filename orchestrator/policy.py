@@ -338,16 +338,18 @@ def nodes_at(depth: int, max_nodes: int, max_depth: int) -> int:
 
 
 def batch_goodput_depth(alpha: Sequence[float], costs: VerifyCosts, sessions: int, max_nodes: int,
-                        max_depth: int, fill: float = 1.0) -> int:
+                        max_depth: int, fill: float = 1.0, draft_per_level: float = 0.0) -> int:
     """The depth (0..max_depth) maximising the batch's committed tokens per second when all ``sessions``
     verify trees of that size in one forward: sessions * E[tokens(d)] / costs.seconds(sessions,
     sessions * (1 + fill * nodes(d))), ``fill`` = the share of a budget's nodes the drafter really sends.
     Every session's extra rows slow the whole step, so at a large batch trees shrink unless they are
-    accepted well enough to pay for that."""
+    accepted well enough to pay for that. ``draft_per_level``: seconds of one drafted level when every
+    session's drafting runs on the verifier's cores (one process): sessions * depth of them join the step."""
     best, best_rate = 0, 0.0
     for depth in range(max_depth + 1):
         rows = sessions * (1 + fill * nodes_at(depth, max_nodes, max_depth))
-        rate = expected_tokens(alpha, depth) / costs.seconds(sessions, rows)
+        seconds = costs.seconds(sessions, rows) + sessions * depth * draft_per_level
+        rate = expected_tokens(alpha, depth) / seconds
         if rate > best_rate * (1 + 1e-9):  # a deeper tree must gain more than rounding
             best, best_rate = depth, rate
     return best
@@ -364,6 +366,7 @@ class LoadAwarePolicy:
 
     inner: SpeculationPolicy
     costs: VerifyCosts
+    drafting_shares_cores: bool = False  # drafters run on the verifier's cores (embedded): their time counts
     window: int = 32
     prior_acceptance: float = 0.6
     prior_weight: float = 4.0
@@ -375,17 +378,20 @@ class LoadAwarePolicy:
             return budget
         steps = stats.steps[-self.window:]
         alpha = conditional_acceptance(steps, budget.max_depth, self.prior_acceptance, self.prior_weight)
+        draft = fit_costs(steps).draft_per_level if self.drafting_shares_cores else 0.0
         depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
-                                    fill_ratio(steps))
+                                    fill_ratio(steps), draft)
         if depth >= budget.max_depth:
             return budget
         return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,
                       budget.min_path_prob)
 
 
-def load_aware(policy: SpeculationPolicy, costs: VerifyCosts | None) -> SpeculationPolicy:
-    """``policy`` capped by the verifier's load when the verifier measured its costs (else as it is)."""
-    return policy if costs is None else LoadAwarePolicy(policy, costs)
+def load_aware(policy: SpeculationPolicy, costs: VerifyCosts | None,
+               drafting_shares_cores: bool = False) -> SpeculationPolicy:
+    """``policy`` capped by the verifier's load when the verifier measured its costs (else as it is);
+    ``drafting_shares_cores``: drafters and verifier in one process (their drafting time counts too)."""
+    return policy if costs is None else LoadAwarePolicy(policy, costs, drafting_shares_cores)
 
 
 # ------------------------------------------------------------------ a request's budget and policy

@@ -145,7 +145,9 @@ def tree_attend_mask(prefix_len: int, ancestor_rows: torch.Tensor) -> torch.Tens
 
     ancestor_rows: [num_new, num_tree] bool, over the last num_tree positions of the attended span
     (num_tree >= num_new: tree positions already in the cache come first). Returns
-    [num_new, prefix_len + num_tree] bool: every new token sees the whole prefix.
+    [num_new, prefix_len + num_tree] bool on ancestor_rows' device: every new token sees the whole prefix
+    (only the tree part crosses from the host).
     """
     num_new = ancestor_rows.shape[0]
-    return torch.cat([torch.ones(num_new, prefix_len, dtype=torch.bool), ancestor_rows], dim=1)
+    prefix = torch.ones(num_new, prefix_len, dtype=torch.bool, device=ancestor_rows.device)
+    return torch.cat([prefix, ancestor_rows], dim=1)

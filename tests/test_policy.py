@@ -446,3 +446,14 @@ def test_fit_verify_costs_recovers_exact_costs(base, per_session, per_row):
     for b, rows, seconds in points:
         assert fitted.seconds(b, rows) == pytest.approx(seconds, rel=1e-6, abs=1e-12)
     assert min(fitted.base, fitted.per_session, fitted.per_row) >= 0
+
+
+def test_drafting_on_the_verifier_cores_counts_under_load():
+    """In one process every session's drafting runs on the verifier's cores: a slow drafter's trees stop paying
+    under load, while across processes (its time not the verifier's) the same trees are kept."""
+    costs = VerifyCosts(3e-3, 0.2e-3, 0.05e-3)
+    steps = [_step(3, 2, nodes=3, draft=0.006, verify=0.02, batch_sessions=16) for _ in range(10)]  # 2 ms/level
+    apart = LoadAwarePolicy(StaticPolicy(3, 3), costs).next_budget(RequestStats(steps=steps), 100)
+    together = LoadAwarePolicy(StaticPolicy(3, 3), costs, drafting_shares_cores=True).next_budget(
+        RequestStats(steps=steps), 100)
+    assert apart.max_depth > 0 and together.max_depth == 0

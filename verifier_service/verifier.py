@@ -375,15 +375,14 @@ class LocalVerifier:
                              f"reserved at admission ({capacity}: prompt + max_new_tokens + the largest tree)")
         return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids)
 
-    @staticmethod
-    def _tree_attend(row: _Row) -> torch.Tensor | None:
+    def _tree_attend(self, row: _Row) -> torch.Tensor | None:
         tree = row.tree
         if tree.max_depth == tree.num_nodes and not (row.span and tree.num_nodes):
             return None  # a chain (the window alone is one too): causal
         # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a
         # second chain below it
         anc = ancestor_mask(branch_parents(tree.parents, row.span))
-        return tree_attend_mask(row.prefix_len, torch.from_numpy(anc))
+        return tree_attend_mask(row.prefix_len, torch.from_numpy(anc).to(self.runner.device))
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
                        elapsed: float, batch_sessions: int) -> VerifyResult:
