@@ -76,6 +76,9 @@ class DraftWorker:
 
     def __init__(self, background: bool) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft-worker") if background else None
+        # CPU time this process's threads spent in the drafter's calls (its own work when it runs in this
+        # process, ~0 for a remote one): what drafting costs cores shared with an in-process verifier
+        self.cpu_seconds = 0.0
 
     def open(self, drafter: Drafter, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Future:
         return self._submit(drafter.open, session_id, list(prompt), sampling)
@@ -85,8 +88,9 @@ class DraftWorker:
         """Future of (tree, seconds the drafter worked on it)."""
 
         def timed() -> tuple[TokenTree, float]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             tree = drafter.propose(session_id, new_tokens, budget, rollback, feedback)
+            self.cpu_seconds += time.thread_time() - c0
             return tree, time.perf_counter() - t0
 
         return self._submit(timed)

@@ -200,6 +200,7 @@ class _Request:
     stats: RequestStats
     committed: list[int]  # every token committed after the prompt
     link: DrafterLink
+    draft_cpu_counted: float = 0.0  # the link's drafting CPU seconds already attributed to a step
 
     def verify(self, tree: TokenTree) -> tuple[TokenTree, VerifyResult]:
         """Verify ``tree`` and commit the result; a tree the verifier calls malformed fails the drafter over."""
@@ -216,6 +217,7 @@ class _Request:
         return tree, verified
 
     def step_stats(self, tree: TokenTree, verified: VerifyResult, budget: Budget, t_step: float, **extra) -> StepStats:
+        cpu, self.draft_cpu_counted = self.link.worker.cpu_seconds - self.draft_cpu_counted, self.link.worker.cpu_seconds
         return StepStats(
             num_proposed=tree.num_nodes,
             tree_depth=tree.max_depth,
@@ -227,5 +229,6 @@ class _Request:
             budget=(budget.max_nodes, budget.max_depth),
             step_seconds=time.perf_counter() - t_step,
             batch_sessions=verified.batch_sessions,
+            draft_cpu_seconds=cpu,
             **extra,
         )

@@ -343,7 +343,7 @@ def batch_goodput_depth(alpha: Sequence[float], costs: VerifyCosts, sessions: in
     verify trees of that size in one forward: sessions * E[tokens(d)] / costs.seconds(sessions,
     sessions * (1 + fill * nodes(d))), ``fill`` = the share of a budget's nodes the drafter really sends.
     Every session's extra rows slow the whole step, so at a large batch trees shrink unless they are
-    accepted well enough to pay for that. ``draft_per_level``: seconds of one drafted level when every
+    accepted well enough to pay for that. ``draft_per_level``: CPU seconds of one drafted level when every
     session's drafting runs on the verifier's cores (one process): sessions * depth of them join the step."""
     best, best_rate = 0, 0.0
     for depth in range(max_depth + 1):
@@ -378,13 +378,20 @@ class LoadAwarePolicy:
             return budget
         steps = stats.steps[-self.window:]
         alpha = conditional_acceptance(steps, budget.max_depth, self.prior_acceptance, self.prior_weight)
-        draft = fit_costs(steps).draft_per_level if self.drafting_shares_cores else 0.0
+        draft = draft_cpu_per_level(steps) if self.drafting_shares_cores else 0.0
         depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
                                     fill_ratio(steps), draft)
         if depth >= budget.max_depth:
             return budget
         return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,
                       budget.min_path_prob)
+
+
+def draft_cpu_per_level(steps: Sequence[StepStats]) -> float:
+    """CPU seconds of drafting per budgeted level (thread CPU time, so waiting for cores a loaded process
+    shares does not count, unlike the drafter's wall time)."""
+    levels = sum(s.budget[1] for s in steps)
+    return sum(s.draft_cpu_seconds for s in steps) / levels if levels else 0.0
 
 
 def load_aware(policy: SpeculationPolicy, costs: VerifyCosts | None,

@@ -27,6 +27,7 @@ class StepStats:
     predraft_seconds: float = 0.0  # drafter time it took
     ahead_confirmed: bool = False  # the verifier accepted the whole line drafted ahead on (usable if the bonus was guessed)
     batch_sessions: int = 1  # sessions the verifier verified in the same forward as this step
+    draft_cpu_seconds: float = 0.0  # CPU time this process spent drafting since the previous step (~0 if remote)
 
 
 @dataclass

@@ -452,7 +452,8 @@ def test_drafting_on_the_verifier_cores_counts_under_load():
     """In one process every session's drafting runs on the verifier's cores: a slow drafter's trees stop paying
     under load, while across processes (its time not the verifier's) the same trees are kept."""
     costs = VerifyCosts(3e-3, 0.2e-3, 0.05e-3)
-    steps = [_step(3, 2, nodes=3, draft=0.006, verify=0.02, batch_sessions=16) for _ in range(10)]  # 2 ms/level
+    steps = [_step(3, 2, nodes=3, draft=0.006, verify=0.02, batch_sessions=16, draft_cpu_seconds=0.006)
+             for _ in range(10)]  # 2 ms of CPU per level
     apart = LoadAwarePolicy(StaticPolicy(3, 3), costs).next_budget(RequestStats(steps=steps), 100)
     together = LoadAwarePolicy(StaticPolicy(3, 3), costs, drafting_shares_cores=True).next_budget(
         RequestStats(steps=steps), 100)
