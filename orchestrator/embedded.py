@@ -111,7 +111,10 @@ class EmbeddedStack:
             verifier = self.shared_verifier(topk, lookahead)
             chosen = load_aware(chosen, verifier.costs, drafting_shares_cores=True)
         else:
-            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk=topk, lookahead=lookahead)
+            # one request at a time: a pool for two sessions at the full context, not the server's budget
+            per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.window if lookahead else 0)
+            gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
+            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb)
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         return Engine(verifier, only(drafter, proposer or ""), chosen, self.decode, overlap=overlap,
                       ahead_from=ahead_from)

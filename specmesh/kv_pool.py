@@ -39,8 +39,11 @@ class KVPool:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # empty, not zeros: a slot is always written before it is read (attention reads positions [0, length)
+        # only), and on the CPU untouched pages of an empty tensor take no memory, so a generous budget costs
+        # only what the sessions use
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
         self.device = self.keys.device
 
     @staticmethod
