@@ -23,7 +23,7 @@ from drafter_service.arguments import add_members_argument, add_store_argument
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
 from specmesh import models, serving
-from specmesh.contract import check_rollback
+from specmesh.contract import check_rollback, check_session_id
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import (
     DRAFTER_SERVICE,
@@ -37,11 +37,13 @@ log = logging.getLogger("specmesh.drafter")
 MAX_FEEDBACK_ITEMS = 64  # verifications' feedback per Propose
 MAX_FEEDBACK_NGRAMS = 1024  # harvested n-grams per verification
 MAX_NGRAM_LEN = 64
+DEFAULT_MAX_CONTEXT = 65536  # tokens a session's context may hold (prompt + committed + drafted-ahead)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
-        self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256
+        self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256,
+        max_context: int = DEFAULT_MAX_CONTEXT,
     ) -> None:
         if default_proposer not in proposers:
             raise ValueError(f"default proposer {default_proposer!r} is not among {sorted(proposers)}")
@@ -49,11 +51,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.default_proposer = default_proposer
         self.vocab_size = vocab_size  # 0 = unknown: token ids are only checked to be >= 0
         self.max_tree_nodes = max_tree_nodes
+        self.max_context = max_context
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
         self.num_sessions = 0
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _check_context(self, length: int) -> None:
+        """A session's context stays within ``max_context`` tokens (its memory and every proposal's work grow
+        with it), or ValueError (INVALID_ARGUMENT)."""
+        if length > self.max_context:
+            raise ValueError(f"the context would hold {length} tokens; this drafter takes at most {self.max_context} "
+                             f"(--max-context)")
 
     def _check_tokens(self, tokens) -> None:
         limit = self.vocab_size or 2**31  # model-free drafters know no vocabulary: ids must fit the stores
@@ -92,7 +102,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # our own key: session ids from different callers may collide
         session = f"{opening.session_id}/{uuid.uuid4().hex[:8]}"
         try:
+            check_session_id(opening.session_id)
             prompt = list(opening.prompt)
+            self._check_context(len(prompt))
             self._check_tokens(prompt)
             sampling = sampling_from_proto(opening.sampling)
         except ValueError as exc:
@@ -111,6 +123,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     # checked here, as it will be applied (proposals run one at a time), to answer
                     # INVALID_ARGUMENT rather than fail on the model thread
                     check_rollback(propose.rollback, drafter.context_length(session))
+                    self._check_context(drafter.context_length(session) - propose.rollback + len(new_tokens))
                     feedback = draft_feedback_from_proto(propose.feedback, propose.committed_len)
                     if feedback is not None:
                         length = drafter.context_length(session) - propose.rollback + len(new_tokens)
@@ -155,6 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first of --proposers)")
     p.add_argument("--max-tree-nodes", type=int, default=256,
                    help="largest tree drafted: the drafter's capacity, whatever a budget asks for (default: 256)")
+    p.add_argument("--max-context", type=models.positive_int, default=DEFAULT_MAX_CONTEXT, metavar="TOKENS",
+                   help="longest context a session may hold; an Open or Propose beyond it is INVALID_ARGUMENT "
+                        f"(default: {DEFAULT_MAX_CONTEXT})")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer whose fingerprint namespaces the n-gram store (default: the draft model's; "
                         "needed with a shared --ngram-store and --draft none)")
@@ -198,7 +214,7 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
         raise SystemExit(f"specmesh drafter: {exc}") from None
     vocab = draft_runner.info.vocab_size if draft_runner is not None else 0
     try:
-        return DrafterServicer(proposers, default, vocab, args.max_tree_nodes)
+        return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context)
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
 

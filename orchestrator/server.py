@@ -97,6 +97,10 @@ class _Plan:
     policy: SpeculationPolicy  # carries the budget
 
 
+# a token of a byte-level BPE covers a few bytes on average (up to ~16 for long code identifiers): a text
+# prompt of more bytes than this per context position cannot fit, whatever it says
+PROMPT_BYTES_PER_POSITION = 32
+
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(
         self,
@@ -111,12 +115,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         overlap: bool = DEFAULT_OVERLAP,
         policy: str = DEFAULT_POLICY,
         restart_depth: int | None = None,
+        max_prompt_bytes: int | None = None,
     ) -> None:
+        """``max_prompt_bytes``: a text prompt longer than this (UTF-8) is refused before it is tokenized;
+        None = PROMPT_BYTES_PER_POSITION per position of the verifiers' context."""
         self.verifiers = list(verifiers)
         self.overlap, self.policy, self.restart_depth = overlap, policy, restart_depth  # for requests that do not choose
         self.drafters = list(drafters)
         self.tokenizer = tokenizer
         self.info = self.verifiers[0].info
+        self.max_positions = min(v.info.max_positions for v in self.verifiers)
+        self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_POSITION * self.max_positions
         self.default_proposer = default_proposer
         self.draft_timeout = draft_timeout
         self._local = LocalDrafter(make_proposer("prompt_lookup"))  # last resort before plain decoding
@@ -129,11 +138,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     # ------------------------------------------------------------- requests
     def _parse(self, request):
         """The request checked and resolved against this server's defaults, or ValueError."""
+        # sizes first: a prompt that cannot fit the context is refused before it costs tokenizing or a hop
         if request.WhichOneof("input") == "prompt":
             if not request.prompt:
                 raise ValueError("empty prompt")
+            size = len(request.prompt)  # characters: a lower bound of the UTF-8 bytes, free to read
+            if size > self.max_prompt_bytes or len(request.prompt.encode()) > self.max_prompt_bytes:
+                raise ValueError(f"the prompt has over {self.max_prompt_bytes} bytes, more than the verifiers' "
+                                 f"context of {self.max_positions} tokens can hold (--max-prompt-bytes)")
             prompt = list(self.tokenizer.encode(request.prompt))
         elif request.WhichOneof("input") == "token_ids":
+            if len(request.token_ids.ids) > self.max_positions:
+                raise ValueError(f"the prompt has {len(request.token_ids.ids)} tokens; the verifiers' context is "
+                                 f"{self.max_positions}")
             prompt = list(request.token_ids.ids)
         else:
             raise ValueError("set either prompt or token_ids")
@@ -142,6 +159,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         if min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.info.vocab_size})")
         sampling = sampling_from_proto(request.sampling)
+        if len(prompt) + sampling.max_new_tokens > self.max_positions:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                             f"verifiers' context of {self.max_positions} positions")
         proposer = request.spec.proposer or self.default_proposer
         if proposer in ("none", "ar"):
             proposer = None
@@ -279,6 +299,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start-up for every verifier to answer (default: 60)")
     p.add_argument("--max-concurrent", type=int, default=64, help="requests decoded at once (default: 64)")
+    p.add_argument("--max-prompt-bytes", type=models.positive_int, default=None, metavar="BYTES",
+                   help="refuse a text prompt larger than this before tokenizing it (default: "
+                        f"{PROMPT_BYTES_PER_POSITION} bytes per position of the verifiers' context)")
     p.add_argument("--max-queued", type=int, default=256,
                    help="requests waiting beyond --max-concurrent; more get RESOURCE_EXHAUSTED (default: 256)")
     add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
@@ -321,5 +344,6 @@ def run(args: argparse.Namespace) -> int:
     servicer = GenerateServicer(verifiers, drafters, tokenizer, proposer, args.draft_timeout_ms / 1000,
                                 args.max_concurrent, args.max_queued, min(i.max_tree_nodes for i in infos),
                                 overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
-                                policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth)
+                                policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
+                                max_prompt_bytes=args.max_prompt_bytes)
     return serving.serve(args, security, servicer, generate_pb2_grpc.add_GenerateServicer_to_server, GENERATE_SERVICE)

@@ -100,6 +100,15 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
 
 
+MAX_SESSION_ID_CHARS = 128
+
+
+def check_session_id(session_id: str) -> None:
+    """ValueError unless a session id is 1 to MAX_SESSION_ID_CHARS characters."""
+    if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        raise ValueError(f"session_id must be 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
+
+
 class UnknownSessionError(KeyError):
     """The verifier holds no session of that id (never opened, released, reaped or owned by another caller)."""
 

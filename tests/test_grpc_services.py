@@ -249,3 +249,46 @@ def test_drafter_rejects_malformed_feedback(mesh):
         with pytest.raises(grpc.RpcError) as err:
             propose(**fields)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+
+
+def test_oversized_prompts_are_refused_before_any_work(client, mesh):
+    """Sizes are checked first (issue 17): a 10 MB text prompt is refused by its bytes before it is tokenized
+    (it took 18 s and 1.8 GB in serve before the verifier refused it), a token prompt past the context before it
+    is forwarded; the verifier never sees either."""
+    import time
+
+    sessions_before = sh.verifier_sessions(mesh["verifier"])
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate("x = 1\n" * (10 * 2**20 // 6), max_new_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in err.value.details()
+    assert time.monotonic() - start < 3.0
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate([1] * 100_000, max_new_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in err.value.details()
+    assert sh.verifier_sessions(mesh["verifier"]) == sessions_before
+
+
+@pytest.mark.parametrize("params", [
+    dict(stop=["a"] * 17), dict(stop=["x" * 257]), dict(stop=[""]), dict(stop_token_ids=list(range(257))),
+], ids=["17 stops", "long stop", "empty stop", "257 stop ids"])
+def test_stop_lists_are_capped(client, params):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(PROMPTS[0], max_new_tokens=4, **params)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_session_ids_and_drafter_contexts_are_capped(mesh):
+    from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+    verifier = verifier_pb2_grpc.VerifierStub(sh.channel(mesh["verifier"]))
+    for sid in ("", "s" * 129):
+        with pytest.raises(grpc.RpcError) as err:
+            verifier.Prefill(verifier_pb2.PrefillRequest(session_id=sid, prompt=[1, 2]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    drafter = drafter_pb2_grpc.DrafterStub(sh.channel(mesh["drafters"][0]))
+    for opening in (drafter_pb2.OpenSession(session_id="s" * 129, prompt=[1, 2]),
+                    drafter_pb2.OpenSession(session_id="x", prompt=[1] * 65537)):  # past --max-context
+        with pytest.raises(grpc.RpcError) as err:
+            list(drafter.Session(iter([drafter_pb2.DraftRequest(open=opening)]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

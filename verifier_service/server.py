@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specmesh import models, serving
-from specmesh.contract import CapacityError, UnknownSessionError
+from specmesh.contract import CapacityError, UnknownSessionError, check_session_id
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import VERIFIER_SERVICE, feedback_to_proto, sampling_from_proto, tree_from_proto
@@ -41,9 +41,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     # ------------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
-        if not request.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
         try:
+            check_session_id(request.session_id)
             sampling = sampling_from_proto(request.sampling)
             future = self.verifier.submit_prefill(request.session_id, list(request.prompt), sampling)
             result = await asyncio.wrap_future(future)
