@@ -4,6 +4,7 @@
 - channel/server options: message-size limits, keepalive, and the retry policy
   (UNAVAILABLE is retried by gRPC itself, from the service config).
 - ``BearerTokenInterceptor``: every RPC except health checks needs the token.
+- ``DecodeErrorInterceptor``: a request that does not parse is INVALID_ARGUMENT with a plain message.
 - ``run_server``: health + reflection, SIGTERM/SIGINT -> NOT_SERVING, drain, stop.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import os
@@ -169,11 +171,81 @@ def _denying_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHan
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
+class _Undecodable:
+    """What a request that failed to parse becomes, so that the handler can answer INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """A request that does not parse as its message type gets INVALID_ARGUMENT with a plain message, not gRPC's
+    UNKNOWN naming a Python exception: requests are parsed leniently and the method aborts on a bad one."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        behaviours = [handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream]
+        if not any(inspect.iscoroutinefunction(b) or inspect.isasyncgenfunction(b) for b in behaviours if b):
+            return handler  # a synchronous handler (none of ours): left as gRPC runs it
+        parse = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError, or anything a parser raises on garbage
+                return _Undecodable(exc)
+
+        async def reject(context) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {details.method.rsplit('/', 1)[-1]} message")
+
+        if handler.request_streaming:
+            async def checked(requests, context):
+                async for request in requests:
+                    if isinstance(request, _Undecodable):
+                        await reject(context)
+                    yield request
+
+            if handler.stream_stream:
+                behaviour = handler.stream_stream
+
+                async def wrapped(requests, context):
+                    async for item in behaviour(checked(requests, context), context):
+                        yield item
+            else:
+                behaviour = handler.stream_unary
+
+                async def wrapped(requests, context):
+                    return await behaviour(checked(requests, context), context)
+
+            field = "stream_stream" if handler.stream_stream else "stream_unary"
+        else:
+            behaviour = handler.unary_unary or handler.unary_stream
+            if handler.unary_stream:
+                async def wrapped(request, context):
+                    if isinstance(request, _Undecodable):
+                        await reject(context)
+                    async for item in behaviour(request, context):
+                        yield item
+            else:
+                async def wrapped(request, context):
+                    if isinstance(request, _Undecodable):
+                        await reject(context)
+                    return await behaviour(request, context)
+
+            field = "unary_stream" if handler.unary_stream else "unary_unary"
+        return handler._replace(request_deserializer=lenient, **{field: wrapped})
+
+
 # -------------------------------------------------------------------- server
 def new_server(security: Security, reuse_port: bool = False) -> grpc.aio.Server:
     """``reuse_port``: share the listening port with other processes (SO_REUSEPORT, gRPC's own default);
     off, a port already in use is an error instead of two servers answering on it at random."""
-    interceptors = [BearerTokenInterceptor(security.token)] if security.token else []
+    interceptors = [DecodeErrorInterceptor()]
+    if security.token:
+        interceptors.insert(0, BearerTokenInterceptor(security.token))
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))]
     return grpc.aio.server(interceptors=interceptors, options=options)
 

@@ -292,3 +292,25 @@ def test_session_ids_and_drafter_contexts_are_capped(mesh):
         with pytest.raises(grpc.RpcError) as err:
             list(drafter.Session(iter([drafter_pb2.DraftRequest(open=opening)]), timeout=10))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("which,method,shape", [
+    ("verifier", "/specmesh.v1.Verifier/Prefill", "unary"),
+    ("serve", "/specmesh.v1.Generate/GenerateStream", "unary_stream"),
+    ("drafters", "/specmesh.v1.Drafter/Session", "stream_stream"),
+])
+def test_undecodable_payloads_are_invalid_argument(mesh, which, method, shape):
+    """Bytes that are no protobuf message: INVALID_ARGUMENT with a plain message (was UNKNOWN naming a Python
+    exception class)."""
+    service = mesh[which][0] if which == "drafters" else mesh[which]
+    ch = sh.channel(service)
+    garbage = b"\xff\xff\xff\xff"
+    with pytest.raises(grpc.RpcError) as err:
+        if shape == "unary":
+            ch.unary_unary(method)(garbage, timeout=10)
+        elif shape == "unary_stream":
+            list(ch.unary_stream(method)(garbage, timeout=10))
+        else:
+            list(ch.stream_stream(method)(iter([garbage]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid" in err.value.details() and "Error" not in err.value.details()
