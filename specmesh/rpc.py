@@ -72,13 +72,15 @@ def channel_options(retry_methods: Sequence[tuple[str, str]] = ()) -> list[tuple
 # ------------------------------------------------------------------ security
 @dataclass(frozen=True)
 class Security:
-    """Credentials of one endpoint. Servers: cert/key (+ ca = require client certs, i.e. mutual TLS).
-    Clients: ca to trust the server (+ cert/key to present a client certificate)."""
+    """Credentials of one endpoint. Servers: cert/key (+ ca with client_auth = require client certificates it
+    signed, i.e. mutual TLS). Clients, and a server's own outgoing calls: ca to trust the server (+ cert/key
+    to present a client certificate)."""
 
     token: str | None = None
     cert: bytes | None = None
     key: bytes | None = None
     ca: bytes | None = None
+    client_auth: bool = True  # a server with ``ca``: require client certificates (False: ca only for trusting)
 
     @classmethod
     def load(
@@ -112,12 +114,13 @@ class Security:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
+        mutual = self.ca is not None and self.client_auth
         if self.cert is None:
-            if self.ca is not None:
-                raise ValueError("a server needs --tls-cert and --tls-key to use TLS")
-            return None
+            if mutual:
+                raise ValueError("a server needs --tls-cert and --tls-key to require client certificates")
+            return None  # plaintext listener (its outgoing calls may still use TLS with ca)
         return grpc.ssl_server_credentials(
-            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.ca is not None
+            [(self.key, self.cert)], root_certificates=self.ca if mutual else None, require_client_auth=mutual
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,8 +20,12 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (enables TLS)")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", type=Path, default=None,
-                   help="PEM CA bundle: clients must present a certificate it signed (mutual TLS); "
-                        "outgoing calls of `serve` also trust it")
+                   help="PEM CA bundle: outgoing calls of `serve` trust it, and (see --tls-client-auth) clients must "
+                        "present a certificate it signed (mutual TLS)")
+    p.add_argument("--tls-client-auth", choices=("require", "none"), default="require",
+                   help="with --tls-ca: 'require' client certificates signed by it (mutual TLS, the default), or "
+                        "'none': --tls-ca only makes this server's own calls trust that CA (e.g. `serve` calling "
+                        "verifiers whose certificates a private CA signed, for clients without certificates)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight calls get to finish after SIGTERM (default: 10)")
     p.add_argument("--ready-file", type=Path, default=None,
@@ -33,7 +38,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 def server_security(args: argparse.Namespace) -> rpc.Security:
     try:
-        return rpc.Security.load(token_file=args.token_file, cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+        security = rpc.Security.load(token_file=args.token_file, cert=args.tls_cert, key=args.tls_key,
+                                     ca=args.tls_ca)
+        return dataclasses.replace(security, client_auth=args.tls_client_auth == "require")
     except (OSError, ValueError) as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
 

@@ -103,3 +103,25 @@ def test_mutual_tls(tmp_path, demo_stack):
     finally:
         for svc in services:
             svc.stop()
+
+
+def test_private_ca_without_client_certificates(tmp_path):
+    """--tls-ca trusts a CA without demanding client certificates when --tls-client-auth none (issue 17): serve
+    reaches verifiers whose certificates a private CA signed, and clients without certificates reach serve
+    (this needed an undocumented GRPC_DEFAULT_SSL_ROOTS_FILE_PATH before)."""
+    pki = make_pki(tmp_path)
+    cert = ["--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"])]
+    trust = ["--tls-ca", str(pki["ca"]), "--tls-client-auth", "none"]
+    v = sh.verifier(*cert)  # TLS, no client certificates asked
+    services = [v]
+    try:
+        v.wait_ready()
+        plain = sh.serve([v], [], "--proposer", "prompt_lookup", "--connect-timeout", "20", *trust)
+        tls = sh.serve([v], [], "--proposer", "prompt_lookup", "--connect-timeout", "20", *cert, *trust)
+        services += [plain, tls]
+        sh.start_all(plain, tls)
+        assert Client(plain.address, timeout=60).generate(PROMPT, max_new_tokens=4).token_ids
+        assert Client(tls.address, tls_ca=pki["ca"], timeout=60).generate(PROMPT, max_new_tokens=4).token_ids
+    finally:
+        for svc in services:
+            svc.stop()
