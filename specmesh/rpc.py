@@ -51,6 +51,12 @@ def channel_options(retry_methods: Sequence[tuple[str, str]] = ()) -> list[tuple
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         *_KEEPALIVE,
+        # a replica that went away is tried again at most every half second (gRPC's default backoff grows to
+        # 120 s), so one restarted on its address is used again within a second of serving; a connection
+        # attempt is cheap next to a request failing over
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 500),
     ]
     if retry_methods:
         config = {

@@ -23,12 +23,12 @@ DRAFT_ARGS = ["--draft", DRAFT, "--draft-dtype", "float64", "--threads", "1"]
 Service = ServiceProcess
 
 
-def verifier(*extra: str, env=None) -> Service:
-    return Service(["-m", "specmesh", "verifier", *TARGET_ARGS, *extra], env, "verifier")
+def verifier(*extra: str, env=None, listen: str = "127.0.0.1:0") -> Service:
+    return Service(["-m", "specmesh", "verifier", *TARGET_ARGS, *extra], env, "verifier", listen)
 
 
-def drafter(*extra: str, env=None, module: str = "specmesh") -> Service:
-    return Service(["-m", module, "drafter", *DRAFT_ARGS, *extra], env, "drafter")
+def drafter(*extra: str, env=None, module: str = "specmesh", listen: str = "127.0.0.1:0") -> Service:
+    return Service(["-m", module, "drafter", *DRAFT_ARGS, *extra], env, "drafter", listen)
 
 
 def serve(verifiers: list[Service], drafters: list[Service], *extra: str, env=None) -> Service:

@@ -32,7 +32,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class ServiceProcess:
     """One specmesh server process; ``argv`` are the arguments after the python executable."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, name: str = "") -> None:
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, name: str = "",
+                 listen: str = "127.0.0.1:0") -> None:
+        """``listen``: the address to bind (port 0 = any free port, reported through the ready file)."""
         self.name = name or " ".join(argv[:3])
         self._dir = tempfile.TemporaryDirectory(prefix="specmesh-svc-")
         self.ready = Path(self._dir.name) / "port"
@@ -40,7 +42,7 @@ class ServiceProcess:
         full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, *argv, "--listen", "127.0.0.1:0", "--ready-file", str(self.ready)],
+                [sys.executable, *argv, "--listen", listen, "--ready-file", str(self.ready)],
                 stdout=log, stderr=subprocess.STDOUT, env=full_env, preexec_fn=_die_with_parent,
             )
         self.port = 0
