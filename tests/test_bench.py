@@ -93,7 +93,9 @@ def _bench(pair: Path, out: Path, *extra: str, draft: str | None = "draft") -> d
 
 
 def test_bench_greedy_report(pair, tmp_path, capsys):
-    methods = ["ar", "draft_model", "prompt_lookup", "hf_ar", "hf_assisted", "hf_prompt_lookup"]
+    # draft_model sequential: with overlap (the default) whether a drafted-ahead tree reaches the verifier
+    # depends on timing, and on a loaded machine none may in 2 short prompts (no acceptance to check)
+    methods = ["ar", "draft_model:overlap=0", "prompt_lookup", "hf_ar", "hf_assisted", "hf_prompt_lookup"]
     report = _bench(pair, tmp_path / "out.json", "--methods", *methods, "--limit", "2")
     assert list(report["methods"]) == methods
     assert report["config"]["num_prompts"] == 2
@@ -112,7 +114,7 @@ def test_bench_greedy_report(pair, tmp_path, capsys):
         # every generated token after the first costs at most one target forward
         assert agg["target_forwards_per_token"] <= 1.0 + 1e-9
 
-    for method in ("ar", "draft_model", "prompt_lookup"):  # lossless: exactly AR greedy
+    for method in ("ar", "draft_model:overlap=0", "prompt_lookup"):  # lossless: exactly AR greedy
         assert report["methods"][method]["greedy_match_ar"] == 1.0
     ar = report["methods"]["ar"]
     assert ar["tau"] == 1.0 and ar["target_forwards_per_token"] == 1.0
@@ -125,7 +127,7 @@ def test_bench_greedy_report(pair, tmp_path, capsys):
         if r["kind"] == "specmesh":
             assert r["target_forwards"] == 1 + r["steps"]
             assert r["committed"] >= r["num_generated"] - 1
-    dm = report["methods"]["draft_model"]
+    dm = report["methods"]["draft_model:overlap=0"]
     assert dm["acceptance_per_position"] and all(0.0 <= a <= 1.0 for a in dm["acceptance_per_position"] if a is not None)
     assert dm["draft_forwards_per_token"] > 0 and set(dm["per_source"]) == {"draft_model"}
 
