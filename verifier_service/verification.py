@@ -14,7 +14,7 @@ row i + 1 to node i: row r holds the target's prediction for the *children* of r
   child is accepted, the bonus token is drawn from the current p. This keeps the
   output distribution identical to sampling from the target. A deterministic pick
   is the point mass q_c = delta(x_c): accept with probability p(x_c), else zero
-  x_c out of p and renormalise.
+  x_c out of p and renormalise. It is ``verify_sample_batch`` for one tree (one walk).
 
 Batched serving verifies many requests' trees from one target forward. The target's
 outputs then arrive packed: request r owns rows ``cu_rows[r]:cu_rows[r + 1]`` (its
@@ -68,28 +68,9 @@ def verify_greedy(tree: TokenTree, target_argmax: np.ndarray) -> Acceptance:
 
 
 def verify_sample(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
-    """target_probs: [num_nodes + 1, vocab] float64, warped target distributions (sum to 1 per row)."""
-    assert target_probs.ndim == 2 and target_probs.shape[0] == tree.num_nodes + 1, target_probs.shape
-    accepted: list[int] = []
-    node = -1
-    while True:
-        p = target_probs[node + 1]
-        chosen = None
-        for child in tree.children_of(node):
-            x = int(tree.tokens[child])
-            q_ids, q_vals = tree.draft_dist(child)
-            q_x = float(q_vals[q_ids == x][0])
-            p_x = float(p[x])
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u * q_x < p_x:  # u < min(1, p_x / q_x), without dividing
-                chosen = child
-                break
-            p = residual(p, torch.as_tensor(q_ids), torch.as_tensor(q_vals, dtype=torch.float64))
-        if chosen is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
-            return Acceptance(tuple(accepted), bonus)
-        accepted.append(chosen)
-        node = chosen
+    """target_probs: [num_nodes + 1, vocab] float64, warped target distributions (sum to 1 per row).
+    A batch of one for ``verify_sample_batch``, whose walk is the rule described above."""
+    return verify_sample_batch([tree], target_probs, [0, tree.num_nodes + 1], [generator])[0]
 
 
 def residual(p: torch.Tensor, q_ids: torch.Tensor, q_vals: torch.Tensor) -> torch.Tensor:
@@ -171,7 +152,6 @@ def _walk_sample(
             if uniforms[child] * q_x < p_x:  # u < min(1, p_x / q_x), without dividing
                 chosen = child
                 break
-            # on CUDA, residual's `total <= 0` test is a host sync as well
             p = residual(p, torch.as_tensor(q_ids, device=p.device),
                          torch.as_tensor(q_vals, dtype=torch.float64, device=p.device))
             rejected = True
