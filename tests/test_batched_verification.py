@@ -23,8 +23,7 @@ from test_sampling_distribution import (
     P_FAIL,
     P_PASS,
     World,
-    _pick,
-    _sparse,
+    _drafter,
     chisquare_p,
     draft_tree,
     target_rows,
@@ -34,15 +33,6 @@ from torch.nn.functional import one_hot, pad
 from specmesh.tree import TokenTree
 from verifier_service import verification
 from verifier_service.verification import Acceptance, verify_greedy, verify_greedy_batch, verify_sample_batch
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny tensors: extra intra-op threads only spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def packed(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -128,40 +118,6 @@ def test_packing_that_does_not_fit_the_trees_is_refused():
 
 
 # ---------------------------------------------------------------- sampling
-def draft_mixed(world: World, prefix: tuple, widths: tuple[int, ...], rng: random.Random) -> TokenTree:
-    """Per parent: first child the draft's most likely token (a point mass), then children i.i.d. from q."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    dists: list[tuple[np.ndarray, np.ndarray]] = []
-    frontier = [(-1, ())]
-    for width in widths:
-        nxt = []
-        for node, path in frontier:
-            q = world.q(prefix + path)
-            top = int(np.argmax(q))
-            picks = [(top, (np.asarray([top], np.int64), np.ones(1)))]
-            picks += [(_pick(q, rng.random()), _sparse(q)) for _ in range(width - 1)]
-            for tok, dist in picks:
-                tokens.append(tok)
-                parents.append(node)
-                dists.append(dist)
-                nxt.append((len(tokens) - 1, path + (tok,)))
-        frontier = nxt
-    n = len(tokens)
-    q_cu = np.cumsum([0] + [ids.size for ids, _ in dists]).astype(np.int64)
-    draft_probs = np.asarray([v[ids == t][0] for (ids, v), t in zip(dists, tokens, strict=True)])
-    return TokenTree(np.asarray(tokens, np.int64), np.asarray(parents, np.int64), draft_probs, ("t",) * n,
-                     q_cu, np.concatenate([ids for ids, _ in dists]), np.concatenate([v for _, v in dists]))
-
-
-def drafter(widths: tuple[int, ...], mode: str):
-    if not widths:
-        return lambda world, prefix, rng: TokenTree.empty()
-    if mode == "mixed":
-        return lambda world, prefix, rng: draft_mixed(world, prefix, widths, rng)
-    return lambda world, prefix, rng: draft_tree(world, prefix, widths, mode, rng)
-
-
 # (vocab, widths, mode, k). Modes as in test_sampling_distribution (iid, wor: with draft distributions;
 # topk: point masses), plus mixed (a point mass then i.i.d. siblings) and empty trees (bonus only).
 # All run in the same batches; a vocabulary smaller than the batch's has its extra tokens at p = 0.
@@ -200,7 +156,7 @@ def simulate_batched(names: list[str], trials: int, seed: int) -> dict[str, Coun
                 name = batch[i][0]
                 world, (_, widths, mode, _) = worlds[name], SCENARIOS[name]
                 prefix = tuple(outs[i])
-                tree = drafter(widths, mode)(world, prefix, rng)
+                tree = _drafter(widths, mode)(world, prefix, rng)
                 if batch[i][1] < 20:  # the drafted trees keep the TokenTree contract
                     tree.validate(world.vocab)
                 trees.append(tree)
@@ -239,7 +195,7 @@ def test_seeded_request_is_reproducible_whatever_its_batch():
     rng = random.Random(0)
     outcomes = set()
     for seed in range(150):
-        tree = draft_mixed(world, (), (3, 2), rng)
+        tree = draft_tree(world, (), (3, 2), "mixed", rng)
         others = [draft_tree(world, (1,), (2, 2), "wor", rng), TokenTree.empty(),
                   draft_tree(world, (2,), (3,), "topk", rng)]
         probs, cu_rows = packed([target_rows(world, (), tree)])

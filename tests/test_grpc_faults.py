@@ -187,6 +187,23 @@ def test_verifier_reclaims_sessions_of_a_vanished_orchestrator(verifier):
         s.stop()
 
 
+def _seconds_to_recover(stop, restart, served) -> float:
+    """Stop a replica, keep sending requests for 8 s (gRPC's reconnect backoff grows meanwhile; ``served()``
+    must be False throughout), restart it on its address, then the seconds from its readiness until
+    ``served()`` is True again (at most 10)."""
+    stop()
+    end = time.monotonic() + 8
+    while time.monotonic() < end:
+        assert not served()
+        time.sleep(0.2)
+    restart()
+    ready = time.monotonic()
+    while not served():
+        assert time.monotonic() - ready < 10, "the restarted replica was not used again"
+        time.sleep(0.05)
+    return time.monotonic() - ready
+
+
 def test_a_restarted_verifier_is_used_again_within_a_second():
     """Recovery is fast (issue 17): serve's channel retries a lost replica at most ~1 s apart (gRPC's default
     backoff grew to 10+ s while requests kept failing), so the first request after the verifier is back
@@ -197,30 +214,22 @@ def test_a_restarted_verifier_is_used_again_within_a_second():
     services = [first]
     try:
         first.wait_ready()
-        address = first.address
         serve = sh.serve([first], [], "--proposer", "none", "--connect-timeout", "20")
         services.append(serve)
         serve.wait_ready()
         client = Client(serve.address, timeout=30)
-        assert client.generate([1, 2, 3], max_new_tokens=2).token_ids
-        first.stop()
-        end = time.monotonic() + 8  # requests keep coming while it is down: gRPC's backoff grows meanwhile
-        while time.monotonic() < end:
-            with pytest.raises(grpc.RpcError):
-                client.generate([1, 2, 3], max_new_tokens=2, timeout=5)
-            time.sleep(0.2)
-        again = sh.verifier("--no-cost-profile", listen=address)
-        services.append(again)
-        again.wait_ready()
-        ready = time.monotonic()
-        while True:
+
+        def served() -> bool:
             try:
-                client.generate([1, 2, 3], max_new_tokens=2, timeout=5)
-                break
+                return bool(client.generate([1, 2, 3], max_new_tokens=2, timeout=5).token_ids)
             except grpc.RpcError:
-                assert time.monotonic() - ready < 10, "the restarted verifier was not used again"
-                time.sleep(0.05)
-        assert time.monotonic() - ready < 1.5
+                return False
+
+        def restart() -> None:
+            services.append(sh.verifier("--no-cost-profile", listen=first.address).wait_ready())
+
+        assert served()
+        assert _seconds_to_recover(first.stop, restart, served) < 1.5
     finally:
         for svc in services:
             svc.stop()
@@ -234,30 +243,20 @@ def test_a_restarted_drafter_is_used_again_within_a_second():
     services = [v, d]
     try:
         sh.start_all(v, d)
-        address = d.address
         serve = sh.serve([v], [d], "--connect-timeout", "20")
         services.append(serve)
         serve.wait_ready()
         client = Client(serve.address, timeout=30)
 
-        def failed_over() -> bool:
+        def served() -> bool:  # every step drafted by the drafter replica, none failed over
             chunks = client.stream([5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=4, proposer="prompt_lookup", ignore_eos=True)
-            return any(c.step is not None and c.step.draft_error for c in chunks)
+            return not any(c.step is not None and c.step.draft_error for c in chunks)
 
-        assert not failed_over()
-        d.stop()
-        end = time.monotonic() + 8  # requests keep coming (and failing over) while it is down
-        while time.monotonic() < end:
-            assert failed_over()
-            time.sleep(0.2)
-        again = sh.drafter("--draft", "none", listen=address)
-        services.append(again)
-        again.wait_ready()
-        ready = time.monotonic()
-        while failed_over():
-            assert time.monotonic() - ready < 10, "the restarted drafter was not used again"
-            time.sleep(0.05)
-        assert time.monotonic() - ready < 1.5
+        def restart() -> None:
+            services.append(sh.drafter("--draft", "none", listen=d.address).wait_ready())
+
+        assert served()
+        assert _seconds_to_recover(d.stop, restart, served) < 1.5
     finally:
         for svc in services:
             svc.stop()

@@ -94,7 +94,8 @@ def _pick(d: np.ndarray, u: float) -> int:
 
 
 def draft_tree(world: World, prefix: tuple, widths: tuple[int, ...], mode: str, rng) -> TokenTree:
-    """Children per level ``widths``; mode: iid (with replacement) | wor (without) | topk (deterministic).
+    """Children per level ``widths``; mode: iid (with replacement) | wor (without) | topk (deterministic) |
+    mixed (first child the draft's most likely token as a point mass, the others i.i.d. from q).
 
     Each node ships the exact distribution its token was drawn from, conditioned on the
     siblings drawn before it (the TokenTree convention); topk nodes ship none (point masses).
@@ -120,6 +121,10 @@ def draft_tree(world: World, prefix: tuple, widths: tuple[int, ...], mode: str, 
                     left[tok] = 0.0
             elif mode == "topk":
                 picks = [(int(t), None) for t in np.argsort(-q, kind="stable")[:width]]
+            elif mode == "mixed":
+                top = int(np.argmax(q))
+                picks = [(top, (np.asarray([top], np.int64), np.ones(1)))]
+                picks += [(_pick(q, rng.random()), _sparse(q)) for _ in range(width - 1)]
             else:
                 raise ValueError(mode)
             for tok, dist in picks:
@@ -205,6 +210,8 @@ NEGATIVE_TRIALS = 4_000  # broken rules fail by hundreds of orders of magnitude
 
 
 def _drafter(widths, mode):
+    if not widths:  # no draft: the bonus token alone
+        return lambda world, prefix, rng: TokenTree.empty()
     return lambda world, prefix, rng: draft_tree(world, prefix, widths, mode, rng)
 
 

@@ -50,15 +50,6 @@ MAX_NEW = 32
 WINDOWS = [LookaheadConfig(1, 2), LookaheadConfig(4, 3), LookaheadConfig(7, 4)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: extra intra-op threads only spin against each other (see conftest)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _cfg_id(cfg: LookaheadConfig | None) -> str:
     return "off" if cfg is None else f"W{cfg.window}N{cfg.ngram}"
 
