@@ -191,8 +191,21 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
     """A request that does not parse as its message type gets INVALID_ARGUMENT with a plain message, not gRPC's
     UNKNOWN naming a Python exception: requests are parsed leniently and the method aborts on a bad one."""
 
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # served method -> its lenient handler
+
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
+        # a method's handler is the same object every call: wrap it once, not on every Verify of a session
+        # (only methods the server has: a client's made-up names are not kept)
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is None:
+            wrapped = self._lenient(await continuation(details), details.method)
+            if wrapped is not None:
+                self._wrapped[details.method] = wrapped
+        return wrapped
+
+    @staticmethod
+    def _lenient(handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodHandler | None:
         if handler is None or handler.request_deserializer is None:
             return handler
         behaviours = [handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream]
@@ -208,7 +221,7 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def reject(context) -> None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {details.method.rsplit('/', 1)[-1]} message")
+                                f"the request is not a valid {method.rsplit('/', 1)[-1]} message")
 
         if handler.request_streaming:
             async def checked(requests, context):

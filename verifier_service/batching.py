@@ -74,7 +74,6 @@ class BatchStats:
     steps: int = 0
     verified: int = 0  # Verify calls served
     prefill_chunks: int = 0
-    tokens: int = 0  # rows fed to the model
     max_batch: int = 0  # most Verify calls in one step
 
     @property
