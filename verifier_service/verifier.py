@@ -166,12 +166,8 @@ class LocalVerifier:
 
     def release(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
-        if session is None:
-            return
-        if isinstance(session.cache, PagedKVCache):
-            session.cache.free()
-        else:
-            self.allocator.free(session.table)
+        if session is not None:
+            self._unreserve(session.cache, session.table)
 
     # ------------------------------------------------------------ scheduling
     def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None:
@@ -181,13 +177,7 @@ class LocalVerifier:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
         self.check_request(prompt, sampling)
-        worst = self.reservation(len(prompt), sampling)
-        if self.pool is not None:
-            cache = self.pool.open(worst)
-            table = cache.table
-        else:
-            table = self.allocator.allocate(worst)
-            cache = self.runner.new_cache()
+        cache, table = self._reserve(self.reservation(len(prompt), sampling))
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.runner.device)
@@ -250,7 +240,7 @@ class LocalVerifier:
                 if session_id in seen:
                     raise ValueError(f"session {session_id!r} appears twice in one step")
                 row = self._verify_row(self._get(session_id), tree, packed)
-            except (ValueError, KeyError) as exc:  # InvalidTreeError, UnknownSessionError, CapacityError-free
+            except (ValueError, KeyError) as exc:  # an invalid tree or a step past the reservation; UnknownSessionError
                 results[index] = exc
                 continue
             seen.add(session_id)
@@ -290,10 +280,8 @@ class LocalVerifier:
                 accepting.append((row.session, TokenTree.empty(), offset))
                 finishing.append(session_id)
                 offset += 1
-        starts = {}
-        for index, row in verify_rows:
+        for _, row in verify_rows:
             accepting.append((row.session, row.tree, offset))
-            starts[index] = offset
             offset += row.num_new
         acceptances = self._accept_all(accepting, logits, argmax)
         firsts: dict[str, int] = {}
@@ -301,8 +289,9 @@ class LocalVerifier:
             firsts[session_id] = acceptance.bonus_token
             self._start_decoding(self._sessions[session_id], acceptance.bonus_token)
         elapsed = time.perf_counter() - start_time
-        for (index, row), acceptance in zip(verify_rows, acceptances[len(finishing) :], strict=True):
-            r = slice(starts[index], starts[index] + row.num_new)
+        verified = zip(verify_rows, accepting[len(finishing) :], acceptances[len(finishing) :], strict=True)
+        for (index, row), (_, _, first), acceptance in verified:
+            r = slice(first, first + row.num_new)
             results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed,
                                                  len(rows))
         return firsts, results
@@ -319,21 +308,16 @@ class LocalVerifier:
         most = max(1, min(most, self.allocator.num_free // max(per_session, 1)))
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(self.info.vocab_size, (prefix_len,), generator=generator).tolist()
-        caches, tables = [], []
+        reserved = []  # (cache, table) of the scratch sessions
         try:
             for _ in range(most):
-                if self.pool is not None:
-                    cache = self.pool.open(prefix_len + max(rows))
-                    tables.append(cache)
-                else:
-                    tables.append(self.allocator.allocate(prefix_len + max(rows)))
-                    cache = self.runner.new_cache()
-                self.runner.forward(cache, prompt, range(prefix_len), last_only=True)
-                caches.append(cache)
+                reserved.append(self._reserve(prefix_len + max(rows)))
+                self.runner.forward(reserved[-1][0], prompt, range(prefix_len), last_only=True)
+            caches = [cache for cache, _ in reserved]
             points = []
             for b in sorted({min(s, most) for s in sessions}):
                 for n in rows:
-                    ids = np.tile(np.asarray(prompt[:n] + [0] * (n - len(prompt[:n])), np.int64), b)
+                    ids = np.tile(np.resize(np.asarray(prompt, np.int64), n), b)
                     pos = np.tile(np.arange(prefix_len, prefix_len + n), b)
                     best = float("inf")
                     for _ in range(repeats):
@@ -344,14 +328,26 @@ class LocalVerifier:
                             cache.truncate(prefix_len)
                     points.append((b, b * n, best))
         finally:
-            for item in tables:
-                if isinstance(item, PagedKVCache):
-                    item.free()
-                else:
-                    self.allocator.free(item)
+            for cache, table in reserved:
+                self._unreserve(cache, table)
         return fit_verify_costs(points)
 
     # -------------------------------------------------------------- internals
+    def _reserve(self, num_tokens: int) -> tuple[KVCache | PagedKVCache, list[int]]:
+        """A cache for ``num_tokens`` positions and its KV blocks: from the paged pool, or a runner cache with
+        the blocks accounted only. CapacityError when the pool has too few free blocks."""
+        if self.pool is not None:
+            cache = self.pool.open(num_tokens)
+            return cache, cache.table
+        table = self.allocator.allocate(num_tokens)
+        return self.runner.new_cache(), table
+
+    def _unreserve(self, cache: KVCache | PagedKVCache, table: list[int]) -> None:
+        if isinstance(cache, PagedKVCache):
+            cache.free()
+        else:
+            self.allocator.free(table)
+
     def _get(self, session_id: str) -> _Session:
         try:
             return self._sessions[session_id]
