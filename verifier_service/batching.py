@@ -128,14 +128,15 @@ class BatchingVerifier:
     # ------------------------------------------------------------ submission
     def submit_prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Future:
         future: Future = Future()
+        prompt = list(prompt)
+        try:  # a bad request is INVALID_ARGUMENT before any capacity answer (reads only fixed configuration)
+            self.verifier.check_request(prompt, sampling)
+        except ValueError as exc:
+            future.set_exception(exc)
+            return future
+        need = self._blocks_needed(len(prompt), sampling)
         with self._cond:
             self._check_open()
-            need = self._blocks_needed(len(prompt), sampling)
-            try:
-                self.verifier.check_request(list(prompt), sampling)  # a bad request is INVALID_ARGUMENT, first
-            except ValueError as exc:
-                future.set_exception(exc)
-                return future
             if session_id in self._sessions:
                 future.set_exception(ValueError(f"session {session_id!r} already exists"))
             elif need > self.verifier.allocator.num_blocks:
@@ -147,7 +148,7 @@ class BatchingVerifier:
                     f"the verifier is full: {len(self._waiting)} requests already wait for KV blocks"))
             else:
                 self._sessions.add(session_id)
-                self._waiting.append(_Prefill(session_id, list(prompt), sampling, future))
+                self._waiting.append(_Prefill(session_id, prompt, sampling, future))
                 self._cond.notify()
         return future
 
