@@ -306,6 +306,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting beyond --max-concurrent; more get RESOURCE_EXHAUSTED (default: 256)")
     add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
     serving.add_server_arguments(p)
+    serving.add_upstream_arguments(p)
 
 
 def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
@@ -320,16 +321,21 @@ def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
 def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args)
     security = serving.server_security(args)
-    verifiers = [VerifierClient(a, security) for a in args.verifier]
+    upstream = serving.upstream_security(args, security)  # the client's credentials are never forwarded
+    verifiers = [VerifierClient(a, upstream) for a in args.verifier]
     infos = []
     for client in verifiers:
         try:
             infos.append(client.fetch_info(args.connect_timeout))
         except rpc.UpstreamError as exc:
-            raise SystemExit(f"specmesh serve: {exc}") from None
+            hint = ""
+            if exc.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE):
+                hint = (" (serve's own credentials for verifiers and drafters: --upstream-token-file or "
+                        f"${rpc.UPSTREAM_TOKEN_ENV}, --upstream-tls-ca/-cert/-key)")
+            raise SystemExit(f"specmesh serve: {exc}{hint}") from None
     if len({i.vocab_size for i in infos}) > 1:
         raise SystemExit("specmesh serve: the verifiers serve models with different vocabularies")
-    drafters = [DrafterClient(a, security) for a in args.drafter]
+    drafters = [DrafterClient(a, upstream) for a in args.drafter]
     for client in drafters:
         try:
             info = client.info(timeout=2.0)

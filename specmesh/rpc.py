@@ -3,7 +3,8 @@
 - ``Security``: bearer token and TLS files, read once at the edge.
 - channel/server options: message-size limits, keepalive, and the retry policy
   (UNAVAILABLE is retried by gRPC itself, from the service config).
-- ``BearerTokenInterceptor``: every RPC except health checks needs the token.
+- ``BearerTokenInterceptor``: every RPC except health checks needs one of the server's tokens;
+  ``caller_identity`` names the authenticated caller (token or client certificate).
 - ``DecodeErrorInterceptor``: a request that does not parse is INVALID_ARGUMENT with a plain message.
 - ``run_server``: health + reflection, SIGTERM/SIGINT -> NOT_SERVING, drain, stop.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import inspect
 import json
@@ -76,17 +78,31 @@ def channel_options(retry_methods: Sequence[tuple[str, str]] = ()) -> list[tuple
 
 
 # ------------------------------------------------------------------ security
+UPSTREAM_TOKEN_ENV = "SPECMESH_UPSTREAM_TOKEN"
+
+
+def read_tokens(path: str | Path) -> tuple[str, ...]:
+    """The bearer tokens in a token file: one per line; blank lines and ``#`` comments are skipped."""
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    tokens = tuple(line for line in lines if line and not line.startswith("#"))
+    if not tokens:
+        raise ValueError(f"the token file {path} holds no token")
+    return tokens
+
+
 @dataclass(frozen=True)
 class Security:
-    """Credentials of one endpoint. Servers: cert/key (+ ca with client_auth = require client certificates it
-    signed, i.e. mutual TLS). Clients, and a server's own outgoing calls: ca to trust the server (+ cert/key
-    to present a client certificate)."""
+    """Credentials of one endpoint.
 
-    token: str | None = None
+    A server accepts any of ``tokens`` (each a separate caller identity, see ``caller_identity``) and, with
+    cert/key, listens with TLS; with ``ca`` too it requires client certificates that CA signed (mutual TLS).
+    A client presents ``token`` (the first of ``tokens``), trusts ``ca`` (else the system roots) and, with
+    cert/key, presents a client certificate."""
+
+    tokens: tuple[str, ...] = ()
     cert: bytes | None = None
     key: bytes | None = None
     ca: bytes | None = None
-    client_auth: bool = True  # a server with ``ca``: require client certificates (False: ca only for trusting)
 
     @classmethod
     def load(
@@ -96,21 +112,30 @@ class Security:
         cert: str | Path | None = None,
         key: str | Path | None = None,
         ca: str | Path | None = None,
+        token_env: str = TOKEN_ENV,
     ) -> Security:
-        """Token from the argument, else ``token_file``, else $SPECMESH_TOKEN; TLS material from PEM files."""
-        if token is None and token_file is not None:
-            token = Path(token_file).read_text().strip()
-        if token is None:
-            token = os.environ.get(TOKEN_ENV) or None
-        if token is not None and not token:
-            raise ValueError("the bearer token is empty")
+        """Token from the argument, else ``token_file`` (one or more), else $``token_env``; TLS material from
+        PEM files."""
+        if token is not None:
+            tokens: tuple[str, ...] = (token,)
+        elif token_file is not None:
+            tokens = read_tokens(token_file)
+        else:
+            tokens = (os.environ[token_env],) if os.environ.get(token_env) else ()
+        if any(not t or any(c.isspace() for c in t) for t in tokens):
+            raise ValueError("a bearer token must be non-empty and hold no whitespace")
         if (cert is None) != (key is None):
             raise ValueError("a TLS certificate needs its key, and a key its certificate")
 
         def read(path):
             return Path(path).read_bytes() if path is not None else None
 
-        return cls(token, read(cert), read(key), read(ca))
+        return cls(tokens, read(cert), read(key), read(ca))
+
+    @property
+    def token(self) -> str | None:
+        """The token this endpoint presents when it calls out."""
+        return self.tokens[0] if self.tokens else None
 
     @property
     def tls(self) -> bool:
@@ -120,13 +145,13 @@ class Security:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
-        mutual = self.ca is not None and self.client_auth
         if self.cert is None:
-            if mutual:
+            if self.ca is not None:
                 raise ValueError("a server needs --tls-cert and --tls-key to require client certificates")
-            return None  # plaintext listener (its outgoing calls may still use TLS with ca)
+            return None
+        mutual = self.ca is not None
         return grpc.ssl_server_credentials(
-            [(self.key, self.cert)], root_certificates=self.ca if mutual else None, require_client_auth=mutual
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=mutual
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
@@ -143,21 +168,45 @@ def insecure_or_secure_channel(address: str, security: Security, options, aio: b
     return module.secure_channel(address, creds, options=options)
 
 
+def _bearer(metadata) -> str:
+    value = dict(metadata or ()).get("authorization", "")
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>`` with UNAUTHENTICATED.
+    """Rejects calls without ``authorization: Bearer <token>`` for one of ``tokens`` with UNAUTHENTICATED.
     Health checks stay open so load balancers and Kubernetes probes need no secret."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self._expected = [f"Bearer {t}".encode() for t in tokens]
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return await continuation(details)
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        given = _bearer(details.invocation_metadata).encode()
+        # compare with every token (a list, not a short-circuit): the time taken says nothing about which matched
+        if any([hmac.compare_digest(given, expected) for expected in self._expected]):
             return await continuation(details)
         handler = await continuation(details)
         return _denying_handler(handler)
+
+
+def caller_identity(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, as far as the transport authenticated it: ``token:<first 16 hex digits of the token's
+    SHA-256>`` for a bearer token (a server with tokens has checked it), ``cert:<subject common name>`` for a
+    client certificate (mutual TLS; the CA vouches for the name), both joined by ``,``; ``""`` when the call
+    carries neither. Never holds a newline."""
+    parts = []
+    token = _bearer(context.invocation_metadata())
+    if token:
+        parts.append("token:" + hashlib.sha256(token.encode()).hexdigest()[:16])
+    auth = context.auth_context() or {}
+    names = auth.get("x509_common_name") or []
+    if names:
+        parts.append("cert:" + names[0].decode(errors="replace").replace("\n", " "))
+    elif auth.get("x509_pem_cert"):  # a certificate without a common name: its fingerprint
+        parts.append("cert:" + hashlib.sha256(auth["x509_pem_cert"][0]).hexdigest()[:16])
+    return ",".join(parts)
 
 
 def _denying_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
@@ -266,8 +315,8 @@ def new_server(security: Security, reuse_port: bool = False) -> grpc.aio.Server:
     """``reuse_port``: share the listening port with other processes (SO_REUSEPORT, gRPC's own default);
     off, a port already in use is an error instead of two servers answering on it at random."""
     interceptors = [DecodeErrorInterceptor()]
-    if security.token:
-        interceptors.insert(0, BearerTokenInterceptor(security.token))
+    if security.tokens:
+        interceptors.insert(0, BearerTokenInterceptor(security.tokens))
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))]
     return grpc.aio.server(interceptors=interceptors, options=options)
 
@@ -302,7 +351,7 @@ async def run_server(
     for name in ("", *service_names):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("listening on %s (port %d)%s%s", address, port, ", TLS" if creds else "",
-             ", token required" if security.token else "")
+             ", token required" if security.tokens else "")
     if on_started is not None:
         on_started(port)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,17 +14,14 @@ from specmesh import rpc
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     """Options every specmesh server shares: security, shutdown, readiness."""
     p.add_argument("--token-file", type=Path, default=None,
-                   help=f"file holding the bearer token every call must carry (default: ${rpc.TOKEN_ENV}, "
-                        "or no authentication when neither is set)")
+                   help=f"file of the bearer tokens a call may carry, one per line (each is a separate caller: "
+                        f"sessions belong to the caller that opened them); default: ${rpc.TOKEN_ENV}, or no "
+                        "authentication when neither is set")
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (enables TLS)")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", type=Path, default=None,
-                   help="PEM CA bundle: outgoing calls of `serve` trust it, and (see --tls-client-auth) clients must "
-                        "present a certificate it signed (mutual TLS)")
-    p.add_argument("--tls-client-auth", choices=("require", "none"), default="require",
-                   help="with --tls-ca: 'require' client certificates signed by it (mutual TLS, the default), or "
-                        "'none': --tls-ca only makes this server's own calls trust that CA (e.g. `serve` calling "
-                        "verifiers whose certificates a private CA signed, for clients without certificates)")
+                   help="PEM CA bundle: callers must present a client certificate it signed (mutual TLS; the "
+                        "certificate's common name is the caller's identity)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight calls get to finish after SIGTERM (default: 10)")
     p.add_argument("--ready-file", type=Path, default=None,
@@ -37,12 +33,39 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def server_security(args: argparse.Namespace) -> rpc.Security:
+    """What the server's listener accepts (--token-file / $SPECMESH_TOKEN, --tls-*)."""
     try:
-        security = rpc.Security.load(token_file=args.token_file, cert=args.tls_cert, key=args.tls_key,
-                                     ca=args.tls_ca)
-        return dataclasses.replace(security, client_auth=args.tls_client_auth == "require")
+        return rpc.Security.load(token_file=args.token_file, cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
+
+
+def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
+    """Credentials of a server's own calls to other specmesh services (``serve`` -> verifiers, drafters):
+    separate from what its clients present, which is never forwarded."""
+    p.add_argument("--upstream-token-file", type=Path, default=None,
+                   help=f"file holding the bearer token presented to verifiers and drafters (default: "
+                        f"${rpc.UPSTREAM_TOKEN_ENV}, or none); must differ from every client token")
+    p.add_argument("--upstream-tls-ca", type=Path, default=None,
+                   help="PEM CA that signed the verifiers' and drafters' certificates (enables TLS to them; "
+                        "default with --upstream-tls-cert: the system roots)")
+    p.add_argument("--upstream-tls-cert", type=Path, default=None,
+                   help="PEM client certificate presented to verifiers and drafters (mutual TLS)")
+    p.add_argument("--upstream-tls-key", type=Path, default=None, help="PEM private key of --upstream-tls-cert")
+
+
+def upstream_security(args: argparse.Namespace, server: rpc.Security) -> rpc.Security:
+    """Credentials for the internal hops; refuses to start when they would let a client in upstream."""
+    try:
+        upstream = rpc.Security.load(token_file=args.upstream_token_file, cert=args.upstream_tls_cert,
+                                     key=args.upstream_tls_key, ca=args.upstream_tls_ca,
+                                     token_env=rpc.UPSTREAM_TOKEN_ENV)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
+    if upstream.token is not None and upstream.token in server.tokens:
+        raise SystemExit(f"specmesh {args.command}: the upstream token is also a client token; give the "
+                         "verifiers and drafters a token of their own, or every client could call them directly")
+    return upstream
 
 
 def write_ready_file(path: Path | None):

@@ -1,4 +1,5 @@
-"""Bearer tokens and mutual TLS on every specmesh port (real processes on 127.0.0.1)."""
+"""Bearer tokens and mutual TLS on every specmesh port, internal credentials apart from the clients', and
+sessions owned by the caller that opened them (real processes on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,32 @@ from tls_helpers import make_pki
 
 from specmesh.client import Client
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specmesh.tree import TokenTree
+from specmesh.v1 import (
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+from specmesh.wire import sampling_to_proto, tree_to_proto
 
-TOKEN = "s3cret-token-for-tests"
+TOKEN = "s3cret-token-for-tests"  # what clients of serve present
+INTERNAL = "internal-token-of-the-mesh"  # what serve presents to verifiers and drafters; clients never see it
 PROMPT = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
 def token_mesh():
-    env = {"SPECMESH_TOKEN": TOKEN}
+    internal = {"SPECMESH_TOKEN": INTERNAL}
     services = []
     try:
-        v, d = sh.verifier(env=env), sh.drafter(env=env)
+        v, d = sh.verifier(env=internal), sh.drafter(env=internal)
         services += [v, d]
         sh.start_all(v, d)
-        s = sh.serve([v], [d], env=env)
+        s = sh.serve([v], [d], env={"SPECMESH_TOKEN": TOKEN, "SPECMESH_UPSTREAM_TOKEN": INTERNAL})
         services.append(s)
         yield {"verifier": v.wait_ready() and v, "drafter": d, "serve": s.wait_ready()}
     finally:
@@ -46,7 +58,7 @@ def test_generate_needs_the_token(token_mesh, demo_stack):
     _unauthenticated(lambda: list(Client(address, timeout=30).stream(PROMPT, max_new_tokens=8)))
     good = Client(address, token=TOKEN, timeout=60).generate(PROMPT, max_new_tokens=24, proposer="draft_model")
     want = demo_stack.engine(None).generate(demo_stack.tokenizer.encode(PROMPT), SamplingParams(max_new_tokens=24))
-    assert good.token_ids == want.token_ids  # the orchestrator's own hops carry the token too
+    assert good.token_ids == want.token_ids  # the orchestrator's own hops carry the internal token
     assert good.stats["draft_errors"] == 0
 
 
@@ -57,38 +69,141 @@ def test_token_file(token_mesh, tmp_path):
 
 
 @pytest.mark.parametrize("which", ["verifier", "drafter", "serve"])
-def test_every_port_refuses_calls_without_the_token_except_health(token_mesh, which):
+def test_every_port_refuses_calls_without_its_token_except_health(token_mesh, which):
     ch = sh.channel(token_mesh[which])
     health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     reflection = reflection_pb2_grpc.ServerReflectionStub(ch)
     _unauthenticated(lambda: list(reflection.ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)))
+    # the clients' token opens serve only: a user cannot call verifiers and drafters directly (issue 17)
+    client = (("authorization", f"Bearer {TOKEN}"),)
+    internal = (("authorization", f"Bearer {INTERNAL}"),)
     if which == "verifier":
         stub = verifier_pb2_grpc.VerifierStub(ch)
         _unauthenticated(lambda: stub.Info(verifier_pb2.InfoRequest(), timeout=5))
         _unauthenticated(lambda: stub.Prefill(verifier_pb2.PrefillRequest(session_id="x", prompt=[1, 2]), timeout=5))
-        _unauthenticated(lambda: stub.Info(verifier_pb2.InfoRequest(), timeout=5,
-                                           metadata=(("authorization", "Bearer nope"),)))
-        ok = stub.Info(verifier_pb2.InfoRequest(), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),))
-        assert ok.vocab_size > 0
+        for wrong in ((("authorization", "Bearer nope"),), client):
+            _unauthenticated(lambda wrong=wrong: stub.Info(verifier_pb2.InfoRequest(), timeout=5, metadata=wrong))
+            _unauthenticated(lambda wrong=wrong: stub.Prefill(
+                verifier_pb2.PrefillRequest(session_id="x", prompt=[1, 2]), timeout=5, metadata=wrong))
+        assert stub.Info(verifier_pb2.InfoRequest(), timeout=5, metadata=internal).vocab_size > 0
     if which == "drafter":
         stub = drafter_pb2_grpc.DrafterStub(ch)
-        _unauthenticated(lambda: stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5))
         opening = drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id="x", prompt=[1, 2]))
-        _unauthenticated(lambda: list(stub.Session(iter([opening]), timeout=5)))
+        for wrong in ((), client):
+            _unauthenticated(lambda wrong=wrong: stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5,
+                                                           metadata=wrong))
+            _unauthenticated(lambda wrong=wrong: list(stub.Session(iter([opening]), timeout=5, metadata=wrong)))
+        assert stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=5, metadata=internal).proposers
+    if which == "serve":
+        stub = generate_pb2_grpc.GenerateStub(ch)
+        request = generate_pb2.GenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(max_new_tokens=1))
+        _unauthenticated(lambda: stub.Generate(request, timeout=10, metadata=internal))
+
+
+def test_serve_refuses_to_forward_a_client_token(tmp_path):
+    """serve's internal credential must differ from every token its clients may present; without any, a
+    verifier that wants one refuses serve at start-up, with a message naming the option."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# clients\n{TOKEN}\nanother-client\n")
+    v = sh.verifier(env={"SPECMESH_TOKEN": INTERNAL})
+    services = [v]
+    try:
+        v.wait_ready()
+        same = sh.serve([v], [], "--token-file", str(tokens), "--connect-timeout", "5",
+                        env={"SPECMESH_UPSTREAM_TOKEN": "another-client"})
+        none = sh.serve([v], [], "--token-file", str(tokens), "--connect-timeout", "5")
+        services += [same, none]
+        assert "the upstream token is also a client token" in same.wait_exit(30)
+        assert "UNAUTHENTICATED" in none.wait_exit(30)
+    finally:
+        for svc in services:
+            svc.stop()
+
+
+def _ownership(alice, bob, info) -> None:
+    """alice, bob: (VerifierStub, call metadata) of two authenticated callers of one verifier."""
+    (a, a_md), (b, b_md) = alice, bob
+    greedy = sampling_to_proto(SamplingParams(max_new_tokens=8))
+
+    def prefill(stub, md, sid, prompt):
+        return stub.Prefill(verifier_pb2.PrefillRequest(session_id=sid, prompt=prompt, sampling=greedy),
+                            timeout=30, metadata=md)
+
+    def verify(stub, md, sid):
+        return list(stub.Verify(verifier_pb2.VerifyRequest(session_id=sid, tree=tree_to_proto(TokenTree.empty())),
+                                timeout=30, metadata=md).tokens)
+
+    def code(call):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        return err.value.code(), err.value.details()
+
+    prefill(a, a_md, "s", [5, 6, 7])
+    prefill(a, a_md, "ref", [5, 6, 7])  # the same prompt under another id: what "s" must go on producing
+    # another caller cannot reach alice's session, nor tell it exists
+    for call in (lambda: verify(b, b_md, "s"),
+                 lambda: b.Release(verifier_pb2.ReleaseRequest(session_id="s"), timeout=10, metadata=b_md)):
+        status, details = code(call)
+        assert status == grpc.StatusCode.NOT_FOUND and "'s'" in details
+    prefill(b, b_md, "s", [9, 9, 9, 9])  # bob's own "s": no conflict, no hint that the id is taken
+    assert verify(a, a_md, "s") == verify(a, a_md, "ref")
+    assert verify(b, b_md, "s")
+    status, details = code(lambda: prefill(a, a_md, "s", [1]))
+    assert status == grpc.StatusCode.INVALID_ARGUMENT and "'s' already exists" in details
+    assert "token:" not in details and "cert:" not in details  # the verifier's internal key stays inside
+    for stub, md in ((a, a_md), (b, b_md)):
+        stub.Release(verifier_pb2.ReleaseRequest(session_id="s"), timeout=10, metadata=md)
+    a.Release(verifier_pb2.ReleaseRequest(session_id="ref"), timeout=10, metadata=a_md)
+    assert code(lambda: b.Release(verifier_pb2.ReleaseRequest(session_id="s"), timeout=10, metadata=b_md))[0] \
+        == grpc.StatusCode.NOT_FOUND
+    assert info().num_sessions == 0
+
+
+def test_sessions_belong_to_the_token_that_opened_them(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice-token\nbob-token\n")  # two callers of one verifier
+    v = sh.verifier("--token-file", str(tokens))
+    try:
+        stub = verifier_pb2_grpc.VerifierStub(sh.channel(v.wait_ready()))
+        alice, bob = ((("authorization", "Bearer alice-token"),), (("authorization", "Bearer bob-token"),))
+        _ownership((stub, alice), (stub, bob), lambda: stub.Info(verifier_pb2.InfoRequest(), timeout=5,
+                                                                 metadata=alice))
+    finally:
+        v.stop()
+
+
+def test_sessions_belong_to_the_client_certificate_that_opened_them(tmp_path):
+    pki = make_pki(tmp_path)
+    v = sh.verifier("--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"]))
+    try:
+        v.wait_ready()
+
+        def stub(role):  # two certificates of one CA, common names "specmesh client" and "specmesh server"
+            creds = grpc.ssl_channel_credentials(pki["ca"].read_bytes(), pki[f"{role}_key"].read_bytes(),
+                                                 pki[role].read_bytes())
+            return verifier_pb2_grpc.VerifierStub(grpc.secure_channel(v.address, creds))
+
+        alice, bob = stub("client"), stub("server")
+        _ownership((alice, ()), (bob, ()), lambda: alice.Info(verifier_pb2.InfoRequest(), timeout=5))
+    finally:
+        v.stop()
 
 
 def test_mutual_tls(tmp_path, demo_stack):
     pki = make_pki(tmp_path)
     tls = ["--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"])]
-    env = {"SPECMESH_TOKEN": TOKEN}
-    v = sh.verifier(*tls, env=env)
+    v = sh.verifier(*tls, env={"SPECMESH_TOKEN": INTERNAL})
     services = [v]
     try:
         v.wait_ready()
-        # serve presents the server certificate as its client certificate to the verifier (same CA)
-        s = sh.serve([v], [], "--proposer", "prompt_lookup", "--connect-timeout", "20", *tls, env=env)
+        # serve presents the server certificate as its client certificate to the verifier (same CA), and the
+        # internal token; its clients present their own certificate and token
+        upstream = ["--upstream-tls-ca", str(pki["ca"]), "--upstream-tls-cert", str(pki["server"]),
+                    "--upstream-tls-key", str(pki["server_key"])]
+        s = sh.serve([v], [], "--proposer", "prompt_lookup", "--connect-timeout", "20", *tls, *upstream,
+                     env={"SPECMESH_TOKEN": TOKEN, "SPECMESH_UPSTREAM_TOKEN": INTERNAL})
         services.append(s)
         s.wait_ready()
         client = Client(s.address, token=TOKEN, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
@@ -106,12 +221,12 @@ def test_mutual_tls(tmp_path, demo_stack):
 
 
 def test_private_ca_without_client_certificates(tmp_path):
-    """--tls-ca trusts a CA without demanding client certificates when --tls-client-auth none (issue 17): serve
-    reaches verifiers whose certificates a private CA signed, and clients without certificates reach serve
-    (this needed an undocumented GRPC_DEFAULT_SSL_ROOTS_FILE_PATH before)."""
+    """--upstream-tls-ca makes serve trust the private CA of verifiers that ask no client certificate, for
+    clients of serve with or without TLS (issue 17: this needed an undocumented
+    GRPC_DEFAULT_SSL_ROOTS_FILE_PATH before)."""
     pki = make_pki(tmp_path)
     cert = ["--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"])]
-    trust = ["--tls-ca", str(pki["ca"]), "--tls-client-auth", "none"]
+    trust = ["--upstream-tls-ca", str(pki["ca"])]
     v = sh.verifier(*cert)  # TLS, no client certificates asked
     services = [v]
     try:

@@ -189,6 +189,11 @@ class BatchingVerifier:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def has_session(self, session_id: str) -> bool:
+        """Admitted or waiting, and not released."""
+        with self._cond:
+            return session_id in self._sessions
+
     def session_ids(self) -> list[str]:
         with self._cond:
             return list(self._sessions)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from specmesh import models, serving
+from specmesh import models, rpc, serving
 from specmesh.contract import CapacityError, UnknownSessionError, check_session_id
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
@@ -32,6 +32,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("specmesh.verifier")
 
 
+def session_key(context: grpc.aio.ServicerContext, session_id: str) -> str:
+    """The verifier's own name for a caller's session: the caller's identity (``rpc.caller_identity``: its
+    token or client certificate), a newline, the session id. A session belongs to the identity that opened
+    it: the same id from anyone else names another session (or none, NOT_FOUND), so one caller can neither
+    reach another's session nor learn that an id is taken. Anonymous callers (no token, no client
+    certificate) share one namespace."""
+    return f"{rpc.caller_identity(context)}\n{session_id}"
+
+
+def describe_key(key: str) -> str:
+    identity, _, session_id = key.partition("\n")
+    return f"{session_id!r} of {identity or 'an anonymous caller'}"
+
+
+def _not_found(session_id: str) -> str:
+    return f"no session {session_id!r} of this caller (never opened, released, or idle past --session-ttl)"
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, verifier: BatchingVerifier, model_name: str = "", session_ttl: float = 600.0) -> None:
         self.verifier = verifier
@@ -41,31 +59,34 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     # ------------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
+        key = session_key(context, request.session_id)
         try:
             check_session_id(request.session_id)
             sampling = sampling_from_proto(request.sampling)
-            future = self.verifier.submit_prefill(request.session_id, list(request.prompt), sampling)
+            future = self.verifier.submit_prefill(key, list(request.prompt), sampling)
             result = await asyncio.wrap_future(future)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace(repr(key), repr(request.session_id)))
         except CapacityError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except asyncio.CancelledError:
             # the caller is gone (cancel, deadline) while the prefill waited or ran: nobody will Release it
-            self.verifier.submit_release(request.session_id)
+            self.verifier.submit_release(key)
             raise
-        self._last_call[request.session_id] = time.monotonic()
+        self._last_call[key] = time.monotonic()
         return verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
 
     async def Verify(self, request, context):
+        key = session_key(context, request.session_id)
         try:
             tree = tree_from_proto(request.tree)
-            self._touch(request.session_id)
-            result = await asyncio.wrap_future(self.verifier.submit_verify(request.session_id, tree))
-        except UnknownSessionError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            self._touch(key)
+            result = await asyncio.wrap_future(self.verifier.submit_verify(key, tree))
+        except UnknownSessionError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(request.session_id))
         except (InvalidTreeError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid tree: {exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"invalid tree: {exc}".replace(repr(key), repr(request.session_id)))
         response = verifier_pb2.VerifyResponse(
             accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds,
             batch_sessions=result.batch_sessions,
@@ -75,8 +96,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return response
 
     async def Release(self, request, context):
-        self._last_call.pop(request.session_id, None)
-        await asyncio.wrap_future(self.verifier.submit_release(request.session_id))
+        key = session_key(context, request.session_id)
+        if not self.verifier.has_session(key):
+            await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(request.session_id))
+        self._last_call.pop(key, None)
+        await asyncio.wrap_future(self.verifier.submit_release(key))
         return verifier_pb2.ReleaseResponse()
 
     async def Info(self, request, context):
@@ -114,7 +138,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for session_id in [s for s, t in self._last_call.items() if t < cutoff]:
                 if self._last_call.get(session_id, now) >= cutoff:  # used while we released others
                     continue
-                log.warning("releasing session %s: no call for %.0f s", session_id, self.session_ttl)
+                log.warning("releasing session %s: no call for %.0f s", describe_key(session_id), self.session_ttl)
                 self._last_call.pop(session_id, None)
                 await asyncio.wrap_future(self.verifier.submit_release(session_id))
 

@@ -63,6 +63,15 @@ class ServiceProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def wait_exit(self, timeout: float = START_TIMEOUT) -> str:
+        """Wait for a process that should stop by itself (e.g. refusing its options); returns its log."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"{self.name} still running after {timeout} s:\n{self.log_text()}") from None
+        return self.log_text()
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
