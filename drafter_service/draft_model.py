@@ -34,7 +34,7 @@ import torch
 
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
 from specmesh.contract import Budget, common_prefix_len
-from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
+from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.tree import TokenTree, ancestor_mask
 from specmesh.warp import warp_probs
 
@@ -172,7 +172,7 @@ class DraftModelProposer(Proposer):
                 fed_offset[c] = len(fed_parent)
                 fed_parent.append(fed_offset[cand_parent[c]] if cand_parent[c] >= 0 else -1)
             # attend: committed prefix + each new node's fed ancestors + itself
-            attend = tree_attend_mask(base, torch.from_numpy(ancestor_mask(fed_parent)[first:]))
+            attend = TreeMask(base, torch.from_numpy(ancestor_mask(fed_parent)[first:]))
             step_logits = self.runner.forward(
                 dc.cache, [cand_token[c] for c in expand], [base + cand_depth[c] for c in expand], attend
             ).cpu()

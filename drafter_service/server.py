@@ -199,7 +199,7 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
         except ValueError as exc:
             raise SystemExit(f"specmesh {args.command}: {exc}") from None
         draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
-                                          args.runner, device)
+                                          args.runner, device, args.attention)
     needs_draft = {n for n in proposer_names() if proposer_spec(n).needs_draft_model}
     names = args.proposers or [n for n in proposer_names() if draft_runner is not None or n not in needs_draft]
     missing = [n for n in names if n in needs_draft and draft_runner is None]

@@ -48,19 +48,21 @@ class EmbeddedStack:
         dtype: torch.dtype = torch.float32,
         draft_dtype: torch.dtype | None = None,
         runner: str = "auto",
+        attention: str = "auto",
         store_spec: str | None = None,
         lookahead: LookaheadConfig | None = None,
         device: torch.device | str = "cpu",
         kv_cache_gb: float | None = None,
     ) -> EmbeddedStack:
-        """Load the target (and draft) from local directories; ``runner``: auto | fast | hf;
+        """Load the target (and draft) from local directories; ``runner``: auto | fast | hf; ``attention``: the
+        fast runner's attention backend (auto | sdpa | triton);
         ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window;
         ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool."""
         tokenizer = load_tokenizer(target)
-        target_runner = make_runner(load_model(target, dtype, device), runner)
+        target_runner = make_runner(load_model(target, dtype, device), runner, attention)
         draft_runner = None
         if draft is not None:
-            draft_runner = make_runner(load_model(draft, draft_dtype or dtype, device), runner)
+            draft_runner = make_runner(load_model(draft, draft_dtype or dtype, device), runner, attention)
             check_compatible(target_runner, draft_runner, tokenizer, load_tokenizer(draft))
         return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb)
 

@@ -11,19 +11,32 @@ and exposes the ModelRunner interface, so everything else is unaware of it.
 Models it cannot run exactly (other architectures, sliding windows, dynamic
 rope scaling, non-SiLU MLPs) are refused by ``supports``; ``make_runner`` then
 falls back to the generic Hugging Face runner.
+
+Attention has two backends (``attention=``): ``sdpa``, PyTorch's scaled_dot_product_attention
+per session under a dense mask (any device and dtype), and ``triton``, the fused tree-attention
+kernel (``kernels/tree_attention.py``): every session of a forward in one launch per layer,
+keys/values read from the paged pool through the block tables, tree masks as ancestor bits
+(``TreeMask``). ``auto`` takes $SPECMESH_ATTENTION when set, else the kernel for a CUDA model
+when triton imports, else SDPA. The kernel path needs all caches of a forward in one storage
+(PagedKVCaches of one pool, or a single FastKVCache, read as one block) and structured masks
+(``TreeMask`` or causal); a forward with a dense mask tensor or several FastKVCaches runs SDPA.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
-from specmesh.model_runner import ModelRunner
+from specmesh.model_runner import ModelRunner, TreeMask
+from specmesh.models import ATTENTION_BACKENDS
 
+ATTENTION_ENV = "SPECMESH_ATTENTION"  # what ``auto`` means when set (e.g. triton, to force the kernel in tests)
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -129,8 +142,125 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
     return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
 
 
+# ---------------------------------------------------------------------------------- attention
+class _SdpaAttention:
+    """Attention per session: write its new keys/values, then SDPA over its span under a dense [n, end] mask."""
+
+    def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
+        self.runner, self.caches, self.spans = runner, caches, []  # spans: (packed rows, start, end, mask)
+        row = 0
+        for cache, n, attend in zip(caches, num_new, attends, strict=True):
+            start, end = cache.length, cache.length + n
+            if attend is not None:
+                assert attend.shape == (n, end), (attend.shape, start, n)
+                mask = attend.dense(runner.device) if isinstance(attend, TreeMask) else attend.to(runner.device)
+            elif n > 1:
+                mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
+            else:
+                mask = None  # one new token sees everything
+            self.spans.append((slice(row, row + n), start, end, mask))
+            row += n
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [heads, T, head_dim]; k/v: [kv_heads, T, head_dim] -> [T, heads * head_dim]."""
+        groups = self.runner.num_heads // self.runner.num_kv_heads
+        outs = []
+        for cache, (rows, start, end, mask) in zip(self.caches, self.spans, strict=True):
+            cache.write(layer, start, k[:, rows], v[:, rows])
+            keys, values = cache.kv(layer, end)  # [kv_heads, end, head_dim]
+            outs.append(F.scaled_dot_product_attention(
+                q[None, :, rows], keys[None], values[None], attn_mask=mask, scale=self.runner.scale,
+                enable_gqa=groups > 1,
+            )[0])  # [heads, n, head_dim]
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [heads, T, head_dim]
+        return attn.transpose(0, 1).reshape(q.shape[1], self.runner.q_size)
+
+
+class _KernelAttention:
+    """Every session in one tree-attention launch per layer: the new keys/values of all sessions written with
+    one scatter, then read back with the prefix through the block tables. The step's metadata (row offsets,
+    lengths, tables, slots, ancestor bits) is built on the host and crosses to the device in one copy."""
+
+    @staticmethod
+    def applies(caches, attends) -> bool:
+        if any(isinstance(a, torch.Tensor) for a in attends):
+            return False  # a dense mask has no tree structure to pass
+        if all(isinstance(c, PagedKVCache) for c in caches):
+            return len({id(c.pool) for c in caches}) == 1
+        return len(caches) == 1 and isinstance(caches[0], FastKVCache)
+
+    def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
+        self.runner, self.total = runner, sum(num_new)
+        if isinstance(caches[0], PagedKVCache):
+            self.keys, self.values, self.block_size = caches[0].pool.keys, caches[0].pool.values, caches[0].pool.block_size
+            tables = [np.asarray(c.table, np.int64) for c in caches]
+        else:  # one contiguous session: one block spanning its capacity
+            self.keys, self.values, self.block_size = caches[0].keys, caches[0].values, caches[0].keys.shape[2]
+            tables = [np.zeros(1, np.int64)]
+        ends = [c.length + n for c, n in zip(caches, num_new, strict=True)]
+        num_blocks = max(-(-end // self.block_size) for end in ends)
+        table_rows = np.zeros((len(caches), num_blocks), np.int64)
+        slots, tree_start, masks = [], [], []
+        for r, (cache, n, attend, end) in enumerate(zip(caches, num_new, attends, ends, strict=True)):
+            used = tables[r][: -(-end // self.block_size)]
+            table_rows[r, : len(used)] = used
+            positions = np.arange(cache.length, end)
+            slots.append(tables[r][positions // self.block_size] * self.block_size + positions % self.block_size)
+            if attend is None:
+                tree_start.append(end)  # causal: no tree columns
+                continue
+            assert attend.shape == (n, end), (attend.shape, cache.length, n)
+            ancestors = attend.ancestors.cpu()  # host sync only if a caller built its tree on the device
+            if torch.triu(ancestors[:, ancestors.shape[1] - n :], diagonal=1).any():
+                raise ValueError("a tree node attends to a later node: nodes must come after their ancestors")
+            tree_start.append(attend.prefix_len)
+            masks.append((r, runner._kernels.pack_tree_mask(ancestors).numpy()))
+        cu_q = np.cumsum([0, *num_new])
+        words = np.zeros((self.total, max((m.shape[1] for _, m in masks), default=0)), np.int64)
+        for r, bits in masks:
+            words[cu_q[r] : cu_q[r + 1], : bits.shape[1]] = bits
+        parts = [cu_q, ends, tree_start, table_rows.reshape(-1), np.concatenate(slots), words.reshape(-1)]
+        meta = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(runner.device)  # one host->device copy
+        pieces = meta.split([len(p) for p in parts])
+        self.cu_q, self.kv_len, self.tree_start = pieces[:3]
+        self.tables = pieces[3].view(len(caches), num_blocks)
+        self.slots = pieces[4].long()
+        self.mask = pieces[5].view(words.shape) if masks else None
+        self.max_num_new = max(num_new)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [heads, T, head_dim]; k/v: [kv_heads, T, head_dim] -> [T, heads * head_dim]."""
+        keys, values = self.keys[layer], self.values[layer]  # [kv_heads, slots, head_dim]
+        keys.index_copy_(1, self.slots, k)
+        values.index_copy_(1, self.slots, v)
+        out = self.runner._kernels.tree_attention(
+            q.transpose(0, 1), keys, values, self.cu_q, self.kv_len, self.tree_start, self.tables, self.block_size,
+            self.mask, max_num_new=self.max_num_new, scale=self.runner.scale,
+        )  # [T, heads, head_dim], contiguous
+        return out.view(self.total, self.runner.q_size)
+
+
+def attention_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolve ``choice`` (one of ATTENTION_BACKENDS) to ``sdpa`` or ``triton``: ``auto`` is $SPECMESH_ATTENTION
+    when set, else the kernel for a CUDA model in a dtype it takes, when triton imports, else SDPA."""
+    if choice == "auto":
+        choice = os.environ.get(ATTENTION_ENV) or "auto"
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {choice!r}; choose one of {ATTENTION_BACKENDS}")
+    if choice != "auto":
+        return choice
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "sdpa"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "triton"
+
+
+# ------------------------------------------------------------------------------------- runner
 class FastLlamaRunner(ModelRunner):
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, attention: str = "auto") -> None:
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"the fast runner cannot run this model: {reason}")
@@ -178,6 +308,22 @@ class FastLlamaRunner(ModelRunner):
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.attention = attention_backend(attention, self.device, self.dtype)
+        self._kernels = self._load_kernels() if self.attention == "triton" else None
+
+    def _load_kernels(self):
+        """kernels.tree_attention, imported only for the triton backend (a CPU install needs no triton)."""
+        try:
+            from kernels import tree_attention
+        except ImportError as exc:
+            raise ValueError(f"the triton attention backend needs triton: {exc}") from exc
+        if self.dtype not in tree_attention.SUPPORTED_DTYPES or self.head_dim > tree_attention.MAX_HEAD_DIM:
+            raise ValueError(f"the tree-attention kernel takes {tree_attention.SUPPORTED_DTYPES} and head_dim <= "
+                             f"{tree_attention.MAX_HEAD_DIM}, not {self.dtype} / {self.head_dim}")
+        if self.device.type != "cuda" and not tree_attention.INTERPRETED:
+            raise ValueError("the tree-attention kernel runs on CUDA, or on the CPU under the Triton interpreter "
+                             "(TRITON_INTERPRET=1 before kernels.tree_attention is imported)")
+        return tree_attention
 
     def new_cache(self) -> FastKVCache:
         return FastKVCache(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device, self.info.max_positions)
@@ -208,7 +354,7 @@ class FastLlamaRunner(ModelRunner):
         cache: FastKVCache | PagedKVCache,
         input_ids: Sequence[int] | torch.Tensor,  # [num_new]
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
-        attend: torch.Tensor | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
+        attend: torch.Tensor | TreeMask | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
         last_only: bool = False,
     ) -> torch.Tensor:
         """Append ``input_ids`` to ``cache``; return their logits, [num_new, vocab] float32
@@ -224,33 +370,25 @@ class FastLlamaRunner(ModelRunner):
         input_ids: Sequence[int] | torch.Tensor,  # [T]: the new tokens of every request, packed
         position_ids: Sequence[int] | torch.Tensor,  # [T]
         num_new: Sequence[int],  # [B]: request r owns rows cu[r]:cu[r + 1], cu = cumsum([0] + num_new)
-        attends: Sequence[torch.Tensor | None],  # [B]: [num_new[r], caches[r].length + num_new[r]] bool or None
+        attends: Sequence[torch.Tensor | TreeMask | None],  # [B]: [num_new[r], caches[r].length + num_new[r]]
         logit_rows: torch.Tensor | slice | None = None,  # packed rows whose logits are wanted (None = all)
     ) -> torch.Tensor:
         """One forward over the new tokens of B sessions: the projections and the MLP run on all T rows at
-        once, attention per session on its own keys (its prefix in its cache + its new rows, under its mask).
-        Appends each session's rows to its cache; returns the logits of ``logit_rows``, [R, vocab] float32."""
+        once, attention per session on its own keys (its prefix in its cache + its new rows, under its mask:
+        None = causal). Appends each session's rows to its cache; returns the logits of ``logit_rows``,
+        [R, vocab] float32."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(-1)
         total = ids.shape[0]
         assert sum(num_new) == total and len(caches) == len(num_new) == len(attends), (total, num_new)
-        spans = []  # per request: packed rows, cache start, cache end, mask
-        row = 0
-        for cache, n, attend in zip(caches, num_new, attends, strict=True):
-            start, end = cache.length, cache.length + n
-            cache.reserve(end)
-            if attend is not None:
-                assert attend.shape == (n, end), (attend.shape, start, n)
-                mask = attend.to(self.device)
-            elif n > 1:
-                mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-            else:
-                mask = None  # one new token sees everything
-            spans.append((slice(row, row + n), start, end, mask))
-            row += n
+        for cache, n in zip(caches, num_new, strict=True):
+            cache.reserve(cache.length + n)
+        if self._kernels is not None and _KernelAttention.applies(caches, attends):
+            attention = _KernelAttention(self, caches, num_new, attends)
+        else:
+            attention = _SdpaAttention(self, caches, num_new, attends)
         cos, sin = self.cos[pos], self.sin[pos]
         x = self._embed(ids)  # [T, hidden]
-        groups = self.num_heads // self.num_kv_heads
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
             h = self._rms(x, ln1)
             qkv = _linear(h, qkv_w, qkv_b)
@@ -259,22 +397,13 @@ class FastLlamaRunner(ModelRunner):
             v = qkv[:, self.q_size + self.kv_size :].view(total, self.num_kv_heads, self.head_dim).transpose(0, 1)
             q = self._rope(q, cos, sin)  # [heads, T, head_dim]
             k = self._rope(k, cos, sin)  # [kv_heads, T, head_dim]
-            outs = []
-            for cache, (rows, start, end, mask) in zip(caches, spans, strict=True):
-                cache.write(i, start, k[:, rows], v[:, rows])
-                keys, values = cache.kv(i, end)  # [kv_heads, end, head_dim]
-                outs.append(F.scaled_dot_product_attention(
-                    q[None, :, rows], keys[None], values[None], attn_mask=mask, scale=self.scale,
-                    enable_gqa=groups > 1,
-                )[0])  # [heads, n, head_dim]
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [heads, T, head_dim]
-            x = x + _linear(attn.transpose(0, 1).reshape(total, self.q_size), o_w, o_b)
+            x = x + _linear(attention(i, q, k, v), o_w, o_b)  # attention: [T, heads * head_dim]
             h = self._rms(x, ln2)
             gu = _linear(h, gate_up)
             gate, up = gu.chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down)
-        for cache, (_, _, end, _) in zip(caches, spans, strict=True):
-            cache.length = end
+        for cache, n in zip(caches, num_new, strict=True):
+            cache.length += n
         if logit_rows is not None:
             x = x[logit_rows]
         logits = _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias)
@@ -290,15 +419,16 @@ class FastLlamaRunner(ModelRunner):
         return KVPool.bytes_per_token(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
 
 
-def make_runner(model: PreTrainedModel, backend: str = "auto") -> ModelRunner:
-    """``auto``: the fast runner where it applies, else Hugging Face; ``hf`` / ``fast`` force one."""
+def make_runner(model: PreTrainedModel, backend: str = "auto", attention: str = "auto") -> ModelRunner:
+    """``auto``: the fast runner where it applies, else Hugging Face; ``hf`` / ``fast`` force one.
+    ``attention``: the fast runner's attention backend (ATTENTION_BACKENDS)."""
     if backend == "hf":
         return ModelRunner(model)
     if backend == "fast" or (backend == "auto" and supports(model) is None):
-        return FastLlamaRunner(model)
+        return FastLlamaRunner(model, attention)
     if backend != "auto":
         raise ValueError(f"unknown runner backend {backend!r}; choose auto, hf or fast")
     return ModelRunner(model)
 
 
-__all__ = ["FastLlamaRunner", "FastKVCache", "make_runner", "supports"]
+__all__ = ["ATTENTION_BACKENDS", "FastLlamaRunner", "FastKVCache", "attention_backend", "make_runner", "supports"]

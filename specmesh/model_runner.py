@@ -11,6 +11,7 @@ honours (a 4-D mask is used as given).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -82,7 +83,7 @@ class ModelRunner:
         cache: KVCache,
         input_ids: Sequence[int] | torch.Tensor,  # [num_new]
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
-        attend: torch.Tensor | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
+        attend: torch.Tensor | TreeMask | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
         last_only: bool = False,
     ) -> torch.Tensor:
         """Append ``input_ids`` to ``cache`` and return their logits, [num_new, vocab] float32
@@ -91,6 +92,8 @@ class ModelRunner:
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         num_new = ids.shape[1]
         mask = None
+        if isinstance(attend, TreeMask):
+            attend = attend.dense(self.device)
         if attend is not None:
             assert attend.shape == (num_new, cache.length + num_new), (attend.shape, cache.length, num_new)
             mask = torch.zeros(attend.shape, dtype=self.dtype, device=self.device)
@@ -113,7 +116,7 @@ class ModelRunner:
         input_ids: Sequence[int] | torch.Tensor,  # [T]: the new tokens of every request, packed
         position_ids: Sequence[int] | torch.Tensor,  # [T]
         num_new: Sequence[int],  # [B]
-        attends: Sequence[torch.Tensor | None],  # [B]: [num_new[r], caches[r].length + num_new[r]] bool or None
+        attends: Sequence[torch.Tensor | TreeMask | None],  # [B]: [num_new[r], caches[r].length + num_new[r]]
         logit_rows: torch.Tensor | slice | None = None,  # packed rows whose logits are wanted (None = all)
     ) -> torch.Tensor:
         """The batched entry point of ``FastLlamaRunner.forward_batch``; the generic Hugging Face path runs
@@ -151,3 +154,27 @@ def tree_attend_mask(prefix_len: int, ancestor_rows: torch.Tensor) -> torch.Tens
     num_new = ancestor_rows.shape[0]
     prefix = torch.ones(num_new, prefix_len, dtype=torch.bool, device=ancestor_rows.device)
     return torch.cat([prefix, ancestor_rows], dim=1)
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """The attention mask of new tokens arranged as a tree, kept in its structured form: every new token sees
+    the whole prefix [0, prefix_len) and, of the tree positions after it, its ancestors and itself.
+
+    The fast runner's kernel path reads it as is (the ancestors become a bitmask: no [num_new, prefix_len]
+    mask is ever built); ``dense`` is the explicit mask of ``tree_attend_mask`` for the other paths.
+    Nodes are in topological order (a node's ancestors come before it), as ``TokenTree`` guarantees.
+    """
+
+    prefix_len: int
+    ancestors: torch.Tensor  # [num_new, num_tree] bool, num_tree >= num_new (tree positions in the cache first)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The dense mask's shape: [num_new, prefix_len + num_tree]."""
+        num_new, num_tree = self.ancestors.shape
+        return num_new, self.prefix_len + num_tree
+
+    def dense(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[num_new, prefix_len + num_tree] bool on ``device`` (default: the ancestors')."""
+        return tree_attend_mask(self.prefix_len, self.ancestors.to(device) if device is not None else self.ancestors)

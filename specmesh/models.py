@@ -9,6 +9,7 @@ are imported only by the functions that load something, so that building a parse
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ DTYPES = ("float32", "bfloat16", "float64")
 DEVICE_HELP = ("where the model runs: auto (the first CUDA GPU if there is one, else the CPU), cpu, cuda or cuda:N "
                "(default: auto)")
 RUNNERS = ("auto", "fast", "hf")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # the fast runner's (specmesh.fast_llama.attention_backend)
 
 
 def demo_model(kind: str) -> Path:
@@ -95,8 +97,27 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+# oneDNN (bf16/fp16 matrix products on the CPU) caches a compiled primitive per input shape: one in PyTorch's
+# ideep layer (LRU_CACHE_CAPACITY) and one in oneDNN itself (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1024 entries
+# each by default, some 250 KB per entry. A server sees a new row count at almost every prefill and batch
+# composition, so both fill up: +263 MB in a drafter after two minutes of load, still rising (issue 17).
+# Capped, memory stays flat after warm-up. A miss costs about 0.5 ms (a new primitive); the shapes that
+# recur (decode steps, small trees) stay cached, and the loaded throughput measured the same.
+KERNEL_CACHE_ENTRIES = 64
+KERNEL_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
+    """Cap oneDNN's per-shape primitive caches unless the environment already sets them. Takes effect only
+    before the process's first oneDNN matrix product (both caches read their capacity once)."""
+    for name in KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(entries))
+
+
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Load any local Hugging Face causal LM directory (never touches the network); float32 by default."""
+    """Load any local Hugging Face causal LM directory (never touches the network); float32 by default.
+    Also caps oneDNN's shape caches (``bound_kernel_caches``): every model this project serves loads here."""
+    bound_kernel_caches()
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -114,12 +135,12 @@ def load_tokenizer(path: str | Path):
 
 
 def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto",
-                device: str | torch.device = "cpu") -> ModelRunner:
+                device: str | torch.device = "cpu", attention: str = "auto") -> ModelRunner:
     """A model runner over the model in ``path`` on ``device``: ``backend`` auto (the fast Llama path where it
-    is exact, else transformers), fast or hf."""
+    is exact, else transformers), fast or hf; ``attention``: the fast path's attention (auto, sdpa, triton)."""
     from specmesh.fast_llama import make_runner
 
-    return make_runner(load_model(path, dtype, device), backend)
+    return make_runner(load_model(path, dtype, device), backend, attention)
 
 
 # ------------------------------------------------------------ model options
@@ -129,6 +150,10 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                         "'auto' picks fast where it applies (default: auto)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
+                   help="the fast runner's attention: 'triton' = the fused tree-attention kernel (CUDA), 'sdpa' = "
+                        "PyTorch SDPA per session; 'auto' = $SPECMESH_ATTENTION when set, else triton on CUDA when "
+                        "it imports, else sdpa (default: auto)")
 
 
 def int_at_least(minimum: int):

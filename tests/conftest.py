@@ -27,6 +27,12 @@ settings.load_profile("specmesh")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `pytest` without -m
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Without a GPU the Triton kernels' tests run under the interpreter, on CPU tensors. Triton reads
+# TRITON_INTERPRET when it is first imported (its own library functions are @triton.jit too), and
+# importing transformers (spec_helpers) imports it: set it first. `import torch` alone imports no triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from spec_helpers import build_model_set, engine_for, greedy  # noqa: E402
 
 # The modules of this suite run tiny models, where extra intra-op threads only spin against each

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         device = models.resolve_device(args.device)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
-    runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device)
+    runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device, args.attention)
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
     from verifier_service.batching import BatchingVerifier

@@ -35,7 +35,7 @@ from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
 from specmesh.contract import PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
 from specmesh.feedback import VerifyFeedback
 from specmesh.kv_pool import PagedKVCache
-from specmesh.model_runner import KVCache, ModelRunner, tree_attend_mask
+from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
 from specmesh.warp import warp_probs
@@ -371,14 +371,15 @@ class LocalVerifier:
                              f"reserved at admission ({capacity}: prompt + max_new_tokens + the largest tree)")
         return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids)
 
-    def _tree_attend(self, row: _Row) -> torch.Tensor | None:
+    def _tree_attend(self, row: _Row) -> TreeMask | None:
         tree = row.tree
         if tree.max_depth == tree.num_nodes and not (row.span and tree.num_nodes):
             return None  # a chain (the window alone is one too): causal
         # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a
-        # second chain below it
+        # second chain below it. The ancestors stay on the host: the runner packs them (kernel) or
+        # builds the dense mask on its device (SDPA, HF)
         anc = ancestor_mask(branch_parents(tree.parents, row.span))
-        return tree_attend_mask(row.prefix_len, torch.from_numpy(anc).to(self.runner.device))
+        return TreeMask(row.prefix_len, torch.from_numpy(anc))
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
                        elapsed: float, batch_sessions: int) -> VerifyResult:

@@ -387,7 +387,7 @@ def _grpc_client(args, specs, target_dir, draft_dir, resources: contextlib.ExitS
         if not args.spawn_mesh:
             raise SystemExit("specmesh bench: grpc: methods need --server HOST:PORT or --spawn-mesh")
         threads = ["--threads", str(args.threads)] if args.threads else []
-        device = ["--device", args.device]
+        device = ["--device", args.device, "--attention", args.attention]
         verifier = ["--target", str(target_dir), "--dtype", args.dtype, "--runner", args.runner, *threads, *device]
         drafter = ["--draft", str(draft_dir) if draft_dir else "none", "--draft-dtype", args.draft_dtype,
                    "--runner", args.runner, *threads, *device]
