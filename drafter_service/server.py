@@ -193,6 +193,7 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
     draft_dir = _draft_dir(args)
     draft_runner = None
     if draft_dir is not None:
+        models.bound_kernel_caches()  # before the first product: a drafter's shapes would fill them (models.py)
         models.set_threads(args.threads)
         try:
             device = models.resolve_device(args.device)

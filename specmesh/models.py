@@ -99,10 +99,11 @@ def set_threads(threads: int | None) -> None:
 
 # oneDNN (bf16/fp16 matrix products on the CPU) caches a compiled primitive per input shape: one in PyTorch's
 # ideep layer (LRU_CACHE_CAPACITY) and one in oneDNN itself (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1024 entries
-# each by default, some 250 KB per entry. A server sees a new row count at almost every prefill and batch
-# composition, so both fill up: +263 MB in a drafter after two minutes of load, still rising (issue 17).
-# Capped, memory stays flat after warm-up. A miss costs about 0.5 ms (a new primitive); the shapes that
-# recur (decode steps, small trees) stay cached, and the loaded throughput measured the same.
+# each by default, some 250 KB per entry. A drafter sees a new row count at every prompt and catch-up feed,
+# so both fill up: +263 MB after two minutes of load, still rising (issue 17); capped at 64 it stays flat,
+# and the shapes it repeats (one-token decode steps, short feeds) stay cached. A miss costs about 0.5 ms (a
+# new primitive), which a verifier, whose batches do repeat shapes, cannot afford: capped like this, the
+# embedded bf16 engine lost ~10% tokens/s (fused, 1 and 16 clients), so only `specmesh drafter` caps.
 KERNEL_CACHE_ENTRIES = 64
 KERNEL_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 
@@ -115,9 +116,7 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Load any local Hugging Face causal LM directory (never touches the network); float32 by default.
-    Also caps oneDNN's shape caches (``bound_kernel_caches``): every model this project serves loads here."""
-    bound_kernel_caches()
+    """Load any local Hugging Face causal LM directory (never touches the network); float32 by default."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
