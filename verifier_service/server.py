@@ -46,6 +46,11 @@ def describe_key(key: str) -> str:
     return f"{session_id!r} of {identity or 'an anonymous caller'}"
 
 
+def _as_caller_sees(message: str, key: str) -> str:
+    """A core error message with the session named by the caller's own id, not the verifier's key."""
+    return message.replace(repr(key), repr(key.partition("\n")[2]))
+
+
 def _not_found(session_id: str) -> str:
     return f"no session {session_id!r} of this caller (never opened, released, or idle past --session-ttl)"
 
@@ -66,7 +71,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             future = self.verifier.submit_prefill(key, list(request.prompt), sampling)
             result = await asyncio.wrap_future(future)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace(repr(key), repr(request.session_id)))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _as_caller_sees(str(exc), key))
         except CapacityError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except asyncio.CancelledError:
@@ -86,7 +91,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(request.session_id))
         except (InvalidTreeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"invalid tree: {exc}".replace(repr(key), repr(request.session_id)))
+                                _as_caller_sees(f"invalid tree: {exc}", key))
         response = verifier_pb2.VerifyResponse(
             accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds,
             batch_sessions=result.batch_sessions,

@@ -54,6 +54,6 @@ def load_stack(args: argparse.Namespace):
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
     return EmbeddedStack.load(
         target, draft, models.torch_dtype(args.dtype, device), models.draft_dtype(args.draft_dtype, args.dtype, device),
-        runner=args.runner, attention=args.attention, store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None),
-        device=device, kv_cache_gb=getattr(args, "kv_cache_gb", None),
+        runner=args.runner, attention=args.attention, store_spec=getattr(args, "ngram_store", None),
+        lookahead=getattr(args, "lookahead", None), device=device, kv_cache_gb=getattr(args, "kv_cache_gb", None),
     )
