@@ -40,6 +40,10 @@ class LocalDrafter:
             return TokenTree.empty()
         return self.proposer.propose(state, budget)
 
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
     def context_length(self, session_id: str) -> int:
         return len(self._sessions[session_id].tokens)
 

@@ -18,11 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from drafter_service.arguments import add_members_argument, add_store_argument
 from drafter_service.drafter import LocalDrafter
+from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
-from specmesh import models, serving
+from specmesh import metrics, models, serving, tracing
 from specmesh.contract import check_rollback, check_session_id
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import (
@@ -43,8 +45,9 @@ DEFAULT_MAX_CONTEXT = 65536  # tokens a session's context may hold (prompt + com
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
         self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256,
-        max_context: int = DEFAULT_MAX_CONTEXT,
+        max_context: int = DEFAULT_MAX_CONTEXT, metrics_registry: CollectorRegistry | None = None,
     ) -> None:
+        """``metrics_registry``: where to keep Prometheus metrics (``drafter_service/metrics.py``); None = none."""
         if default_proposer not in proposers:
             raise ValueError(f"default proposer {default_proposer!r} is not among {sorted(proposers)}")
         self._drafters = {name: LocalDrafter(p) for name, p in proposers.items()}
@@ -54,6 +57,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.max_context = max_context
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
         self.num_sessions = 0
+        self.metrics = DrafterMetrics(metrics_registry, self.sessions_by_proposer) if metrics_registry is not None else None
+
+    def sessions_by_proposer(self) -> dict[str, int]:
+        return {name: drafter.num_sessions for name, drafter in self._drafters.items()}
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -110,8 +117,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.num_sessions += 1
+        # the stream's server span (tracing on): the proposals below are its children
+        tracing.current_span().set_attributes({"specmesh.session.id": opening.session_id,
+                                               "specmesh.draft.proposer": name})
         try:  # from here on, however the stream ends (even cancelled during open), the session is closed
-            await self._run(drafter.open, session, prompt, sampling)
+            with tracing.span("draft_open", {"specmesh.draft.prompt_tokens": len(prompt)}):
+                await self._run(drafter.open, session, prompt, sampling)
             async for request in request_iterator:
                 if request.WhichOneof("kind") != "propose":
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only `propose` may follow `open`")
@@ -133,10 +144,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 start = time.perf_counter()
-                tree = await self._run(drafter.propose, session, new_tokens, budget, propose.rollback, feedback)
-                yield drafter_pb2.DraftResponse(
-                    step=propose.step, tree=tree_to_proto(tree), draft_ms=(time.perf_counter() - start) * 1e3
-                )
+                with tracing.span("draft", _draft_attributes(propose, budget)) as span:
+                    tree = await self._run(drafter.propose, session, new_tokens, budget, propose.rollback, feedback)
+                    if span.is_recording():  # a proposer's tree is checked by the orchestrator, not here: depth may fail
+                        span.set_attributes({"specmesh.draft.nodes": tree.num_nodes,
+                                             "specmesh.draft.depth": _depth_or_none(tree)})
+                seconds = time.perf_counter() - start
+                if self.metrics is not None:
+                    self.metrics.proposed(name, tree.num_nodes, seconds, len(feedback.verified) if feedback else 0,
+                                          not budget.is_zero)
+                yield drafter_pb2.DraftResponse(step=propose.step, tree=tree_to_proto(tree), draft_ms=seconds * 1e3)
         finally:
             self.num_sessions -= 1
             # queued behind any running proposal on the model thread; not awaited, so it
@@ -150,6 +167,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             vocab_size=self.vocab_size,
             num_sessions=self.num_sessions,
         )
+
+
+def _depth_or_none(tree) -> int:
+    try:
+        return tree.max_depth
+    except (IndexError, ValueError):  # a malformed tree (its parents are out of range): the orchestrator rejects it
+        return -1
+
+
+def _draft_attributes(propose, budget) -> dict[str, object]:
+    """A proposal's span attributes as it starts (its tree's nodes and depth are added at its end; the proposer
+    is the stream span's)."""
+    return {"specmesh.draft.step": propose.step, "specmesh.draft.budget_nodes": budget.max_nodes,
+            "specmesh.draft.budget_depth": budget.max_depth, "specmesh.draft.rollback": propose.rollback}
 
 
 # ---------------------------------------------------------------------- CLI
@@ -176,6 +207,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "needed with a shared --ngram-store and --draft none)")
     add_store_argument(p)
     add_members_argument(p)
+    metrics.add_metrics_argument(p)
     serving.add_server_arguments(p)
 
 
@@ -189,7 +221,7 @@ def _draft_dir(args: argparse.Namespace) -> Path | None:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
 
 
-def build_servicer(args: argparse.Namespace) -> DrafterServicer:
+def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry | None = None) -> DrafterServicer:
     draft_dir = _draft_dir(args)
     draft_runner = None
     if draft_dir is not None:
@@ -215,7 +247,7 @@ def build_servicer(args: argparse.Namespace) -> DrafterServicer:
         raise SystemExit(f"specmesh drafter: {exc}") from None
     vocab = draft_runner.info.vocab_size if draft_runner is not None else 0
     try:
-        return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context)
+        return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context, metrics_registry)
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
 
@@ -235,7 +267,12 @@ def _open_store(args: argparse.Namespace, draft_dir: Path | None):
 
 def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args)
+    serving.setup_tracing(args)  # before any server or channel
     security = serving.server_security(args)
-    servicer = build_servicer(args)
+    registry = None
+    if args.metrics is not None:  # before loading anything: a port in use fails at once
+        registry = CollectorRegistry()
+        metrics.start_metrics_server(args.metrics, registry)
+    servicer = build_servicer(args, registry)
     log.info("proposers: %s (default %s)", ", ".join(sorted(servicer._drafters)), servicer.default_proposer)
     return serving.serve(args, security, servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE)

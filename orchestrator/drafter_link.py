@@ -26,6 +26,7 @@ its own process). The link
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -79,13 +80,16 @@ class _SerialQueue:
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self._pool = pool
         self._lock = threading.Lock()
-        self._calls: deque[tuple[Future, Callable, tuple]] = deque()
+        self._calls: deque[tuple[Future, contextvars.Context, Callable, tuple]] = deque()
         self._draining = False
 
     def submit(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` in a copy of the caller's context: the drafter calls it makes join the caller's
+        trace (the span current at submit is their parent)."""
         future: Future = Future()
+        context = contextvars.copy_context()
         with self._lock:
-            self._calls.append((future, fn, args))
+            self._calls.append((future, context, fn, args))
             if not self._draining:
                 self._draining = True
                 self._pool.submit(self._drain)
@@ -97,10 +101,10 @@ class _SerialQueue:
                 if not self._calls:
                     self._draining = False
                     return
-                future, fn, args = self._calls.popleft()
+                future, context, fn, args = self._calls.popleft()
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(*args))
+                    future.set_result(context.run(fn, *args))
                 except BaseException as exc:  # noqa: BLE001 - the caller's future carries it
                     future.set_exception(exc)
 
@@ -201,6 +205,11 @@ class DrafterLink:
     def active(self) -> bool:
         """A drafter is in use (False once every candidate failed, or with none)."""
         return self._in_use is not None
+
+    @property
+    def drafter_name(self) -> str:
+        """The candidate in use ("" = none)."""
+        return self._in_use.name if self._in_use is not None else ""
 
     # ------------------------------------------------------------ lifetime
     def open(self, prompt: Sequence[int], sampling: SamplingParams) -> None:

@@ -6,6 +6,8 @@ deployments build the same Engine from remote Drafter/Verifier implementations.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -15,9 +17,11 @@ import torch
 from drafter_service.drafter import LocalDrafter
 from drafter_service.ngram_store import tokenizer_fingerprint
 from drafter_service.proposer import make_proposer, proposer_spec
+from orchestrator.arguments import resolve_models
 from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
+from specmesh import models
 from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_model, load_tokenizer
@@ -38,6 +42,7 @@ class EmbeddedStack:
     store_spec: str | None = None  # n-gram store of store-backed proposers (see drafter_service.ngram_store.open_store)
     lookahead: LookaheadConfig | None = None  # the verifier's Jacobi window (lookahead n-grams); None = off
     kv_cache_gb: float | None = None  # the shared verifiers' KV pool (None: LocalVerifier's default)
+    target_dir: Path | None = None  # where the target was loaded from (its tokenizer, chat template, name)
     _shared: dict = field(default_factory=dict)  # (feedback_topk, lookahead) -> BatchingVerifier
 
     @classmethod
@@ -64,7 +69,7 @@ class EmbeddedStack:
         if draft is not None:
             draft_runner = make_runner(load_model(draft, draft_dtype or dtype, device), runner, attention)
             check_compatible(target_runner, draft_runner, tokenizer, load_tokenizer(draft))
-        return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb)
+        return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target))
 
     @cached_property
     def store_namespace(self) -> str:
@@ -130,11 +135,43 @@ class EmbeddedStack:
             self._shared[key] = BatchingVerifier(local, costs=local.profile_costs())
         return self._shared[key]
 
+    def shared_verifiers(self) -> list[BatchingVerifier]:
+        """The batching verifiers created so far (one per feedback configuration)."""
+        return list(self._shared.values())
+
     def close(self) -> None:
         """Stop the shared verifiers' schedulers."""
         for verifier in self._shared.values():
             verifier.close()
         self._shared.clear()
+
+
+class EmbeddedBackend:
+    """`specmesh serve --embedded`: every request's engine verifies on the stack's batching verifier (requests
+    share its forwards) with a drafter of its own in this process (orchestrator.service.Backend)."""
+
+    def __init__(self, stack: EmbeddedStack, draft_timeout: float = 1.0) -> None:
+        self.stack = stack
+        self.info = stack.target_runner.info
+        self.max_tree_nodes = MAX_TREE_NODES
+        self.draft_timeout = draft_timeout
+        self.model = str(stack.target_dir or "")
+
+    def attempts(self, plan, deadline: float | None) -> Iterator[Engine]:
+        yield self.stack.engine(plan.proposer, plan.max_nodes, plan.max_depth, overlap=plan.overlap,
+                                policy=plan.policy, restart_depth=plan.restart_depth, shared=True)
+
+    def retryable(self, exc: Exception) -> bool:
+        return False  # one verifier: nowhere else to go
+
+    def healthy(self) -> bool:
+        return all(v.alive for v in self.stack.shared_verifiers())
+
+    def register_metrics(self, registry) -> None:
+        """The shared verifiers' metrics (KV pool, batches) in ``registry``, beside serve's."""
+        from verifier_service.metrics import VerifierMetrics
+
+        VerifierMetrics(self.stack.shared_verifiers, registry)
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:
@@ -146,3 +183,18 @@ def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_
         )
     if target_tok.get_vocab() != draft_tok.get_vocab():
         raise ValueError("draft and target tokenizers differ; the draft-model proposer needs a shared tokenizer")
+
+
+def load_stack(args: argparse.Namespace) -> EmbeddedStack:
+    """The stack an embedded command's options name (`orchestrator.arguments.add_embedded_arguments`)."""
+    models.set_threads(args.threads)
+    target, draft = resolve_models(args)
+    try:
+        device = models.resolve_device(args.device)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
+    return EmbeddedStack.load(
+        target, draft, models.torch_dtype(args.dtype, device), models.draft_dtype(args.draft_dtype, args.dtype, device),
+        runner=args.runner, attention=args.attention, store_spec=getattr(args, "ngram_store", None),
+        lookahead=getattr(args, "lookahead", None), device=device, kv_cache_gb=getattr(args, "kv_cache_gb", None),
+    )

@@ -30,6 +30,8 @@ from orchestrator.overlap import predraft_budget, reusable_subtree
 from orchestrator.policy import SpeculationPolicy, StaticPolicy
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
+from orchestrator.tracing_steps import PREFILL_SPAN, STEP_SPAN, step_attributes, step_start_attributes
+from specmesh import tracing
 from specmesh.contract import Budget, Verifier, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
@@ -96,7 +98,9 @@ class Engine:
             # token is out, so that token does not wait for the draft prefill
             if background:
                 req.link.open(prompt, sampling)
-            prefill = self.verifier.prefill(req.session, prompt, sampling)
+            with tracing.span(PREFILL_SPAN, {"specmesh.session.id": session,
+                                             "specmesh.prefill.prompt_tokens": len(prompt)}):
+                prefill = self.verifier.prefill(req.session, prompt, sampling)
             stats.prefill_seconds = prefill.seconds
             req.committed.append(prefill.first_token)
             yield StepEvent(tuple(stopper.push([prefill.first_token])), None)
@@ -128,16 +132,19 @@ class Engine:
     def _sequential(self, req: _Request) -> Iterator[tuple[StepStats, tuple[int, ...]]]:
         """Draft, then verify; each side waits for the other."""
         while not req.stopper.done:
-            t_step = time.perf_counter()
-            budget = self.policy.next_budget(req.stats, req.stopper.remaining, "sequential")
-            tree, draft_seconds = TokenTree.empty(), 0.0
-            if req.link.active and not budget.is_zero:
-                t0 = time.perf_counter()
-                tree, _ = req.link.draft(budget)
-                draft_seconds = time.perf_counter() - t0
-            tree, verified = req.verify(tree)
-            yield req.step_stats(tree, verified, budget, t_step, draft_seconds=draft_seconds,
-                                 wait_seconds=draft_seconds, drafter_busy_seconds=draft_seconds), verified.tokens
+            with req.step_span() as span:  # ends before the yield
+                t_step = time.perf_counter()
+                budget = self.policy.next_budget(req.stats, req.stopper.remaining, "sequential")
+                tree, draft_seconds = TokenTree.empty(), 0.0
+                if req.link.active and not budget.is_zero:
+                    t0 = time.perf_counter()
+                    tree, _ = req.link.draft(budget)
+                    draft_seconds = time.perf_counter() - t0
+                tree, verified = req.verify(tree)
+                step = req.step_stats(tree, verified, budget, t_step, draft_seconds=draft_seconds,
+                                      wait_seconds=draft_seconds, drafter_busy_seconds=draft_seconds)
+                req.trace_step(span, step)
+            yield step, verified.tokens
 
     def _overlapped(self, req: _Request) -> Iterator[tuple[StepStats, tuple[int, ...]]]:
         """PEARL: while tree t is verified, draft the tree after t's main line (post-verify)."""
@@ -145,48 +152,51 @@ class Engine:
         ready: TokenTree | None = None  # drafted ahead, usable as this step's tree
         ready_budget, ready_seconds = Budget(0, 0), 0.0
         while not req.stopper.done:
-            t_step = time.perf_counter()
-            tree, wait, busy = TokenTree.empty(), 0.0, 0.0
-            budget, predrafted = ready_budget, ready is not None
-            if ready is not None:
-                tree, draft_seconds = ready, ready_seconds
-            else:
-                budget = self.policy.next_budget(req.stats, req.stopper.remaining, "restart")
-                if link.active and not budget.is_zero:
-                    t0 = time.perf_counter()
-                    tree, busy = link.draft(budget)
-                    wait = time.perf_counter() - t0
-                draft_seconds = busy
-            # draft ahead, assuming the verifier accepts this tree's main line
-            path = tree.main_path()
-            hypothesis = tree.tokens[path].tolist() if self.ahead_from == "path" else []
-            pending, ahead, pre_budget = None, Budget(0, 0), Budget(0, 0)
-            if link.active:
-                ahead = self.policy.next_budget(req.stats, req.stopper.remaining - len(path) - 1, "predraft")
-                if not ahead.is_zero:
-                    # greedy: the pre-draft stops when the verification ends (the tree's contents never
-                    # change the output); sampling: it runs to its budget (static policy, no draft
-                    # deadline: a seed reproduces the output), stopped early only when the request ends
-                    stop = threading.Event()
-                    pre_budget = predraft_budget(ahead, stop, len(path) + 1 - len(hypothesis))
-                    pending = link.start(pre_budget, hypothesis, stop)
-            tree, verified = req.verify(tree)
-            pre_tree, pre_seconds = link.collect(pending)
-            busy += pre_seconds
-            ready = None
-            if pre_tree is not None:
-                ready = reusable_subtree(pre_tree, hypothesis, verified.tokens, ahead.max_nodes)
-            ready_budget, ready_seconds = ahead, pre_seconds
-            yield req.step_stats(
-                tree, verified, budget, t_step, draft_seconds=draft_seconds, wait_seconds=wait,
-                drafter_busy_seconds=busy, predrafted=predrafted,
-                predraft_nodes=pre_tree.num_nodes if pre_tree is not None else 0,
-                predraft_used=ready.num_nodes if ready is not None else 0,
-                predraft_levels=pre_tree.max_depth if pre_tree is not None else 0,
-                predraft_seconds=pre_seconds,
-                ahead_confirmed=pre_tree is not None and len(verified.tokens) > len(hypothesis)
-                and list(verified.tokens[: len(hypothesis)]) == hypothesis,
-            ), verified.tokens
+            with req.step_span() as span:  # ends before the yield
+                t_step = time.perf_counter()
+                tree, wait, busy = TokenTree.empty(), 0.0, 0.0
+                budget, predrafted = ready_budget, ready is not None
+                if ready is not None:
+                    tree, draft_seconds = ready, ready_seconds
+                else:
+                    budget = self.policy.next_budget(req.stats, req.stopper.remaining, "restart")
+                    if link.active and not budget.is_zero:
+                        t0 = time.perf_counter()
+                        tree, busy = link.draft(budget)
+                        wait = time.perf_counter() - t0
+                    draft_seconds = busy
+                # draft ahead, assuming the verifier accepts this tree's main line
+                path = tree.main_path()
+                hypothesis = tree.tokens[path].tolist() if self.ahead_from == "path" else []
+                pending, ahead, pre_budget = None, Budget(0, 0), Budget(0, 0)
+                if link.active:
+                    ahead = self.policy.next_budget(req.stats, req.stopper.remaining - len(path) - 1, "predraft")
+                    if not ahead.is_zero:
+                        # greedy: the pre-draft stops when the verification ends (the tree's contents never
+                        # change the output); sampling: it runs to its budget (static policy, no draft
+                        # deadline: a seed reproduces the output), stopped early only when the request ends
+                        stop = threading.Event()
+                        pre_budget = predraft_budget(ahead, stop, len(path) + 1 - len(hypothesis))
+                        pending = link.start(pre_budget, hypothesis, stop)
+                tree, verified = req.verify(tree)
+                pre_tree, pre_seconds = link.collect(pending)
+                busy += pre_seconds
+                ready = None
+                if pre_tree is not None:
+                    ready = reusable_subtree(pre_tree, hypothesis, verified.tokens, ahead.max_nodes)
+                ready_budget, ready_seconds = ahead, pre_seconds
+                step = req.step_stats(
+                    tree, verified, budget, t_step, draft_seconds=draft_seconds, wait_seconds=wait,
+                    drafter_busy_seconds=busy, predrafted=predrafted,
+                    predraft_nodes=pre_tree.num_nodes if pre_tree is not None else 0,
+                    predraft_used=ready.num_nodes if ready is not None else 0,
+                    predraft_levels=pre_tree.max_depth if pre_tree is not None else 0,
+                    predraft_seconds=pre_seconds,
+                    ahead_confirmed=pre_tree is not None and len(verified.tokens) > len(hypothesis)
+                    and list(verified.tokens[: len(hypothesis)]) == hypothesis,
+                )
+                req.trace_step(span, step)
+            yield step, verified.tokens
 
 
 @dataclass
@@ -201,6 +211,15 @@ class _Request:
     committed: list[int]  # every token committed after the prompt
     link: DrafterLink
     draft_cpu_counted: float = 0.0  # the link's drafting CPU seconds already attributed to a step
+
+    def step_span(self):
+        """The next step's span (orchestrator/tracing_steps.py), current inside the ``with`` block."""
+        return tracing.span(STEP_SPAN, step_start_attributes(len(self.stats.steps), self.link.drafter_name))
+
+    @staticmethod
+    def trace_step(span, step: StepStats) -> None:
+        if span.is_recording():
+            span.set_attributes(step_attributes(step))
 
     def verify(self, tree: TokenTree) -> tuple[TokenTree, VerifyResult]:
         """Verify ``tree`` and commit the result; a tree the verifier calls malformed fails the drafter over."""

@@ -1,60 +1,50 @@
-"""`specmesh serve`: the Generate gRPC service over remote verifiers and drafters.
+"""`specmesh serve`: the Generate gRPC service (and, with --http, the OpenAI-compatible HTTP API) over
+remote verifiers and drafters, or over models in this process (--embedded).
 
-Each request runs the same Engine as embedded mode, on a worker thread, wired to
-one verifier replica (sticky for the request: it holds the KV cache) and to its
-drafter candidates: the drafter replicas in least-loaded order, then a local
-prompt-lookup proposer, which the engine fails over along. The client's deadline
-bounds every hop; a client that cancels stops the engine, which releases the
-verifier session and closes the drafter stream.
+Both front ends are shells over orchestrator/service.py's GenerationService: each request runs the same
+Engine as embedded mode, on a worker thread, wired to one verifier replica (sticky for the request: it
+holds the KV cache) and to its drafter candidates: the drafter replicas in least-loaded order, then a
+local prompt-lookup proposer, which the engine fails over along. The client's deadline bounds every hop;
+a client that cancels stops the engine, which releases the verifier session and closes the drafter stream.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import random
-import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 
-from drafter_service.drafter import LocalDrafter
-from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, make_proposer, proposer_names
+from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names
 from drafter_service.remote import DrafterClient
-from orchestrator.arguments import add_speculation_arguments
-from orchestrator.engine import Engine, GenerationResult
-from orchestrator.policy import (
-    DEFAULT_OVERLAP,
-    DEFAULT_POLICY,
-    SpeculationPolicy,
-    build_policy,
-    load_aware,
-    resolve_budget,
+from orchestrator import http_api
+from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments
+from orchestrator.metrics import ServeMetrics
+from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY
+from orchestrator.service import (
+    PROMPT_BYTES_PER_POSITION,
+    Chunk,
+    Final,
+    GenerateRequest,
+    GenerationService,
+    Overloaded,
+    RemoteBackend,
 )
 from orchestrator.stats import RequestStats, StepStats
-from orchestrator.stopping import TextStream
 from specmesh import models, rpc, serving
-from specmesh.contract import UnknownSessionError
-from specmesh.sampling import SamplingParams
+from specmesh.chat import ChatTemplate
+from specmesh.contract import CapacityError, UnknownSessionError
+from specmesh.metrics import add_metrics_argument, start_metrics_server
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.wire import GENERATE_SERVICE, sampling_from_proto
 from verifier_service.remote import VerifierClient
 
 log = logging.getLogger("specmesh.serve")
-_DONE = object()
-
-
-def least_loaded(clients: Sequence, rng: random.Random) -> list:
-    """Clients ordered by the sessions they serve now; ties in random order."""
-    return sorted(clients, key=lambda c: (c.num_sessions, rng.random()))
 
 
 def client_status(exc: rpc.UpstreamError) -> tuple[grpc.StatusCode, str]:
@@ -85,167 +75,40 @@ def stats_to_proto(stats: RequestStats) -> generate_pb2.RequestStats:
     )
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """A Generate request, checked, with the server's defaults filled in."""
+def request_from_proto(request: generate_pb2.GenerateRequest) -> GenerateRequest:
+    """The wire request as the service's GenerateRequest; ValueError for bad sampling parameters."""
+    which = request.WhichOneof("input")
+    if which is None:
+        raise ValueError("set either prompt or token_ids")
+    budget, spec = request.spec.budget, request.spec
+    return GenerateRequest(
+        sampling=sampling_from_proto(request.sampling),
+        prompt=request.prompt if which == "prompt" else None,
+        token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+        proposer=spec.proposer or None,
+        max_nodes=budget.max_nodes if budget.HasField("max_nodes") else None,
+        max_depth=budget.max_depth if budget.HasField("max_depth") else None,
+        overlap=spec.overlap if spec.HasField("overlap") else None,
+        policy=spec.policy or None,
+        restart_depth=spec.restart_depth if spec.HasField("restart_depth") else None,
+    )
 
-    prompt: list[int]
-    sampling: SamplingParams
-    proposer: str | None  # None = plain decoding
-    max_nodes: int  # of the budget (0 = no drafter)
-    overlap: bool
-    policy: SpeculationPolicy  # carries the budget
-
-
-# a token of a byte-level BPE covers a few bytes on average (up to ~16 for long code identifiers): a text
-# prompt of more bytes than this per context position cannot fit, whatever it says
-PROMPT_BYTES_PER_POSITION = 32
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(
-        self,
-        verifiers: Sequence[VerifierClient],
-        drafters: Sequence[DrafterClient],
-        tokenizer,
-        default_proposer: str | None = DEFAULT_PROPOSER,
-        draft_timeout: float = 1.0,
-        max_concurrent: int = 64,
-        max_queued: int = 256,
-        max_tree_nodes: int = 256,
-        overlap: bool = DEFAULT_OVERLAP,
-        policy: str = DEFAULT_POLICY,
-        restart_depth: int | None = None,
-        max_prompt_bytes: int | None = None,
-    ) -> None:
-        """``max_prompt_bytes``: a text prompt longer than this (UTF-8) is refused before it is tokenized;
-        None = PROMPT_BYTES_PER_POSITION per position of the verifiers' context."""
-        self.verifiers = list(verifiers)
-        self.overlap, self.policy, self.restart_depth = overlap, policy, restart_depth  # for requests that do not choose
-        self.drafters = list(drafters)
-        self.tokenizer = tokenizer
-        self.info = self.verifiers[0].info
-        self.max_positions = min(v.info.max_positions for v in self.verifiers)
-        self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_POSITION * self.max_positions
-        self.default_proposer = default_proposer
-        self.draft_timeout = draft_timeout
-        self._local = LocalDrafter(make_proposer("prompt_lookup"))  # last resort before plain decoding
-        self._executor = ThreadPoolExecutor(max_concurrent, thread_name_prefix="engine")
-        self.max_requests = max_concurrent + max_queued  # beyond this: RESOURCE_EXHAUSTED
-        self.max_tree_nodes = max_tree_nodes  # the verifiers' limit: larger budgets are clamped
-        self.num_requests = 0  # touched only on the event loop
-        self._rng = random.Random()
+    """The Generate gRPC service: a shell over the GenerationService every front end shares."""
 
-    # ------------------------------------------------------------- requests
-    def _parse(self, request):
-        """The request checked and resolved against this server's defaults, or ValueError."""
-        # sizes first: a prompt that cannot fit the context is refused before it costs tokenizing or a hop
-        if request.WhichOneof("input") == "prompt":
-            if not request.prompt:
-                raise ValueError("empty prompt")
-            size = len(request.prompt)  # characters: a lower bound of the UTF-8 bytes, free to read
-            if size > self.max_prompt_bytes or len(request.prompt.encode()) > self.max_prompt_bytes:
-                raise ValueError(f"the prompt has over {self.max_prompt_bytes} bytes, more than the verifiers' "
-                                 f"context of {self.max_positions} tokens can hold (--max-prompt-bytes)")
-            prompt = list(self.tokenizer.encode(request.prompt))
-        elif request.WhichOneof("input") == "token_ids":
-            if len(request.token_ids.ids) > self.max_positions:
-                raise ValueError(f"the prompt has {len(request.token_ids.ids)} tokens; the verifiers' context is "
-                                 f"{self.max_positions}")
-            prompt = list(request.token_ids.ids)
-        else:
-            raise ValueError("set either prompt or token_ids")
-        if not prompt:
-            raise ValueError("the prompt has no tokens")
-        if min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.info.vocab_size})")
-        sampling = sampling_from_proto(request.sampling)
-        if len(prompt) + sampling.max_new_tokens > self.max_positions:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
-                             f"verifiers' context of {self.max_positions} positions")
-        proposer = request.spec.proposer or self.default_proposer
-        if proposer in ("none", "ar"):
-            proposer = None
-        if proposer is not None and proposer not in proposer_names():
-            raise ValueError(f"unknown proposer {proposer!r}; choose from {', '.join(proposer_names())}, none")
-        budget = request.spec.budget
-        nodes, depth = resolve_budget(proposer, budget.max_nodes if budget.HasField("max_nodes") else None,
-                                      budget.max_depth if budget.HasField("max_depth") else None, self.max_tree_nodes)
-        overlap = request.spec.overlap if request.spec.HasField("overlap") else self.overlap
-        restart = request.spec.restart_depth if request.spec.HasField("restart_depth") else self.restart_depth
-        policy = build_policy(request.spec.policy or self.policy, nodes, depth, self.draft_timeout, restart)
-        return _Plan(prompt, sampling, proposer, nodes, overlap, policy)
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
 
-    def _engine(self, verifier: VerifierClient, plan: _Plan, deadline) -> Engine:
-        """The request's engine: its verifier, and its drafter candidates (the drafter replicas, least-loaded
-        first, then prompt lookup in this process), which the engine fails over along."""
-        candidates = []
-        if plan.proposer is not None and plan.max_nodes > 0:
-            candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
-                          for c in least_loaded(self.drafters, self._rng)]
-            candidates.append(("local prompt_lookup", lambda: self._local))
-        policy = load_aware(plan.policy, verifier.costs)  # trees sized for this replica's load
-        return Engine(verifier.bind(deadline), candidates, policy, self._decode, overlap=plan.overlap)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _run(self, plan: _Plan, deadline, cancelled: threading.Event, emit) -> tuple[GenerationResult, str]:
-        """Worker thread: run the engine, calling ``emit(event, text)`` per step; returns the result and the
-        text not yet emitted. A verifier that fails before anything was emitted is replaced by the next
-        one; later failures end the request."""
-        sampling = plan.sampling
-        for attempt, verifier in enumerate(least_loaded(self.verifiers, self._rng)):
-            if cancelled.is_set():  # gone while queued: do not even prefill
-                return GenerationResult([], "aborted", RequestStats()), ""
-            result = GenerationResult([], "", RequestStats())
-            text = TextStream(self._decode, sampling.stop)
-            emitted = False
-            engine = self._engine(verifier, plan, deadline)
-            try:
-                with contextlib.closing(engine.stream(plan.prompt, sampling, result)) as events:
-                    for event in events:
-                        emitted = True
-                        emit(event, text.push(event.tokens, result.text_limit))
-                        if cancelled.is_set():
-                            break  # closing the stream releases the verifier session and the drafter
-                return result, text.flush(result.text_limit)
-            except rpc.UpstreamError as exc:
-                last = attempt == len(self.verifiers) - 1
-                if emitted or last or exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    raise
-                log.warning("verifier %s %s before the first token; trying another", verifier.address,
-                            "full" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "unavailable")
-        raise AssertionError("unreachable")
-
-    async def _chunks(self, request, context):
-        """The request's GenerateChunks as steps commit, then (GenerationResult, text not yet sent)."""
-        if self.num_requests >= self.max_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.num_requests} requests in flight or queued; try again later")
+    async def _items(self, request, context) -> AsyncIterator[Chunk | Final]:
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-
-        def emit(event, text: str) -> None:
-            chunk = generate_pb2.GenerateChunk(token_ids=event.tokens, text=text)
-            if event.step is not None:
-                chunk.step.CopyFrom(step_to_proto(event.step))
-            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
-
-        def work() -> tuple[GenerationResult, str]:
-            try:  # tokenizing happens here too: a huge prompt must not stall the event loop
-                return self._run(self._parse(request), deadline, cancelled, emit)
-            finally:
-                loop.call_soon_threadsafe(chunks.put_nowait, _DONE)
-
-        self.num_requests += 1
-        future = loop.run_in_executor(self._executor, work)
         try:
-            while (chunk := await chunks.get()) is not _DONE:
-                yield chunk
-            yield await future
+            plan = await self.service.prepare(request_from_proto(request))
+            async for item in self.service.stream(plan, deadline):
+                yield item
+        except (Overloaded, CapacityError) as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except rpc.UpstreamError as exc:
             await context.abort(*client_status(exc))
         except UnknownSessionError as exc:  # the verifier restarted or reaped the session
@@ -255,36 +118,40 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         except Exception as exc:  # a bug: say so instead of an opaque UNKNOWN
             log.exception("request failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        finally:
-            self.num_requests -= 1
-            cancelled.set()  # the client went away, or we are done: the engine stops at its next step
 
     async def GenerateStream(self, request, context):
-        async for item in self._chunks(request, context):
-            if isinstance(item, tuple):
-                result, tail = item
-                yield generate_pb2.GenerateChunk(text=tail, finish_reason=result.finish_reason)
+        async for item in self._items(request, context):
+            if isinstance(item, Final):
+                yield generate_pb2.GenerateChunk(text=item.text, finish_reason=item.result.finish_reason)
             else:
-                yield item
+                chunk = generate_pb2.GenerateChunk(token_ids=item.token_ids, text=item.text)
+                if item.step is not None:
+                    chunk.step.CopyFrom(step_to_proto(item.step))
+                yield chunk
 
     async def Generate(self, request, context):
         response = generate_pb2.GenerateResponse()
-        async for item in self._chunks(request, context):
-            if isinstance(item, tuple):
-                result, tail = item
-                response.text += tail
-                response.finish_reason = result.finish_reason
-                response.stats.CopyFrom(stats_to_proto(result.stats))
+        async for item in self._items(request, context):
+            response.text += item.text
+            if isinstance(item, Final):
+                response.finish_reason = item.result.finish_reason
+                response.stats.CopyFrom(stats_to_proto(item.result.stats))
             else:
                 response.token_ids.extend(item.token_ids)
-                response.text += item.text
         return response
 
 
 # ---------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:50050", help="address to serve on (default: 127.0.0.1:50050)")
-    p.add_argument("--verifier", action="append", required=True, metavar="HOST:PORT",
+    p.add_argument("--listen", default="127.0.0.1:50050",
+                   help="address of the gRPC Generate service (default: 127.0.0.1:50050)")
+    p.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics); default: off")
+    p.add_argument("--model-name", default=None,
+                   help="the model's id in the HTTP API (the `model` field requests must name) and in traces and "
+                        "metrics (default: the name of the target's directory)")
+    p.add_argument("--verifier", action="append", default=[], metavar="HOST:PORT",
                    help="a verifier replica (repeatable); each request sticks to one, least-loaded first")
     p.add_argument("--drafter", action="append", default=[], metavar="HOST:PORT",
                    help="a drafter replica (repeatable); least-loaded first, failing over to the next, then to "
@@ -293,20 +160,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"proposer for requests that name none (default: {DEFAULT_PROPOSER}: {DEFAULT_PROPOSER_WHY})")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory for text prompts (default: the verifier's model directory when it "
-                        "exists here, else the bundled demo target's)")
+                        "exists here, else the bundled demo target's; --embedded: the target's)")
     p.add_argument("--draft-timeout-ms", type=float, default=1000.0,
                    help="a drafter that answers a step later than this is failed over (default: 1000)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start-up for every verifier to answer (default: 60)")
-    p.add_argument("--max-concurrent", type=int, default=64, help="requests decoded at once (default: 64)")
+    p.add_argument("--max-concurrent", type=models.positive_int, default=64,
+                   help="requests decoded at once (default: 64)")
     p.add_argument("--max-prompt-bytes", type=models.positive_int, default=None, metavar="BYTES",
                    help="refuse a text prompt larger than this before tokenizing it (default: "
-                        f"{PROMPT_BYTES_PER_POSITION} bytes per position of the verifiers' context)")
-    p.add_argument("--max-queued", type=int, default=256,
-                   help="requests waiting beyond --max-concurrent; more get RESOURCE_EXHAUSTED (default: 256)")
+                        f"{PROMPT_BYTES_PER_POSITION} bytes per position of the model's context)")
+    p.add_argument("--max-queued", type=models.int_at_least(0), default=256,
+                   help="requests waiting beyond --max-concurrent; more get RESOURCE_EXHAUSTED / HTTP 429 "
+                        "(default: 256)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="HTTP API: seconds a request may run before it is cut off (default: none; gRPC clients "
+                        "set their own deadline)")
+    add_metrics_argument(p)
     add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
     serving.add_server_arguments(p)
     serving.add_upstream_arguments(p)
+    g = p.add_argument_group("embedded", "--embedded: run the target (and draft) in this process instead of "
+                                         "calling verifier and drafter replicas: one command serves a model")
+    g.add_argument("--embedded", action="store_true", help="serve models loaded in this process (no --verifier)")
+    add_embedded_arguments(g)
+    g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help="memory of the embedded verifier's paged KV pool (default: the verifier's)")
 
 
 def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
@@ -315,12 +194,11 @@ def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
         local = Path(verifier_model) if verifier_model else None
         path = local if local is not None and (local / "tokenizer.json").is_file() else models.demo_model("target")
     log.info("tokenizer: %s", path)
-    return load_text_tokenizer(path)  # without transformers where it can: serve runs no model
+    return path, load_text_tokenizer(path)  # without transformers where it can: serve runs no model
 
 
-def run(args: argparse.Namespace) -> int:
-    serving.setup_logging(args)
-    security = serving.server_security(args)
+def _remote_backend(args: argparse.Namespace, security: rpc.Security):
+    """The verifier and drafter replicas of --verifier / --drafter: (backend, tokenizer directory, tokenizer)."""
     upstream = serving.upstream_security(args, security)  # the client's credentials are never forwarded
     verifiers = [VerifierClient(a, upstream) for a in args.verifier]
     infos = []
@@ -345,11 +223,56 @@ def run(args: argparse.Namespace) -> int:
                                  f"the verifiers {infos[0].vocab_size}")
         except grpc.RpcError as exc:  # drafters may come later; failover covers their absence
             log.warning("drafter %s not reachable yet (%s)", client.address, exc.code().name)
-    tokenizer = _load_tokenizer(args, infos[0].model)
+    backend = RemoteBackend(verifiers, drafters, min(i.max_tree_nodes for i in infos), args.draft_timeout_ms / 1000,
+                            infos[0].model)
+    return (backend, *_load_tokenizer(args, infos[0].model))
+
+
+def _embedded_backend(args: argparse.Namespace):
+    """Models in this process (--embedded): (backend, tokenizer directory, tokenizer)."""
+    from orchestrator.embedded import EmbeddedBackend, load_stack
+
+    stack = load_stack(args)
+    path = args.tokenizer or stack.target_dir
+    tokenizer = load_text_tokenizer(path) if args.tokenizer else stack.tokenizer
+    return EmbeddedBackend(stack, args.draft_timeout_ms / 1000), path, tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    serving.setup_logging(args)
+    serving.setup_tracing(args)  # before any server or channel
+    if args.embedded == bool(args.verifier):
+        raise SystemExit("specmesh serve: give the verifier replicas (--verifier HOST:PORT, repeatable) or "
+                         "--embedded to run the models in this process")
+    if not args.embedded and args.target is not None:
+        raise SystemExit("specmesh serve: --target is an --embedded option (the verifiers load the model)")
+    security = serving.server_security(args)
+    http_socket = None
+    if args.http:  # bound first: a port in use is reported before any model is loaded
+        try:
+            http_socket = http_api.bind(args.http)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"specmesh serve: --http {args.http}: {exc}") from None
+    backend, tokenizer_dir, tokenizer = _embedded_backend(args) if args.embedded else _remote_backend(args, security)
+    model_name = args.model_name or Path(backend.model or tokenizer_dir).name
+    metrics = ServeMetrics(model_name)
+    backend.register_metrics(metrics.registry)
     proposer = None if args.proposer == "none" else args.proposer
-    servicer = GenerateServicer(verifiers, drafters, tokenizer, proposer, args.draft_timeout_ms / 1000,
-                                args.max_concurrent, args.max_queued, min(i.max_tree_nodes for i in infos),
+    service = GenerationService(backend, tokenizer, model_name, proposer, args.max_concurrent, args.max_queued,
                                 overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
                                 policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
-                                max_prompt_bytes=args.max_prompt_bytes)
-    return serving.serve(args, security, servicer, generate_pb2_grpc.add_GenerateServicer_to_server, GENERATE_SERVICE)
+                                max_prompt_bytes=args.max_prompt_bytes, metrics=metrics)
+    if args.metrics:
+        start_metrics_server(args.metrics, metrics.registry)
+    background = None
+    if http_socket is not None:
+        chat = ChatTemplate.load(tokenizer_dir)
+        app = http_api.build_app(service, chat, security.tokens, args.request_timeout)
+        host, port = http_socket.getsockname()[:2]
+        log.info("OpenAI-compatible API on http://%s:%d/v1 (chat template: %s)", host, port,
+                 "yes" if chat else "none")
+
+        def background():
+            return http_api.serve_http(app, http_socket, args.grace)
+    return serving.serve(args, security, GenerateServicer(service), generate_pb2_grpc.add_GenerateServicer_to_server,
+                         GENERATE_SERVICE, background)

@@ -7,6 +7,7 @@
   ``caller_identity`` names the authenticated caller (token or client certificate).
 - ``DecodeErrorInterceptor``: a request that does not parse is INVALID_ARGUMENT with a plain message.
 - ``run_server``: health + reflection, SIGTERM/SIGINT -> NOT_SERVING, drain, stop.
+- servers and channels get OpenTelemetry's gRPC interceptors when tracing is on (``specmesh.tracing``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from specmesh import tracing
 
 log = logging.getLogger("specmesh.rpc")
 
@@ -161,11 +164,16 @@ class Security:
 
 
 def insecure_or_secure_channel(address: str, security: Security, options, aio: bool = False):
-    module = grpc.aio if aio else grpc
+    """A channel to ``address``; with tracing on (specmesh/tracing.py) its calls carry the trace context."""
     creds = security.channel_credentials()
+    if aio:
+        interceptors = tracing.aio_channel_interceptors() or None
+        if creds is None:
+            return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
     if creds is None:
-        return module.insecure_channel(address, options=options)
-    return module.secure_channel(address, creds, options=options)
+        return tracing.intercept_channel(grpc.insecure_channel(address, options=options))
+    return tracing.intercept_channel(grpc.secure_channel(address, creds, options=options))
 
 
 def _bearer(metadata) -> str:
@@ -313,8 +321,9 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
 # -------------------------------------------------------------------- server
 def new_server(security: Security, reuse_port: bool = False) -> grpc.aio.Server:
     """``reuse_port``: share the listening port with other processes (SO_REUSEPORT, gRPC's own default);
-    off, a port already in use is an error instead of two servers answering on it at random."""
-    interceptors = [DecodeErrorInterceptor()]
+    off, a port already in use is an error instead of two servers answering on it at random. With tracing on,
+    calls that pass the token check continue their caller's trace (specmesh/tracing.py)."""
+    interceptors = [*tracing.server_interceptors(), DecodeErrorInterceptor()]
     if security.tokens:
         interceptors.insert(0, BearerTokenInterceptor(security.tokens))
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", int(reuse_port))]
@@ -398,6 +407,16 @@ class ReplicaChannel:
     def _add_sessions(self, n: int) -> None:
         with self._lock:
             self.num_sessions += n
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether the replica answers the standard gRPC health check as SERVING within ``timeout`` s."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def close(self) -> None:
         self._channel.close()

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from specmesh import rpc
+from specmesh import rpc, tracing
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,6 +80,15 @@ def write_ready_file(path: Path | None):
 
 def setup_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def setup_tracing(args: argparse.Namespace) -> bool:
+    """OpenTelemetry tracing as the OTEL_* variables ask (off by default; ``specmesh.tracing``), with service name
+    ``specmesh-<command>``; call it before any server or channel is made. True if on."""
+    try:
+        return tracing.setup_tracing(f"specmesh-{args.command}")
+    except tracing.TracingSetupError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
 
 
 def serve(

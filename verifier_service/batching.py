@@ -32,6 +32,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from specmesh.contract import CapacityError, PrefillResult, VerifyCosts, VerifyResult
+from specmesh.metrics import COUNT_BUCKETS, SECONDS_BUCKETS, Buckets
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
@@ -69,12 +70,34 @@ class _Prefill:
 
 @dataclass
 class BatchStats:
-    """What the scheduler did (read by benchmarks and /metrics)."""
+    """What the scheduler did (read by benchmarks and /metrics). Written by the scheduler thread only."""
 
     steps: int = 0
     verified: int = 0  # Verify calls served
     prefill_chunks: int = 0
     max_batch: int = 0  # most Verify calls in one step
+    verify_rows: int = 0  # rows of the Verify calls: the pending token + the tree's nodes each
+    prefills: int = 0  # prefills finished
+    prefill_tokens: int = 0  # prompt tokens run (every chunk)
+    # per step, for /metrics (verifier_service/metrics.py): sessions and rows in the forward, its seconds
+    batch_sessions: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
+    batch_rows: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
+    step_seconds: Buckets = field(default_factory=lambda: Buckets(SECONDS_BUCKETS))
+
+    def record(self, seconds: float, num_verifies: int, verify_rows: int, num_chunks: int, chunk_tokens: int,
+               num_prefilled: int) -> None:
+        """One step that ran: ``num_chunks`` prompt chunks of ``chunk_tokens`` tokens in all, ``num_prefilled``
+        of which finished their prefill."""
+        self.steps += 1
+        self.verified += num_verifies
+        self.max_batch = max(self.max_batch, num_verifies)
+        self.verify_rows += verify_rows
+        self.prefill_chunks += num_chunks
+        self.prefill_tokens += chunk_tokens
+        self.prefills += num_prefilled
+        self.batch_sessions.observe(num_verifies + num_chunks)
+        self.batch_rows.observe(verify_rows + chunk_tokens)
+        self.step_seconds.observe(seconds)
 
     @property
     def mean_batch(self) -> float:
@@ -172,6 +195,11 @@ class BatchingVerifier:
             self._releases.append((session_id, future))
             self._cond.notify()
         return future
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread still runs (it ends at ``close`` or on a bug)."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         """Stop the scheduler; calls still queued fail with RuntimeError."""
@@ -301,6 +329,7 @@ class BatchingVerifier:
 
     def _run(self, prefills: list[str], verifies: dict[str, tuple[TokenTree, Future]]) -> None:
         requests = [(sid, tree) for sid, (tree, _) in verifies.items()]
+        chunk_tokens = sum(self.verifier.next_chunk(sid) for sid in prefills)
         started = time.perf_counter()
         try:
             firsts, results = self.verifier.step(prefills, requests)
@@ -315,11 +344,10 @@ class BatchingVerifier:
                     self.verifier.release(session_id)
                     _settle(request.future, exc=exc)
             return
-        self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.perf_counter() - started)
-        self.stats.steps += 1
-        self.stats.verified += len(requests)
-        self.stats.max_batch = max(self.stats.max_batch, len(requests))
-        self.stats.prefill_chunks += len(prefills)
+        seconds = time.perf_counter() - started
+        self._step_seconds = 0.8 * self._step_seconds + 0.2 * seconds
+        self.stats.record(seconds, len(requests), sum(tree.num_nodes + 1 for _, tree in requests), len(prefills),
+                          chunk_tokens, len(firsts))
         for (_, future), result in zip(verifies.values(), results, strict=True):
             if isinstance(result, Exception):
                 _settle(future, exc=result)

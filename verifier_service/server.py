@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from specmesh import models, rpc, serving
+from specmesh import metrics, models, rpc, serving, tracing
 from specmesh.contract import CapacityError, UnknownSessionError, check_session_id
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
@@ -79,6 +79,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.verifier.submit_release(key)
             raise
         self._last_call[key] = time.monotonic()
+        span = tracing.current_span()  # the call's server span, with tracing on
+        if span.is_recording():
+            span.set_attributes({"specmesh.session.id": request.session_id,
+                                 "specmesh.prefill.prompt_tokens": len(request.prompt),
+                                 "specmesh.prefill.forward_ms": result.seconds * 1e3})
         return verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
 
     async def Verify(self, request, context):
@@ -92,6 +97,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except (InvalidTreeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 _as_caller_sees(f"invalid tree: {exc}", key))
+        span = tracing.current_span()  # the call's server span, with tracing on
+        if span.is_recording():
+            span.set_attributes({"specmesh.verify.tree_nodes": tree.num_nodes, "specmesh.verify.tree_depth": tree.max_depth,
+                                 "specmesh.verify.accepted": result.num_accepted,
+                                 "specmesh.verify.batch_sessions": result.batch_sessions,
+                                 "specmesh.verify.forward_ms": result.seconds * 1e3})
         response = verifier_pb2.VerifyResponse(
             accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds,
             batch_sessions=result.batch_sessions,
@@ -168,11 +179,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "second)")
     add_lookahead_argument(p, "run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
                               "forward) and report the N-grams it harvests with each Verify (default: off)")
+    metrics.add_metrics_argument(p)
     serving.add_server_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args)
+    serving.setup_tracing(args)  # before any server or channel
     security = serving.server_security(args)
     try:
         path = models.model_dir(args.target or models.demo_model("target"))
@@ -183,6 +196,12 @@ def run(args: argparse.Namespace) -> int:
         device = models.resolve_device(args.device)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
+    registry = None
+    if args.metrics is not None:  # before loading the model: a port in use fails at once
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        metrics.start_metrics_server(args.metrics, registry)
     runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device, args.attention)
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
@@ -200,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
         log.info("forward costs: %.2f ms + %.3f ms/session + %.3f ms/row", costs.base * 1e3, costs.per_session * 1e3,
                  costs.per_row * 1e3)
     verifier = BatchingVerifier(local, args.max_batch_tokens, args.max_waiting, costs=costs)
+    if registry is not None:
+        from verifier_service.metrics import VerifierMetrics
+
+        VerifierMetrics(lambda: [verifier], registry)
     log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", local.allocator.num_blocks, local.allocator.block_size,
              local.allocator.num_blocks * local.allocator.block_size * runner.kv_bytes_per_token / 2**30)
     servicer = VerifierServicer(verifier, str(path), args.session_ttl)

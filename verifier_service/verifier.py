@@ -212,6 +212,11 @@ class LocalVerifier:
     def prefilling(self, session_id: str) -> bool:
         return self._get(session_id).prefilling
 
+    def next_chunk(self, session_id: str) -> int:
+        """Prompt tokens the session's next ``step`` as a prefill runs (0 once its prefill is done)."""
+        session = self._get(session_id)
+        return min(self.prefill_chunk, len(session.prompt) - session.prefilled)
+
     @torch.inference_mode()
     def step(
         self, prefills: Sequence[str], verifies: Sequence[tuple[str, TokenTree]]

@@ -352,7 +352,8 @@ def load_prompts(path: Path, limit: int | None) -> list[dict]:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from specmesh.app.stack import load_stack, resolve_models
+    from orchestrator.arguments import resolve_models
+    from orchestrator.embedded import load_stack
 
     target_dir, draft_dir = resolve_models(args)
     try:  # usage errors: one line, no traceback

@@ -32,8 +32,7 @@ class OneLineErrors(argparse.ArgumentParser):
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     from drafter_service.arguments import add_members_argument, proposers_help
     from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names
-    from orchestrator.arguments import add_speculation_arguments
-    from specmesh.app.stack import add_embedded_arguments
+    from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments
 
     p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input, UTF-8)")
     add_embedded_arguments(p)
@@ -164,10 +163,10 @@ def _stats(summary: dict) -> dict:
 
 
 def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str):
+    from orchestrator.embedded import load_stack
     from orchestrator.engine import GenerationResult
     from orchestrator.stats import RequestStats
     from orchestrator.stopping import TextStream
-    from specmesh.app.stack import load_stack
 
     stack = load_stack(args)
     options = {"members": args.members} if args.members else {}
@@ -253,8 +252,8 @@ class Command:
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from orchestrator.arguments import add_embedded_arguments
     from specmesh.app import bench
-    from specmesh.app.stack import add_embedded_arguments
 
     bench.add_arguments(p)  # bench's own options; the model options are shared with generate
     add_embedded_arguments(p)

@@ -1,0 +1,473 @@
+"""The OpenAI-compatible HTTP API (`specmesh serve --http HOST:PORT`), a FastAPI shell over GenerationService.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template; 400 when it
+has none), ``GET /v1/models``, ``GET /health`` (200 while a verifier is up, else 503), ``GET /metrics``
+(Prometheus). Streaming is server-sent events ending in ``data: [DONE]``, with
+``stream_options.include_usage``.
+
+Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``, ``max_nodes``,
+``max_depth``, ``policy``, ``overlap``, ``restart_depth``, plus vLLM's ``top_k``, ``ignore_eos``,
+``stop_token_ids``), and every response carries the request's speculation stats under ``specmesh``
+(non-streaming: in the response; streaming: in the chunk that carries the finish reason).
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (malformed
+JSON, wrong types, unsupported options such as ``n > 1`` or ``logprobs``, a prompt past the context), 401 a
+missing or wrong bearer token when the server has tokens, 404 an unknown model, 429 the queue is full, 503
+no verifier is up. A client that disconnects mid-stream cancels its request: the engine stops at its next
+step and releases the verifier's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated, Any, Literal
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.service import Chunk, Final, GenerateRequest, GenerationService, Overloaded, Plan
+from specmesh import rpc
+from specmesh.chat import ChatTemplate, ChatTemplateError
+from specmesh.contract import CapacityError, UnknownSessionError
+from specmesh.sampling import SamplingParams
+
+log = logging.getLogger("specmesh.http")
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request sets none (0 = greedy)
+OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (chat: the rest of the context)
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def api_error(exc: Exception) -> ApiError:
+    """The HTTP error for an exception of the request path (orchestrator/service.py lists them)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, Overloaded | CapacityError):
+        return ApiError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded")
+    if isinstance(exc, rpc.UpstreamError):
+        if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return ApiError(503, f"no verifier could serve the request: {exc}", "server_error",
+                            code="service_unavailable")
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ApiError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded")
+        return ApiError(500, f"an upstream service failed: {exc}", "server_error")
+    if isinstance(exc, UnknownSessionError):
+        return ApiError(503, f"the verifier lost the session: {exc}", "server_error", code="service_unavailable")
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc))
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+# ---------------------------------------------------------------------------------------------------- bodies
+class SpecmeshOptions(BaseModel):
+    """Extra body fields (the openai client's ``extra_body``): how to speculate, and vLLM's sampling extras."""
+
+    proposer: str | None = Field(None, description="proposer name, or 'none' for plain decoding (default: the "
+                                                   "server's)")
+    max_nodes: int | None = Field(None, ge=0, description="tree budget: nodes per step (default: the proposer's)")
+    max_depth: int | None = Field(None, ge=0, description="tree budget: depth per step (default: the proposer's)")
+    policy: Literal["static", "adaptive"] | None = None
+    overlap: bool | None = Field(None, description="PEARL: draft the next tree while verifying this one")
+    restart_depth: int | None = Field(None, ge=0)
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0 = off)")
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(SpecmeshOptions):
+    model_config = ConfigDict(extra="ignore")  # OpenAI fields specmesh has no use for (user, metadata, ...)
+
+    model: str
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1)
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template as they are
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _refuse_unsupported(body: _Common) -> None:
+    """A clear 400 for every OpenAI option specmesh cannot honour, instead of silently ignoring it."""
+    if body.n not in (None, 1):
+        raise ApiError(400, "n > 1 is not supported: send one request per choice", param="n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise ApiError(400, "presence and frequency penalties are not supported: they would change the target's "
+                            "distribution that speculative decoding preserves", param="presence_penalty"
+                       if body.presence_penalty else "frequency_penalty")
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if isinstance(body, CompletionRequest):
+        if body.logprobs is not None:
+            raise ApiError(400, "logprobs are not supported: the verifier does not return token log-probabilities",
+                           param="logprobs")
+        if body.best_of not in (None, 1):
+            raise ApiError(400, "best_of > 1 is not supported", param="best_of")
+        if body.suffix:
+            raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
+    if isinstance(body, ChatRequest):
+        if body.logprobs or body.top_logprobs:
+            raise ApiError(400, "logprobs are not supported: the verifier does not return token log-probabilities",
+                           param="logprobs")
+        if body.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return SamplingParams(
+            temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+            max_new_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids),
+            ignore_eos=body.ignore_eos)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _speculation(body: _Common) -> dict:
+    return dict(proposer=body.proposer, max_nodes=body.max_nodes, max_depth=body.max_depth, overlap=body.overlap,
+                policy=body.policy, restart_depth=body.restart_depth)
+
+
+def stats_extension(plan: Plan, final: Final) -> dict:
+    """The ``specmesh`` field of a response: the request's speculation stats."""
+    stats = final.result.stats
+    accepted, reached = stats.position_counts()
+    return {
+        "proposer": plan.proposer or "none",
+        "steps": stats.num_steps,
+        "tau": stats.tau,
+        "acceptance_per_position": stats.acceptance_per_position(),
+        "accepted_per_position": accepted,
+        "reached_per_position": reached,
+        "per_source": stats.per_source(),
+        "draft_errors": stats.num_draft_errors,
+        "prefill_seconds": stats.prefill_seconds,
+        "total_seconds": stats.total_seconds,
+        "tokens_per_second": stats.tokens_per_second,
+    }
+
+
+def _usage(plan: Plan, final: Final) -> dict:
+    out = final.result.stats.num_generated
+    return {"prompt_tokens": len(plan.prompt), "completion_tokens": out, "total_tokens": len(plan.prompt) + out}
+
+
+def _sse(payload: dict | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+# ---------------------------------------------------------------------------------------------------- the app
+class OpenAIApi:
+    """The routes' state: the service, the chat template, the accepted tokens."""
+
+    def __init__(self, service: GenerationService, chat_template: ChatTemplate | None, tokens: Sequence[str] = (),
+                 request_timeout: float | None = None) -> None:
+        self.service, self.chat_template, self.tokens = service, chat_template, tuple(tokens)
+        self.request_timeout = request_timeout
+        self.created = int(time.time())
+
+    def authorize(self, request: Request) -> None:
+        if not self.tokens:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), t.encode()) for t in self.tokens):
+            raise ApiError(401, "missing or invalid bearer token (Authorization: Bearer <token>)",
+                           code="invalid_api_key")
+
+    def check_model(self, name: str) -> None:
+        if name != self.service.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.service.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def start(self, request: GenerateRequest) -> tuple[Plan, AsyncIterator[Chunk | Final], Chunk | Final]:
+        """Check, admit and prefill: errors before the first token still get their own status code."""
+        plan = await self.service.prepare(request)
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        stream = self.service.stream(plan, deadline)
+        first = await anext(stream)
+        return plan, stream, first
+
+    # ------------------------------------------------------------------------------------------ completions
+    async def completions(self, body: CompletionRequest) -> Response:
+        self.check_model(body.model)
+        _refuse_unsupported(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, "a list of prompts is not supported: send one request per prompt", param="prompt")
+            prompt = prompt[0]
+        text_prompt = prompt if isinstance(prompt, str) else None
+        request = GenerateRequest(_sampling(body, body.max_tokens or OPENAI_DEFAULT_COMPLETION_TOKENS),
+                                  prompt=text_prompt, token_ids=None if text_prompt is not None else list(prompt),
+                                  operation="text_completion", **_speculation(body))
+        plan, stream, first = await self.start(request)
+        rid, model = f"cmpl-{uuid.uuid4().hex}", self.service.model_name
+        echo = (text_prompt if text_prompt is not None else self.service.decode(plan.prompt)) if body.echo else ""
+
+        def chunk(text: str, finish: str | None = None, **extra) -> dict:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                    "choices": [choice], **extra}
+
+        if not body.stream:
+            text, final = await _collect(first, stream)
+            return JSONResponse({**chunk(echo + text, final.result.finish_reason),
+                                 "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
+
+        async def events() -> AsyncIterator[bytes]:
+            if echo:
+                yield _sse(chunk(echo))
+            async for item in _items(first, stream):
+                if isinstance(item, ApiError):
+                    yield _sse(item.body())
+                    break
+                if isinstance(item, Final):
+                    yield _sse(chunk(item.text, item.result.finish_reason, specmesh=stats_extension(plan, item)))
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield _sse({**chunk(""), "choices": [], "usage": _usage(plan, item)})
+                elif item.text:
+                    yield _sse(chunk(item.text))
+            yield _sse("[DONE]")
+
+        return _event_stream(events())
+
+    # ------------------------------------------------------------------------------------------ chat
+    async def chat(self, body: ChatRequest) -> Response:
+        self.check_model(body.model)
+        _refuse_unsupported(body)
+        if self.chat_template is None:
+            raise ApiError(400, f"the model {self.service.model_name!r} has no chat template (none in its "
+                                "tokenizer_config.json or chat_template.jinja); use /v1/completions", param="messages")
+        try:
+            prompt = self.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # the rest of the context (OpenAI's behaviour)
+            used = len(await asyncio.get_running_loop().run_in_executor(None, self.service.prompt_tokens, prompt))
+            max_tokens = max(1, self.service.info.max_positions - used)
+        request = GenerateRequest(_sampling(body, max_tokens), prompt=prompt, operation="chat",
+                                  add_special_tokens=False, **_speculation(body))
+        plan, stream, first = await self.start(request)
+        rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+
+        if not body.stream:
+            text, final = await _collect(first, stream)
+            message = {"role": "assistant", "content": text}
+            return JSONResponse({
+                "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": final.result.finish_reason}],
+                "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
+
+        async def events() -> AsyncIterator[bytes]:
+            yield _sse(chunk({"role": "assistant", "content": ""}))
+            async for item in _items(first, stream):
+                if isinstance(item, ApiError):
+                    yield _sse(item.body())
+                    break
+                if isinstance(item, Final):
+                    delta = {"content": item.text} if item.text else {}
+                    yield _sse(chunk(delta, item.result.finish_reason, specmesh=stats_extension(plan, item)))
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield _sse({**chunk({}), "choices": [], "usage": _usage(plan, item)})
+                elif item.text:
+                    yield _sse(chunk({"content": item.text}))
+            yield _sse("[DONE]")
+
+        return _event_stream(events())
+
+
+async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]) -> tuple[str, Final]:
+    parts = []
+    async with contextlib.aclosing(stream):
+        item = first
+        while not isinstance(item, Final):
+            parts.append(item.text)
+            item = await anext(stream)
+    return "".join(parts) + item.text, item
+
+
+async def _items(first: Chunk | Final, stream) -> AsyncIterator[Chunk | Final | ApiError]:
+    """The stream's items; a failure after the response started becomes an ApiError item (the status is sent).
+    Closing this (the client disconnected) closes the request's stream, which cancels it."""
+    async with contextlib.aclosing(stream):
+        yield first
+        try:
+            async for item in stream:
+                yield item
+        except Exception as exc:
+            yield api_error(exc)
+
+
+def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def build_app(service: GenerationService, chat_template: ChatTemplate | None = None, tokens: Sequence[str] = (),
+              request_timeout: float | None = None) -> FastAPI:
+    """The FastAPI app; ``tokens``: bearer tokens accepted (none = no authentication; /health and /metrics
+    are always open, as in vLLM); ``request_timeout``: seconds a request may run (None = unbounded)."""
+    api = OpenAIApi(service, chat_template, tokens, request_timeout)
+    app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding",
+                  version="0.1.0")
+    auth = [Depends(api.authorize)]
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), []
+        else:
+            message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
+        return ApiError(400, message, param=".".join(where) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return api_error(exc).response()
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest) -> Response:
+        try:
+            return await api.completions(body)
+        except Exception as exc:
+            return api_error(exc).response()
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatRequest) -> Response:
+        try:
+            return await api.chat(body)
+        except Exception as exc:
+            return api_error(exc).response()
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models() -> dict:
+        return {"object": "list", "data": [{
+            "id": service.model_name, "object": "model", "created": api.created, "owned_by": "specmesh",
+            "max_model_len": service.info.max_positions}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await asyncio.get_running_loop().run_in_executor(None, service.healthy):
+            return JSONResponse({"status": "ok"})
+        return ApiError(503, "no verifier is serving", "server_error", code="service_unavailable").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+def bind(address: str) -> socket.socket:
+    """A listening socket on HOST:PORT (port 0 = any free port); OSError when the port is taken."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--http wants HOST:PORT, got {address!r}")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, int(port)), family=family)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: `specmesh serve` handles SIGTERM (drain the gRPC side, then
+    this)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve_http(app: FastAPI, sock: socket.socket, grace: float = 10.0) -> None:
+    """Serve ``app`` on ``sock`` until cancelled; then stop accepting and give open requests ``grace`` s."""
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=grace)
+    server = _Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        server.should_exit = True
+        await task
+        raise

@@ -1,0 +1,110 @@
+"""Prometheus metrics: what the three servers share (the option, the HTTP endpoint, histogram pieces).
+
+Each server keeps its metrics in a ``CollectorRegistry`` of its own (never prometheus_client's global
+one: tests build many servers in one process) and serves it with ``start_metrics_server`` when
+``--metrics HOST:PORT`` is given. Names start with ``specmesh:`` and follow vLLM's where vLLM has
+the same quantity (``vllm:spec_decode_num_drafts`` -> ``specmesh:spec_decode_num_drafts``); counters
+are exposed with prometheus_client's ``_total`` suffix, as vLLM's are.
+
+``Buckets`` is a histogram that a hot loop fills without prometheus_client (one bisect and two
+additions, no lock) and a collector reads at scrape time: the verifier's scheduler records its
+steps in it, and one collector sums the histograms of every verifier of a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import logging
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+PREFIX = "specmesh:"
+log = logging.getLogger("specmesh.metrics")
+
+# histogram bounds shared by the servers
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # batch sizes, rows, nodes
+
+
+def metrics_address(value: str) -> str:
+    """argparse type of ``--metrics``: HOST:PORT (``[::1]:PORT`` for IPv6), port 0-65535 (0 = any free)."""
+    try:
+        _split(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 0-65535, got {address!r}")
+    return host, int(port)
+
+
+def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics", type=metrics_address, default=None, metavar="HOST:PORT",
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, logged); "
+                             "default: off")
+
+
+def start_metrics_server(address: str, registry: CollectorRegistry) -> int:
+    """Serve ``registry`` at http://``address``/metrics on a daemon thread; returns the bound port (``address``
+    may ask for port 0). SystemExit with one line when the address cannot be bound (e.g. the port is taken)."""
+    from prometheus_client import start_http_server
+
+    host, port = _split(address)
+    try:
+        server, _ = start_http_server(port, host, registry)
+    except OSError as exc:
+        raise SystemExit(f"specmesh: cannot serve metrics at {address}: {exc.strerror or exc}") from None
+    bound = server.server_port
+    shown = f"[{host}]" if ":" in host else host
+    log.info("Prometheus metrics at http://%s:%d/metrics", shown, bound)
+    return bound
+
+
+class Buckets:
+    """A histogram filled by one thread and read at scrape time: counts per upper bound (the last for
+    values above every bound), their sum. Reads take no lock: a scrape may see a step half-recorded,
+    never a count going down."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+def histogram_family(name: str, documentation: str, histograms: Iterable[Buckets]) -> HistogramMetricFamily:
+    """One Prometheus histogram summing ``histograms`` (all with the same bounds), for a custom collector."""
+    histograms = list(histograms)
+    bounds = histograms[0].bounds if histograms else ()
+    counts = [0] * (len(bounds) + 1)
+    total = 0.0
+    for h in histograms:
+        if h.bounds != bounds:
+            raise ValueError(f"{name}: histograms with different bounds cannot be summed")
+        for i, c in enumerate(list(h.counts)):  # list(): one copy, taken atomically
+            counts[i] += c
+        total += h.sum
+    cumulative, running = [], 0
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        running += count
+        cumulative.append((floatToGoString(bound), running))
+    family = HistogramMetricFamily(name, documentation)
+    family.add_metric([], cumulative, total)
+    return family
+
+
+def new_registry(registry: CollectorRegistry | None) -> CollectorRegistry:
+    """``registry``, or a fresh one (never the process-wide default)."""
+    return registry if registry is not None else CollectorRegistry()

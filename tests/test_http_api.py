@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP API: the official `openai` client, raw HTTP and curl against real servers.
+
+Most tests run the app in this process (uvicorn on a thread, an embedded stack of the bundled demo pair in
+float64, so greedy outputs can be compared with the engine's token for token); the last ones start
+`specmesh serve` as real processes, embedded and over a verifier replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from orchestrator import http_api
+from orchestrator.embedded import EmbeddedBackend, EmbeddedStack
+from orchestrator.service import GenerationService
+from specmesh.app.local_mesh import ServiceProcess
+from specmesh.chat import ChatTemplate
+from specmesh.sampling import SamplingParams
+from tests.service_helpers import DRAFT, TARGET, start_all, verifier, wait_until
+
+MODEL = "demo-target"
+PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    def __init__(self"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+class AppThread:
+    """uvicorn serving an app on 127.0.0.1 from a thread of this process, until ``stop``."""
+
+    def __init__(self, app) -> None:
+        sock = http_api.bind("127.0.0.1:0")
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._task = None
+        started = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._task = self._loop.create_task(http_api.serve_http(app, sock, grace=1.0))
+            self._loop.call_soon(started.set)
+            try:
+                self._loop.run_until_complete(self._task)
+            except asyncio.CancelledError:
+                pass
+
+        self._thread = threading.Thread(target=main, daemon=True)
+        self._thread.start()
+        assert started.wait(10)
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = EmbeddedStack.load(TARGET, DRAFT, torch.float64, kv_cache_gb=0.05)
+    yield stack
+    stack.close()
+
+
+def make_service(stack, **kw) -> GenerationService:
+    kw.setdefault("default_proposer", "draft_model")
+    return GenerationService(EmbeddedBackend(stack), stack.tokenizer, MODEL, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(stack):
+    service = make_service(stack)
+    app = AppThread(http_api.build_app(service, ChatTemplate(TEMPLATE, {"eos_token": "<|endoftext|>"})))
+    yield service, app
+    app.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(stack, prompt: str, max_new_tokens: int) -> tuple[str, list[int], str]:
+    """(text, token ids, finish reason) of plain greedy decoding on the engine."""
+    ids = stack.tokenizer.encode(prompt)
+    result = stack.engine(None).generate(ids, SamplingParams(max_new_tokens=max_new_tokens))
+    return stack.decode(result.token_ids), result.token_ids, result.finish_reason
+
+
+def post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def assert_openai_error(status: int, body: dict, expected: int, param: str | None = None) -> None:
+    assert status == expected, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+# ------------------------------------------------------------------------------------------ openai client
+@pytest.mark.parametrize("proposer", ["none", "prompt_lookup", "draft_model", "fused"])
+def test_completions_greedy_equal_the_engine_for_every_proposer(stack, client, proposer):
+    for prompt in PROMPTS:
+        text, ids, finish = reference(stack, prompt, 24)
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                             extra_body={"proposer": proposer})
+        choice = response.choices[0]
+        assert choice.text == text and choice.finish_reason == finish
+        assert response.usage.prompt_tokens == len(stack.tokenizer.encode(prompt))
+        assert response.usage.completion_tokens == len(ids)
+        assert response.usage.total_tokens == response.usage.prompt_tokens + len(ids)
+        ext = response.model_extra["specmesh"]
+        assert ext["proposer"] == proposer
+        steps = ext["steps"]
+        assert 1 <= steps <= len(ids) - 1 and ext["tau"] == pytest.approx((len(ids) - 1) / steps, abs=1.01)
+        assert len(ext["acceptance_per_position"]) == len(ext["accepted_per_position"])
+        if proposer == "none":
+            assert ext["tau"] == 1.0 and ext["accepted_per_position"] == []
+
+
+def test_streaming_completions_carry_the_same_text_usage_and_stats(stack, client):
+    prompt = PROMPTS[1]
+    text, ids, _ = reference(stack, prompt, 40)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].model_extra["specmesh"]["steps"] >= 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+    assert len({c.id for c in chunks}) == 1
+    # without include_usage: no usage chunk
+    plain = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
+    assert all(c.choices for c in plain)
+
+
+def test_stop_strings_echo_and_token_prompts(stack, client):
+    text, _, _ = reference(stack, PROMPTS[0], 32)
+    stop = text[5:8]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0, stop=stop)
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(PROMPTS[0]) and echoed.choices[0].text[len(PROMPTS[0]):] == \
+        reference(stack, PROMPTS[0], 8)[0]
+    ids = stack.tokenizer.encode(PROMPTS[0])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == reference(stack, PROMPTS[0], 8)[0]
+
+
+def test_chat_renders_the_template_and_streams(stack, client):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    rendered = ChatTemplate(TEMPLATE).render(messages)
+    ids = stack.tokenizer.encode(rendered, add_special_tokens=False)
+    expected = stack.decode(stack.engine(None).generate(ids, SamplingParams(max_new_tokens=16)).token_ids)
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected
+    assert response.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+
+def test_chat_without_a_template_is_a_clear_400(stack):
+    app = AppThread(http_api.build_app(make_service(stack), None))
+    try:
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        app.stop()
+
+
+def test_models_health_and_metrics(server, client):
+    service, app = server
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert get(app.url + "/health") == (200, b'{"status":"ok"}')
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    status, body = get(app.url + "/metrics")
+    assert status == 200 and b"specmesh:" in body
+
+
+def test_sampling_with_a_seed_repeats(client):
+    def sample() -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0.8, seed=7,
+                                         extra_body={"proposer": "draft_model", "policy": "static"}).choices[0].text
+
+    assert sample() == sample()
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_input_gets_openai_errors(server):
+    url = server[1].url + "/v1/completions"
+    ok = {"model": MODEL, "prompt": "x = 1", "max_tokens": 4}
+    assert_openai_error(*post(url, b'{"model": "demo-target", "prompt": '), 400)
+    assert_openai_error(*post(url, b"not json at all"), 400)
+    assert_openai_error(*post(url, {**ok, "max_tokens": "four"}), 400, "max_tokens")
+    assert_openai_error(*post(url, {**ok, "temperature": "hot"}), 400, "temperature")
+    assert_openai_error(*post(url, {**ok, "prompt": {"text": "x"}}), 400)
+    assert_openai_error(*post(url, {"model": MODEL}), 400, "prompt")
+    assert_openai_error(*post(url, {**ok, "n": 2}), 400, "n")
+    assert_openai_error(*post(url, {**ok, "best_of": 3}), 400, "best_of")
+    assert_openai_error(*post(url, {**ok, "logprobs": 2}), 400, "logprobs")
+    assert_openai_error(*post(url, {**ok, "presence_penalty": 0.5}), 400, "presence_penalty")
+    assert_openai_error(*post(url, {**ok, "max_tokens": -1}), 400, "max_tokens")
+    assert_openai_error(*post(url, {**ok, "max_tokens": 0}), 400, "max_tokens")
+    status, body = post(url, {**ok, "max_tokens": 10**9})
+    assert_openai_error(status, body, 400)
+    assert "context" in body["error"]["message"]
+    assert_openai_error(*post(url, {**ok, "prompt": ""}), 400)
+    assert_openai_error(*post(url, {**ok, "prompt": [10**6]}), 400)
+    assert_openai_error(*post(url, {**ok, "prompt": ["a", "b"]}), 400, "prompt")
+    assert_openai_error(*post(url, {**ok, "proposer": "nonsense"}), 400)
+    assert_openai_error(*post(url, {**ok, "top_p": 0}), 400, "top_p")
+    status, body = post(url, {**ok, "model": "gpt-4"})
+    assert_openai_error(status, body, 404, "model")
+    assert body["error"]["code"] == "model_not_found"
+    chat = server[1].url + "/v1/chat/completions"
+    assert_openai_error(*post(chat, {"model": MODEL, "messages": []}), 400, "messages")
+    assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                     "logprobs": True}), 400, "logprobs")
+    assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                     "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools")
+    status, body = get(server[1].url + "/v1/nothing")
+    assert_openai_error(status, json.loads(body), 404)
+    # the server still serves
+    assert post(url, ok)[0] == 200
+
+
+def test_bearer_token(stack):
+    app = AppThread(http_api.build_app(make_service(stack), None, tokens=("s3cret", "other")))
+    try:
+        body = {"model": MODEL, "prompt": "x = 1", "max_tokens": 2}
+        assert_openai_error(*post(app.url + "/v1/completions", body), 401)
+        assert_openai_error(*post(app.url + "/v1/completions", body, {"Authorization": "Bearer wrong"}), 401)
+        assert post(app.url + "/v1/completions", body, {"Authorization": "Bearer other"})[0] == 200
+        assert get(app.url + "/v1/models")[0] == 401
+        assert get(app.url + "/health")[0] == 200 and get(app.url + "/metrics")[0] == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=app.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=app.url + "/v1", api_key="s3cret", max_retries=0).models.list().data
+    finally:
+        app.stop()
+
+
+def _open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    return conn, response
+
+
+def test_a_full_queue_is_429(stack):
+    service = make_service(stack, max_concurrent=1, max_queued=0)
+    app = AppThread(http_api.build_app(service, None))
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True, "proposer": "none"}
+        conn, response = _open_stream(app.url, body)
+        response.readline()  # the first event: the request is admitted and running
+        status, error = post(app.url + "/v1/completions", {**body, "stream": False, "max_tokens": 2})
+        assert_openai_error(status, error, 429)
+        assert error["error"]["code"] == "rate_limit_exceeded"
+        conn.close()
+        assert wait_until(lambda: service.num_requests == 0, 30)
+        assert post(app.url + "/v1/completions", {**body, "stream": False, "max_tokens": 2})[0] == 200
+    finally:
+        app.stop()
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_kv(stack, server):
+    service, app = server
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 450, "temperature": 0, "stream": True,
+            "ignore_eos": True, "proposer": "none"}
+    conn, response = _open_stream(app.url, body)
+    first = response.readline()
+    assert first.startswith(b"data: ")
+    assert wait_until(lambda: sum(v.num_sessions for v in stack.shared_verifiers()) == 1, 10)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    start = time.monotonic()
+    assert wait_until(lambda: service.num_requests == 0 and sum(v.num_sessions for v in stack.shared_verifiers()) == 0,
+                      30)
+    assert time.monotonic() - start < 20  # cancelled, not run to its 450 tokens
+
+
+# ------------------------------------------------------------------------------------------ real processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def curl(*args: str) -> str:
+    return subprocess.run(["curl", "-sS", "--max-time", "60", *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_specmesh_serve_embedded_answers_curl(stack):
+    port = free_port()
+    proc = ServiceProcess(["-m", "specmesh", "serve", "--embedded", "--target", TARGET, "--draft", DRAFT,
+                           "--dtype", "float64", "--threads", "1", "--http", f"127.0.0.1:{port}",
+                           "--model-name", MODEL], name="serve --embedded")
+    try:
+        start_all(proc)
+        url = f"http://127.0.0.1:{port}"
+        body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+        answer = json.loads(curl(url + "/v1/completions", "-H", "Content-Type: application/json", "-d", body))
+        assert answer["choices"][0]["text"] == reference(stack, PROMPTS[0], 12)[0]
+        assert answer["specmesh"]["proposer"] == "fused"  # the server's default proposer
+        events = curl("-N", url + "/v1/completions", "-H", "Content-Type: application/json", "-d",
+                      json.dumps({**json.loads(body), "stream": True}))
+        lines = [line.removeprefix("data: ") for line in events.splitlines() if line]
+        assert lines[-1] == "[DONE]"
+        assert "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1]) == answer["choices"][0]["text"]
+        assert json.loads(curl(url + "/v1/models"))["data"][0]["id"] == MODEL
+        assert b"specmesh:kv_cache_usage_perc" in get(url + "/metrics")[1]
+    finally:
+        proc.stop()
+
+
+def test_no_verifier_up_is_503():
+    port = free_port()
+    v = verifier()
+    start_all(v)
+    proc = ServiceProcess(["-m", "specmesh", "serve", "--tokenizer", TARGET, "--verifier", v.address,
+                           "--http", f"127.0.0.1:{port}", "--model-name", MODEL], name="serve")
+    try:
+        start_all(proc)
+        url = f"http://127.0.0.1:{port}"
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        assert post(url + "/v1/completions", body)[0] == 200
+        v.stop()
+        status, error = post(url + "/v1/completions", body)
+        assert_openai_error(status, error, 503)
+        assert get(url + "/health")[0] == 503
+    finally:
+        proc.stop()
+        v.stop()
+
+
+def test_serve_metrics_equal_the_requests_own_stats(stack):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    service = make_service(stack)
+    app = AppThread(http_api.build_app(service, None))
+    try:
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key="x", max_retries=0)
+        answers = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=t,
+                                             extra_body={"proposer": proposer})
+                   for prompt in PROMPTS for proposer, t in (("draft_model", 0), ("prompt_lookup", 0), ("fused", 0.7))]
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=9, temperature=0,
+                                                stream=True, extra_body={"proposer": "draft_model"}))
+        streamed = [c.model_extra["specmesh"] for c in chunks if c.choices and c.choices[0].finish_reason]
+        stats = [a.model_extra["specmesh"] for a in answers] + streamed
+        samples = {}
+        for family in text_string_to_metric_families(get(app.url + "/metrics")[1].decode()):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+
+        def value(name: str, **labels) -> float:
+            return samples.get(("specmesh:" + name, tuple(sorted(labels.items()))), 0.0)
+
+        per_source = [s["per_source"] for s in stats]
+        assert value("spec_decode_num_draft_tokens_total") == sum(v["proposed"] for p in per_source for v in p.values())
+        assert value("spec_decode_num_accepted_tokens_total") == sum(v["accepted"] for p in per_source for v in p.values())
+        for source in {k for p in per_source for k in p}:
+            assert value("spec_decode_num_accepted_tokens_per_source_total", source=source) == \
+                sum(p.get(source, {}).get("accepted", 0) for p in per_source)
+        depth = max(len(s["accepted_per_position"]) for s in stats)
+        for d in range(depth):
+            assert value("spec_decode_num_accepted_tokens_per_pos_total", position=str(d)) == \
+                sum(s["accepted_per_position"][d] for s in stats if d < len(s["accepted_per_position"]))
+        assert value("spec_decode_tokens_per_step_count") == sum(s["steps"] for s in stats)
+        generated = [a.usage.completion_tokens for a in answers] + [9]
+        assert value("generation_tokens_total") == sum(generated)
+        assert value("prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers) + \
+            len(stack.tokenizer.encode(PROMPTS[0]))
+        assert value("spec_decode_tokens_per_step_sum") == sum(generated) - len(generated)  # prefill's token: no step
+        assert value("request_success_total", finished_reason="length") == len(generated)
+        assert value("time_to_first_token_seconds_count") == len(generated)
+        assert value("e2e_request_latency_seconds_count") == len(generated)
+        assert value("num_requests_running") == 0 and value("num_requests_waiting") == 0
+        assert value("verifier_num_sessions") == 0 and value("kv_cache_usage_perc") == 0
+    finally:
+        app.stop()

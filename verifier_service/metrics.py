@@ -1,0 +1,82 @@
+"""Prometheus metrics of verifiers (`specmesh verifier`, and the embedded stack's shared verifiers).
+
+Read at scrape time, never pushed from the scheduler: a custom collector asks a callable for the
+process's current ``BatchingVerifier``s (the embedded stack makes one per configuration, lazily)
+and sums their state (sessions, waiting admissions, KV blocks) and their ``BatchStats``, which the
+scheduler keeps anyway; its per-step histograms are ``specmesh.metrics.Buckets`` filled once per
+step. Names cannot clash with the orchestrator's (``orchestrator/metrics.py``), so an embedded
+server may put both in one registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from specmesh.metrics import PREFIX, histogram_family, new_registry
+
+if TYPE_CHECKING:
+    from verifier_service.batching import BatchingVerifier
+
+GAUGES = (
+    ("verifier_num_sessions", "Sessions admitted (holding KV blocks), prefilling or decoding."),
+    ("verifier_num_waiting", "Prefills waiting for KV blocks (admission queue depth)."),
+    ("kv_cache_usage_perc", "Fraction of the KV pool's blocks reserved by sessions (0-1)."),
+    ("verifier_kv_blocks", "KV blocks in the pool."),
+    ("verifier_kv_blocks_used", "KV blocks reserved by sessions."),
+)
+# (name, documentation, BatchStats field)
+COUNTERS = (
+    ("verifier_steps", "Batched forwards run by the verifier's scheduler.", "steps"),
+    ("verifier_verify_calls", "Verify calls served.", "verified"),
+    ("verifier_verify_rows", "Rows of the Verify calls: the pending token and the tree's nodes of each.",
+     "verify_rows"),
+    ("verifier_prefill_calls", "Prefills finished (one per session).", "prefills"),
+    ("verifier_prefill_chunks", "Prompt chunks run (a long prompt runs in several steps).", "prefill_chunks"),
+    ("verifier_prefill_tokens", "Prompt tokens run.", "prefill_tokens"),
+)
+HISTOGRAMS = (
+    ("verifier_batch_sessions", "Sessions in one forward (Verify calls + prompt chunks).", "batch_sessions"),
+    ("verifier_batch_rows", "Rows in one forward (tree rows + prompt chunk tokens).", "batch_rows"),
+    ("verifier_step_seconds", "Seconds of one batched step (forward, acceptance, host copy).", "step_seconds"),
+)
+
+
+class VerifierMetrics:
+    """Metrics of the verifiers ``verifiers()`` returns at each scrape, registered in ``registry`` (default: a
+    new one, ``.registry``). ``verifiers`` must be cheap and thread-safe (it runs on the HTTP thread): e.g.
+    ``lambda: [verifier]`` or ``lambda: list(stack._shared.values())``."""
+
+    def __init__(self, verifiers: Callable[[], Iterable[BatchingVerifier]],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.verifiers = verifiers
+        self.registry = new_registry(registry)
+        self.registry.register(self)
+
+    def describe(self):
+        """The families, without values: the registry refuses a name another collector already has."""
+        yield from (GaugeMetricFamily(PREFIX + name, doc) for name, doc in GAUGES)
+        yield from (CounterMetricFamily(PREFIX + name, doc) for name, doc, _ in COUNTERS)
+        yield from (HistogramMetricFamily(PREFIX + name, doc) for name, doc, _ in HISTOGRAMS)
+
+    def collect(self):
+        verifiers = list(self.verifiers())
+        sessions = waiting = blocks = used = 0
+        for v in verifiers:
+            num_waiting = v.num_waiting
+            sessions += max(0, v.num_sessions - num_waiting)  # unlocked reads: clamp a racing pair
+            waiting += num_waiting
+            allocator = v.verifier.allocator
+            blocks += allocator.num_blocks
+            used += allocator.num_used
+        values = (sessions, waiting, used / blocks if blocks else 0.0, blocks, used)
+        for (name, doc), value in zip(GAUGES, values, strict=True):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        for name, doc, attr in COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=sum(getattr(v.stats, attr) for v in verifiers))
+        for name, doc, attr in HISTOGRAMS:
+            if verifiers:  # no bounds to show before the first verifier exists
+                yield histogram_family(PREFIX + name, doc, (getattr(v.stats, attr) for v in verifiers))
