@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import grpc
@@ -44,6 +45,7 @@ from specmesh import rpc
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.sampling import SamplingParams
+from specmesh.serving import split_host_port
 
 log = logging.getLogger("specmesh.http")
 
@@ -245,9 +247,15 @@ class OpenAIApi:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.service.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def start(self, request: GenerateRequest) -> tuple[Plan, AsyncIterator[Chunk | Final], Chunk | Final]:
-        """Check, admit and prefill: errors before the first token still get their own status code."""
+    async def start(self, request: GenerateRequest, fill_context: bool = False
+                    ) -> tuple[Plan, AsyncIterator[Chunk | Final], Chunk | Final]:
+        """Check, admit and prefill: errors before the first token still get their own status code.
+        ``fill_context``: generate up to the rest of the context (the request's max_new_tokens is a placeholder
+        of 1, so the check that the prompt leaves room for one token is the plan's own)."""
         plan = await self.service.prepare(request)
+        if fill_context:
+            rest = self.service.info.max_positions - len(plan.prompt)
+            plan = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, max_new_tokens=rest))
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         stream = self.service.stream(plan, deadline)
         first = await anext(stream)
@@ -280,22 +288,7 @@ class OpenAIApi:
             return JSONResponse({**chunk(echo + text, final.result.finish_reason),
                                  "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
 
-        async def events() -> AsyncIterator[bytes]:
-            if echo:
-                yield _sse(chunk(echo))
-            async for item in _items(first, stream):
-                if isinstance(item, ApiError):
-                    yield _sse(item.body())
-                    break
-                if isinstance(item, Final):
-                    yield _sse(chunk(item.text, item.result.finish_reason, specmesh=stats_extension(plan, item)))
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield _sse({**chunk(""), "choices": [], "usage": _usage(plan, item)})
-                elif item.text:
-                    yield _sse(chunk(item.text))
-            yield _sse("[DONE]")
-
-        return _event_stream(events())
+        return _event_stream(plan, first, stream, chunk, [chunk(echo)] if echo else [], body.stream_options)
 
     # ------------------------------------------------------------------------------------------ chat
     async def chat(self, body: ChatRequest) -> Response:
@@ -308,13 +301,10 @@ class OpenAIApi:
             prompt = self.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:  # the rest of the context (OpenAI's behaviour)
-            used = len(await asyncio.get_running_loop().run_in_executor(None, self.service.prompt_tokens, prompt))
-            max_tokens = max(1, self.service.info.max_positions - used)
-        request = GenerateRequest(_sampling(body, max_tokens), prompt=prompt, operation="chat",
+        max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context (OpenAI's)
+        request = GenerateRequest(_sampling(body, max_tokens or 1), prompt=prompt, operation="chat",
                                   add_special_tokens=False, **_speculation(body))
-        plan, stream, first = await self.start(request)
+        plan, stream, first = await self.start(request, fill_context=max_tokens is None)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
@@ -330,22 +320,11 @@ class OpenAIApi:
                              "finish_reason": final.result.finish_reason}],
                 "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
 
-        async def events() -> AsyncIterator[bytes]:
-            yield _sse(chunk({"role": "assistant", "content": ""}))
-            async for item in _items(first, stream):
-                if isinstance(item, ApiError):
-                    yield _sse(item.body())
-                    break
-                if isinstance(item, Final):
-                    delta = {"content": item.text} if item.text else {}
-                    yield _sse(chunk(delta, item.result.finish_reason, specmesh=stats_extension(plan, item)))
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield _sse({**chunk({}), "choices": [], "usage": _usage(plan, item)})
-                elif item.text:
-                    yield _sse(chunk({"content": item.text}))
-            yield _sse("[DONE]")
+        def text_chunk(text: str, finish: str | None = None, **extra) -> dict:
+            return chunk({"content": text} if text else {}, finish, **extra)
 
-        return _event_stream(events())
+        opening = [chunk({"role": "assistant", "content": ""})]
+        return _event_stream(plan, first, stream, text_chunk, opening, body.stream_options)
 
 
 async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]) -> tuple[str, Final]:
@@ -370,8 +349,32 @@ async def _items(first: Chunk | Final, stream) -> AsyncIterator[Chunk | Final | 
             yield api_error(exc)
 
 
-def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+async def _mapped(request: Request, exc: Exception) -> JSONResponse:
+    return api_error(exc).response()
+
+
+def _event_stream(plan: Plan, first: Chunk | Final, stream: AsyncIterator[Chunk | Final], text_chunk: Callable,
+                  opening: list[dict], options: StreamOptions | None) -> StreamingResponse:
+    """The SSE response of a streamed request: ``opening`` chunks, one chunk per non-empty piece of text
+    (``text_chunk(text, finish_reason=None, **extra)`` shapes it), the finishing chunk with the ``specmesh``
+    stats, the usage chunk when asked for, ``[DONE]``; a failure mid-stream is an ``error`` event."""
+
+    async def events() -> AsyncIterator[bytes]:
+        for piece in opening:
+            yield _sse(piece)
+        async for item in _items(first, stream):
+            if isinstance(item, ApiError):
+                yield _sse(item.body())
+                break
+            if isinstance(item, Final):
+                yield _sse(text_chunk(item.text, item.result.finish_reason, specmesh=stats_extension(plan, item)))
+                if options and options.include_usage:
+                    yield _sse({**text_chunk(""), "choices": [], "usage": _usage(plan, item)})
+            elif item.text:
+                yield _sse(text_chunk(item.text))
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -402,23 +405,20 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return ApiError(exc.status_code, str(exc.detail), "invalid_request_error").response()
 
+    for expected in (ValueError, Overloaded, CapacityError, rpc.UpstreamError, UnknownSessionError):
+        app.add_exception_handler(expected, _mapped)  # the request path's failures (orchestrator/service.py)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return api_error(exc).response()
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest) -> Response:
-        try:
-            return await api.completions(body)
-        except Exception as exc:
-            return api_error(exc).response()
+        return await api.completions(body)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatRequest) -> Response:
-        try:
-            return await api.chat(body)
-        except Exception as exc:
-            return api_error(exc).response()
+        return await api.chat(body)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
@@ -442,12 +442,9 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
 # ---------------------------------------------------------------------------------------------------- serving
 def bind(address: str) -> socket.socket:
     """A listening socket on HOST:PORT (port 0 = any free port); OSError when the port is taken."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--http wants HOST:PORT, got {address!r}")
-    host = host.strip("[]")
+    host, port = split_host_port(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, int(port)), family=family)
+    return socket.create_server((host, port), family=family)
 
 
 class _Server(uvicorn.Server):

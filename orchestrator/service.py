@@ -152,20 +152,20 @@ class RemoteBackend:
         self._rng = random.Random()
 
     def attempts(self, plan: Plan, deadline: float | None) -> Iterator[Engine]:
+        base = build_policy(plan.policy, plan.max_nodes, plan.max_depth, self.draft_timeout, plan.restart_depth)
         for verifier in least_loaded(self.verifiers, self._rng):
             candidates = []
             if plan.proposer is not None and plan.max_nodes > 0:
                 candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
                               for c in least_loaded(self.drafters, self._rng)]
                 candidates.append(("local prompt_lookup", lambda: self._local))
-            policy = build_policy(plan.policy, plan.max_nodes, plan.max_depth, self.draft_timeout, plan.restart_depth)
-            policy = load_aware(policy, verifier.costs)  # trees sized for this replica's load
+            policy = load_aware(base, verifier.costs)  # trees sized for this replica's load
             yield Engine(verifier.bind(deadline), candidates, policy, None, overlap=plan.overlap)
 
     def retryable(self, exc: Exception) -> bool:
         if isinstance(exc, rpc.UpstreamError) and exc.code in (grpc.StatusCode.UNAVAILABLE,
                                                                grpc.StatusCode.RESOURCE_EXHAUSTED):
-            log.warning("verifier %s before the first token; trying another",
+            log.warning("%s %s before the first token", exc.service,
                         "full" if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "unavailable")
             return True
         return False
@@ -241,10 +241,6 @@ class GenerationService:
             proposer = None
         if proposer is not None and proposer not in proposer_names():
             raise ValueError(f"unknown proposer {proposer!r}; choose from {', '.join(proposer_names())}, none")
-        for name in ("max_nodes", "max_depth", "restart_depth"):
-            value = getattr(request, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
         nodes, depth = resolve_budget(proposer, request.max_nodes, request.max_depth, self.backend.max_tree_nodes)
         policy = request.policy or self.policy
         overlap = self.overlap if request.overlap is None else request.overlap
@@ -255,9 +251,6 @@ class GenerationService:
     async def prepare(self, request: GenerateRequest) -> Plan:
         """``plan`` on a thread: a huge prompt must not stall the event loop while it is tokenized."""
         return await asyncio.get_running_loop().run_in_executor(None, self.plan, request)
-
-    def prompt_tokens(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

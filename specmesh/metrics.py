@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from specmesh.serving import split_host_port
+
 PREFIX = "specmesh:"
 log = logging.getLogger("specmesh.metrics")
 
@@ -33,18 +35,10 @@ COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # bat
 def metrics_address(value: str) -> str:
     """argparse type of ``--metrics``: HOST:PORT (``[::1]:PORT`` for IPv6), port 0-65535 (0 = any free)."""
     try:
-        _split(value)
+        split_host_port(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected HOST:PORT with a port in 0-65535, got {address!r}")
-    return host, int(port)
 
 
 def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +52,7 @@ def start_metrics_server(address: str, registry: CollectorRegistry) -> int:
     may ask for port 0). SystemExit with one line when the address cannot be bound (e.g. the port is taken)."""
     from prometheus_client import start_http_server
 
-    host, port = _split(address)
+    host, port = split_host_port(address)
     try:
         server, _ = start_http_server(port, host, registry)
     except OSError as exc:

@@ -32,6 +32,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """(host, port) of HOST:PORT (``[::1]:PORT`` for IPv6; port 0-65535, 0 = any free); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 0-65535, got {address!r}")
+    return host, int(port)
+
+
 def server_security(args: argparse.Namespace) -> rpc.Security:
     """What the server's listener accepts (--token-file / $SPECMESH_TOKEN, --tls-*)."""
     try:

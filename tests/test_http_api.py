@@ -412,3 +412,21 @@ def test_serve_metrics_equal_the_requests_own_stats(stack):
         assert value("verifier_num_sessions") == 0 and value("kv_cache_usage_perc") == 0
     finally:
         app.stop()
+
+
+def test_chat_without_max_tokens_fills_the_rest_of_the_context(stack, client):
+    context = stack.target_runner.info.max_positions
+
+    def prompt_tokens_of(messages) -> int:
+        return len(stack.tokenizer.encode(ChatTemplate(TEMPLATE).render(messages), add_special_tokens=False))
+
+    lines = context
+    while prompt_tokens_of(messages := [{"role": "user", "content": "x = 1\n" * lines}]) > context - 8:
+        lines -= 4
+    prompt_tokens = prompt_tokens_of(messages)
+    assert context - 40 < prompt_tokens < context
+    response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == context - prompt_tokens
+    assert response.choices[0].finish_reason == "length"
