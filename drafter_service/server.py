@@ -57,7 +57,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.max_context = max_context
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
         self.num_sessions = 0
+        self.draining = False  # set when this replica is being stopped: new sessions go elsewhere
+        self.drafts, self.draft_seconds = 0, 0.0  # proposals answered and their total time (autoscaling reads them)
         self.metrics = DrafterMetrics(metrics_registry, self.sessions_by_proposer) if metrics_registry is not None else None
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new sessions (UNAVAILABLE: the orchestrator fails over) and wait up to ``timeout`` seconds for
+        the open ones to end. True if none is left."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return not self.num_sessions
 
     def sessions_by_proposer(self) -> dict[str, int]:
         return {name: drafter.num_sessions for name, drafter in self._drafters.items()}
@@ -98,6 +109,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this drafter replica is shutting down")
         if first.WhichOneof("kind") != "open":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be `open`")
         opening = first.open
@@ -150,6 +163,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         span.set_attributes({"specmesh.draft.nodes": tree.num_nodes,
                                              "specmesh.draft.depth": _depth_or_none(tree)})
                 seconds = time.perf_counter() - start
+                if not budget.is_zero:
+                    self.drafts += 1
+                    self.draft_seconds += seconds
                 if self.metrics is not None:
                     self.metrics.proposed(name, tree.num_nodes, seconds, len(feedback.verified) if feedback else 0,
                                           not budget.is_zero)

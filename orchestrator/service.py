@@ -151,6 +151,12 @@ class RemoteBackend:
         self._local = LocalDrafter(make_proposer("prompt_lookup"))  # last resort before plain decoding
         self._rng = random.Random()
 
+    def set_replicas(self, verifiers: Sequence[VerifierClient], drafters: Sequence[DrafterClient]) -> None:
+        """Replace the replica sets (a Ray Serve deployment scaled, a replica died); requests in flight keep the
+        clients they hold. ``verifiers``: fetched, serving this backend's vocabulary; empty = every request fails
+        UNAVAILABLE until one comes back."""
+        self.verifiers, self.drafters = list(verifiers), list(drafters)
+
     def attempts(self, plan: Plan, deadline: float | None) -> Iterator[Engine]:
         base = build_policy(plan.policy, plan.max_nodes, plan.max_depth, self.draft_timeout, plan.restart_depth)
         for verifier in least_loaded(self.verifiers, self._rng):

@@ -6,7 +6,8 @@
 - ``BearerTokenInterceptor``: every RPC except health checks needs one of the server's tokens;
   ``caller_identity`` names the authenticated caller (token or client certificate).
 - ``DecodeErrorInterceptor``: a request that does not parse is INVALID_ARGUMENT with a plain message.
-- ``run_server``: health + reflection, SIGTERM/SIGINT -> NOT_SERVING, drain, stop.
+- ``start_server``: health + reflection, listen, start; ``run_server`` adds SIGTERM/SIGINT -> NOT_SERVING,
+  drain, stop (a Ray Serve replica drains from its own shutdown hook instead).
 - servers and channels get OpenTelemetry's gRPC interceptors when tracing is on (``specmesh.tracing``).
 """
 
@@ -330,17 +331,24 @@ def new_server(security: Security, reuse_port: bool = False) -> grpc.aio.Server:
     return grpc.aio.server(interceptors=interceptors, options=options)
 
 
-async def run_server(
-    server: grpc.aio.Server,
-    address: str,
-    security: Security,
-    service_names: Sequence[str],
-    grace_seconds: float = 10.0,
-    on_started: Callable[[int], None] | None = None,
-    on_stop: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """Serve until SIGTERM/SIGINT: then health turns NOT_SERVING, in-flight RPCs get
-    ``grace_seconds`` to finish, and the server stops. ``on_started(port)`` runs once listening."""
+@dataclass
+class StartedServer:
+    """A server listening: its port and its health service (``drain`` turns it NOT_SERVING)."""
+
+    server: grpc.aio.Server
+    port: int
+    health: object  # grpc_health's aio HealthServicer
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Health NOT_SERVING, in-flight RPCs get ``grace_seconds`` to finish, then the server stops."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_seconds)
+
+
+async def start_server(
+    server: grpc.aio.Server, address: str, security: Security, service_names: Sequence[str],
+) -> StartedServer:
+    """Add health + reflection, listen on ``address`` (port 0: any free port) and start; or OSError."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_health.v1.health import aio as health_aio
     from grpc_reflection.v1alpha import reflection
@@ -361,8 +369,23 @@ async def run_server(
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("listening on %s (port %d)%s%s", address, port, ", TLS" if creds else "",
              ", token required" if security.tokens else "")
+    return StartedServer(server, port, health)
+
+
+async def run_server(
+    server: grpc.aio.Server,
+    address: str,
+    security: Security,
+    service_names: Sequence[str],
+    grace_seconds: float = 10.0,
+    on_started: Callable[[int], None] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT: then health turns NOT_SERVING, in-flight RPCs get
+    ``grace_seconds`` to finish, and the server stops. ``on_started(port)`` runs once listening."""
+    started = await start_server(server, address, security, service_names)
     if on_started is not None:
-        on_started(port)
+        on_started(started.port)
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -373,8 +396,7 @@ async def run_server(
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     if stopping.is_set():
         log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_seconds)
-        await health.enter_graceful_shutdown()
-        await server.stop(grace_seconds)
+        await started.drain(grace_seconds)
     if on_stop is not None:
         await on_stop()
     waiter.cancel()

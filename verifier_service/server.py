@@ -61,9 +61,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.model_name = model_name
         self.session_ttl = session_ttl
         self._last_call: dict[str, float] = {}
+        self.draining = False  # set when this replica is being stopped: new sessions go elsewhere
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new sessions (UNAVAILABLE: the orchestrator tries another replica) and wait up to ``timeout``
+        seconds for the open ones to end. True if none is left."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.verifier.num_sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return not self.verifier.num_sessions
 
     # ------------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this verifier replica is shutting down")
         key = session_key(context, request.session_id)
         try:
             check_session_id(request.session_id)
@@ -183,10 +195,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serving.add_server_arguments(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    serving.setup_logging(args)
-    serving.setup_tracing(args)  # before any server or channel
-    security = serving.server_security(args)
+def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
+    """The verifier the options describe (the model loaded, its KV pool sized, its costs profiled), its metrics
+    in ``registry`` (None: none); the caller closes ``servicer.verifier``. SystemExit with one line on bad
+    options."""
     try:
         path = models.model_dir(args.target or models.demo_model("target"))
     except ValueError as exc:
@@ -196,15 +208,9 @@ def run(args: argparse.Namespace) -> int:
         device = models.resolve_device(args.device)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
-    registry = None
-    if args.metrics is not None:  # before loading the model: a port in use fails at once
-        from prometheus_client import CollectorRegistry
-
-        registry = CollectorRegistry()
-        metrics.start_metrics_server(args.metrics, registry)
-    runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device, args.attention)
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
+    runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device, args.attention)
     from verifier_service.batching import BatchingVerifier
     from verifier_service.verifier import LocalVerifier
 
@@ -225,9 +231,22 @@ def run(args: argparse.Namespace) -> int:
         VerifierMetrics(lambda: [verifier], registry)
     log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", local.allocator.num_blocks, local.allocator.block_size,
              local.allocator.num_blocks * local.allocator.block_size * runner.kv_bytes_per_token / 2**30)
-    servicer = VerifierServicer(verifier, str(path), args.session_ttl)
+    return VerifierServicer(verifier, str(path), args.session_ttl)
+
+
+def run(args: argparse.Namespace) -> int:
+    serving.setup_logging(args)
+    serving.setup_tracing(args)  # before any server or channel
+    security = serving.server_security(args)
+    registry = None
+    if args.metrics is not None:  # before loading the model: a port in use fails at once
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        metrics.start_metrics_server(args.metrics, registry)
+    servicer = build_servicer(args, registry)
     try:
         return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
                              VERIFIER_SERVICE, background=servicer.reap_idle_sessions)
     finally:
-        verifier.close()
+        servicer.verifier.close()

@@ -1,0 +1,445 @@
+"""specmesh on Ray Serve: verifier, drafter and orchestrator pools as separate deployments.
+
+    serve run deploy/serve_config.yaml            # a laptop; the YAML says how many of each, and where
+    import path: specmesh.app.deploy:build_app    # args: AppArgs below
+
+Deployments (each scales on its own; deploy/README.md has the reasons):
+
+- ``Verifier`` replicas run `specmesh verifier`'s gRPC service (same options, same code) on a free port of
+  their node; ``Drafter`` replicas run `specmesh drafter`'s. Each announces its address to ``Membership``
+  every ``heartbeat_s`` and withdraws it when Serve stops it; a replica that died without a word drops out
+  after three missed heartbeats.
+- ``Orchestrator`` is the ingress: the OpenAI-compatible HTTP API through Serve's HTTP proxy and the
+  ``Generate`` gRPC service through Serve's gRPC proxy, both over the same ``GenerationService`` and
+  ``RemoteBackend`` as `specmesh serve`; it follows ``Membership`` to know the replicas and reaches them over
+  gRPC. Verifier sessions hold KV caches, so a request must stick to one replica for its whole life: the
+  engine's own gRPC clients do that (and fail over between drafters), where Serve's handles would route every
+  call anew.
+- Replicas report their load to Serve's autoscaler (``record_autoscaling_stats``: sessions and KV pool use
+  for verifiers, drafting time for drafters), which specmesh/app/autoscaling.py turns into replica counts.
+- Stopping a replica (scale-down, redeploy) drains it: it withdraws from ``Membership``, refuses new sessions
+  (UNAVAILABLE: the orchestrator uses another replica) and waits up to ``drain_timeout_s`` for its open ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from specmesh import rpc, serving
+from specmesh.app.autoscaling import DRAFT_BUSY, DRAFT_LATENCY_MS, KV_USAGE, SESSIONS
+
+log = logging.getLogger("specmesh.deploy")
+
+VERIFIER, DRAFTER = "verifier", "drafter"
+# options Serve decides for its replicas: where they listen, how they are told apart, where metrics go
+REPLICA_OPTIONS = ("--listen", "--ready-file", "--reuse-port", "--metrics")
+SERVE_OPTIONS = ("--listen", "--http", "--verifier", "--drafter", "--embedded", "--metrics", "--ready-file",
+                 "--reuse-port")
+
+
+class AppArgs(BaseModel):
+    """The application's ``args`` in a Serve config. Options are those of the matching `specmesh` command."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verifier: list[str] = Field(default_factory=list,
+                                description="`specmesh verifier` options of every verifier replica (--target, "
+                                            "--dtype, --kv-cache-gb, ...); not --listen, the replica picks a port")
+    drafter: list[str] | None = Field(default_factory=list,
+                                      description="`specmesh drafter` options of every drafter replica; null = no "
+                                                  "drafter pool (requests draft by prompt lookup in the "
+                                                  "orchestrator)")
+    serve: list[str] = Field(default_factory=list,
+                             description="`specmesh serve` options of the orchestrator (--proposer, "
+                                         "--max-concurrent, --model-name, --token-file, ...); not --verifier, "
+                                         "--drafter, --http or --listen: Serve provides those")
+    heartbeat_s: float = Field(2.0, gt=0, description="seconds between a replica's announcements")
+    drain_timeout_s: float = Field(60.0, ge=0, description="seconds a stopping replica waits for its sessions")
+
+
+def parse_options(command: str, options: Sequence[str], decided_by_serve: Iterable[str] = ()) -> argparse.Namespace:
+    """``options`` parsed as `specmesh <command>` would; ValueError with argparse's message if they do not
+    parse, or if they set one of ``decided_by_serve``."""
+    from specmesh.app.cli import build_parser
+
+    for option in options:
+        if option.split("=", 1)[0] in decided_by_serve:
+            raise ValueError(f"{command} options: {option.split('=', 1)[0]} is decided by Ray Serve here; remove it")
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return build_parser([command]).parse_args([command, *options])
+    except SystemExit:
+        raise ValueError(f"{command} options {list(options)}: {stderr.getvalue().strip()}") from None
+
+
+def _or_runtime_error(fn: Callable, *args):
+    """``fn(*args)``, its one-line SystemExit (a bad option, a missing model) turned into an error Serve shows."""
+    try:
+        return fn(*args)
+    except SystemExit as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+# ------------------------------------------------------------------ membership
+class Roster:
+    """Which replicas of each kind are up. A replica announces itself every few seconds; one silent for
+    ``ttl`` seconds is gone (killed without a goodbye)."""
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl, self.clock = ttl, clock
+        self._seen: dict[tuple[str, str], tuple[str, float]] = {}  # (kind, replica) -> (address, last seen)
+
+    def announce(self, kind: str, replica: str, address: str) -> None:
+        self._seen[(kind, replica)] = (address, self.clock())
+
+    def withdraw(self, kind: str, replica: str) -> None:
+        self._seen.pop((kind, replica), None)
+
+    def members(self, kind: str) -> list[str]:
+        """Addresses of the replicas of ``kind`` heard from within ``ttl``, sorted."""
+        cutoff = self.clock() - self.ttl
+        for key in [k for k, (_, seen) in self._seen.items() if seen < cutoff]:
+            del self._seen[key]
+        return sorted(address for (k, _), (address, _) in self._seen.items() if k == kind)
+
+
+@serve.deployment(name="Membership", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # a call per replica per heartbeat
+class Membership:
+    """The Roster as a deployment. Replicas re-announce every heartbeat, so a restarted Membership is whole
+    again one heartbeat later."""
+
+    def __init__(self, ttl: float) -> None:
+        self.roster = Roster(ttl)
+
+    def announce(self, kind: str, replica: str, address: str) -> None:
+        self.roster.announce(kind, replica, address)
+
+    def withdraw(self, kind: str, replica: str) -> None:
+        self.roster.withdraw(kind, replica)
+
+    def members(self, kind: str) -> list[str]:
+        return self.roster.members(kind)
+
+
+class HostedService:
+    """A specmesh gRPC service listening on a free port of this replica's node, announced to Membership."""
+
+    def __init__(self, kind: str, started: rpc.StartedServer, address: str, membership: DeploymentHandle,
+                 heartbeat_s: float) -> None:
+        self.kind, self.started, self.address = kind, started, address
+        self.membership, self.heartbeat_s = membership, heartbeat_s
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._announcer = asyncio.ensure_future(self._announce_forever())
+
+    @classmethod
+    async def start(cls, kind: str, servicer, add_to_server: Callable, service_name: str, security: rpc.Security,
+                    membership: DeploymentHandle, heartbeat_s: float) -> HostedService:
+        import ray
+
+        server = rpc.new_server(security)
+        add_to_server(servicer, server)
+        started = await rpc.start_server(server, "0.0.0.0:0", security, [service_name])
+        address = f"{ray.util.get_node_ip_address()}:{started.port}"
+        log.info("%s replica serving on %s", kind, address)
+        return cls(kind, started, address, membership, heartbeat_s)
+
+    async def _announce_forever(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.membership.announce.remote(self.kind, self.replica, self.address),
+                                       self.heartbeat_s)
+            except Exception as exc:  # Membership restarting: the next heartbeat tries again
+                log.warning("could not announce %s %s: %s", self.kind, self.address, exc)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def stop(self, drain: Callable[[float], object], timeout: float) -> None:
+        """Withdraw, let ``drain(timeout)`` refuse new sessions and wait for open ones, then stop the server."""
+        self._announcer.cancel()
+        # bounded: when the whole application is deleted, Membership may be gone already (a handle call would
+        # wait for it to come back)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.membership.withdraw.remote(self.kind, self.replica), 1.0)
+        if not await drain(timeout):
+            log.warning("%s %s stopping with sessions still open after %.0f s", self.kind, self.address, timeout)
+        await self.started.drain(1.0)
+
+
+# ------------------------------------------------------------------ replicas
+@serve.deployment(name="Verifier", ray_actor_options={"num_cpus": 1}, health_check_period_s=5)
+class VerifierReplica:
+    """`specmesh verifier` in a Serve replica (``num_gpus`` in ray_actor_options gives it a GPU)."""
+
+    async def __init__(self, options: list[str], membership: DeploymentHandle, heartbeat_s: float = 2.0,
+                       drain_timeout_s: float = 60.0) -> None:
+        from specmesh.v1 import verifier_pb2_grpc
+        from specmesh.wire import VERIFIER_SERVICE
+        from verifier_service.server import build_servicer
+
+        args = parse_options("verifier", options, REPLICA_OPTIONS)
+        serving.setup_logging(args)
+        serving.setup_tracing(args)
+        security = _or_runtime_error(serving.server_security, args)
+        self.servicer = await asyncio.to_thread(_or_runtime_error, build_servicer, args)
+        self.drain_timeout_s = drain_timeout_s
+        self.hosted = await HostedService.start(VERIFIER, self.servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
+                                                VERIFIER_SERVICE, security, membership, heartbeat_s)
+        self._reaper = asyncio.ensure_future(self.servicer.reap_idle_sessions())
+
+    def address(self) -> str:
+        return self.hosted.address
+
+    def check_health(self) -> None:
+        if not self.servicer.verifier.alive:
+            raise RuntimeError("the verifier's scheduler thread is not running")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        verifier = self.servicer.verifier
+        allocator = verifier.verifier.allocator
+        return {SESSIONS: float(verifier.num_sessions), KV_USAGE: allocator.num_used / max(1, allocator.num_blocks)}
+
+    async def __del__(self) -> None:
+        if hasattr(self, "_reaper"):  # stopped after its constructor finished
+            self._reaper.cancel()
+            await self.hosted.stop(self.servicer.drain, self.drain_timeout_s)
+        if hasattr(self, "servicer"):
+            self.servicer.verifier.close()
+
+
+@serve.deployment(name="Drafter", ray_actor_options={"num_cpus": 0.5}, health_check_period_s=5)
+class DrafterReplica:
+    """`specmesh drafter` in a Serve replica (CPU only: drafting is latency-bound and small)."""
+
+    async def __init__(self, options: list[str], membership: DeploymentHandle, heartbeat_s: float = 2.0,
+                       drain_timeout_s: float = 60.0) -> None:
+        from drafter_service.server import build_servicer
+        from specmesh.v1 import drafter_pb2_grpc
+        from specmesh.wire import DRAFTER_SERVICE
+
+        args = parse_options("drafter", options, REPLICA_OPTIONS)
+        serving.setup_logging(args)
+        serving.setup_tracing(args)
+        security = _or_runtime_error(serving.server_security, args)
+        self.servicer = await asyncio.to_thread(_or_runtime_error, build_servicer, args)
+        self.drain_timeout_s = drain_timeout_s
+        self.hosted = await HostedService.start(DRAFTER, self.servicer, drafter_pb2_grpc.add_DrafterServicer_to_server,
+                                                DRAFTER_SERVICE, security, membership, heartbeat_s)
+        self._last = (time.monotonic(), 0, 0.0)  # (when, drafts, draft seconds) at the last report
+
+    def address(self) -> str:
+        return self.hosted.address
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Since the last report: the mean proposal latency and the share of time spent drafting."""
+        now, drafts, seconds = time.monotonic(), self.servicer.drafts, self.servicer.draft_seconds
+        then, drafts_then, seconds_then = self._last
+        self._last = (now, drafts, seconds)
+        busy = seconds - seconds_then
+        stats = {DRAFT_BUSY: min(1.0, busy / max(now - then, 1e-3))}
+        if drafts > drafts_then:
+            stats[DRAFT_LATENCY_MS] = busy / (drafts - drafts_then) * 1e3
+        return stats
+
+    async def __del__(self) -> None:
+        if hasattr(self, "hosted"):  # stopped after its constructor finished
+            await self.hosted.stop(self.servicer.drain, self.drain_timeout_s)
+
+
+# ------------------------------------------------------------------ orchestrator
+class ServeCallContext:
+    """What GenerateServicer needs of a gRPC call context, over Serve's gRPC proxy context: ``abort`` sets the
+    status the proxy sends and ends the call."""
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def time_remaining(self) -> float | None:
+        return None  # Serve's proxy does not pass the client's deadline on; its request_timeout_s applies
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        self.context.set_code(code)
+        self.context.set_details(details)
+        raise RuntimeError(details)
+
+
+@serve.deployment(name="Orchestrator", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=512)
+@serve.ingress()
+class Orchestrator:
+    """The ingress: `specmesh serve` over the replicas Membership knows (HTTP API and Generate gRPC)."""
+
+    async def __init__(self, options: list[str], membership: DeploymentHandle, *pools: DeploymentHandle,
+                       refresh_s: float = 1.0, grace: float = 6.0) -> None:
+        """``pools``: the Verifier and Drafter deployments, bound here only so that Serve deploys them with this
+        application; requests reach their replicas over gRPC. ``grace``: seconds a replica missing from
+        Membership is still used (``_sync``)."""
+        from orchestrator.metrics import ServeMetrics
+        from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY
+        from orchestrator.server import GenerateServicer, _load_tokenizer
+        from orchestrator.service import GenerationService, RemoteBackend
+
+        args = parse_options("serve", options, SERVE_OPTIONS)
+        serving.setup_logging(args)
+        serving.setup_tracing(args)
+        self.args, self.membership, self.refresh_s, self.grace = args, membership, refresh_s, grace
+        self.security = _or_runtime_error(serving.server_security, args)
+        self.upstream = _or_runtime_error(serving.upstream_security, args, self.security)
+        self.verifiers: dict = {}  # address -> VerifierClient
+        self.drafters: dict = {}  # address -> DrafterClient
+        self._absent: dict[str, float] = {}  # address -> when Membership first stopped listing it
+        first = await self._first_verifier(args.connect_timeout)
+        info = first.fetch_info(1.0)
+        self.backend = RemoteBackend([first], [], info.max_tree_nodes, args.draft_timeout_ms / 1000, info.model)
+        self.tokenizer_dir, tokenizer = await asyncio.to_thread(_load_tokenizer, args, info.model)
+        model_name = args.model_name or info.model.rstrip("/").rsplit("/", 1)[-1] or "specmesh"
+        metrics = ServeMetrics(model_name)
+        proposer = None if args.proposer == "none" else args.proposer
+        self.service = GenerationService(
+            self.backend, tokenizer, model_name, proposer, args.max_concurrent, args.max_queued,
+            overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
+            policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
+            max_prompt_bytes=args.max_prompt_bytes, metrics=metrics)
+        self.grpc = GenerateServicer(self.service)
+        await self._sync()
+        self._syncer = asyncio.ensure_future(self._sync_forever())
+
+    def __serve_build_asgi_app__(self):
+        from orchestrator import http_api
+        from specmesh.chat import ChatTemplate
+
+        return http_api.build_app(self.service, ChatTemplate.load(self.tokenizer_dir), self.security.tokens,
+                                  self.args.request_timeout)
+
+    # the Generate service through Serve's gRPC proxy (grpc_servicer_functions in the Serve config)
+    async def Generate(self, request, grpc_context):
+        return await self.grpc.Generate(request, ServeCallContext(grpc_context))
+
+    async def GenerateStream(self, request, grpc_context):
+        async for chunk in self.grpc.GenerateStream(request, ServeCallContext(grpc_context)):
+            yield chunk
+
+    def check_health(self) -> None:
+        if self._syncer.done():
+            raise RuntimeError("the membership sync stopped")
+
+    async def __del__(self) -> None:
+        if hasattr(self, "_syncer"):  # Serve has drained this replica's requests by now
+            self._syncer.cancel()
+
+    # ------------------------------------------------------------- replicas
+    async def _first_verifier(self, timeout: float):
+        """A verifier that answers Info, waiting up to ``timeout`` s for the pool to come up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for address in await self.membership.members.remote(VERIFIER):
+                client = await asyncio.to_thread(self._fetched_verifier, address, None)
+                if client is not None:
+                    self.verifiers[address] = client
+                    return client
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no verifier replica answered within {timeout:.0f} s (--connect-timeout)")
+            await asyncio.sleep(self.refresh_s)
+
+    def _fetched_verifier(self, address: str, vocab_size: int | None):
+        """A client of the verifier at ``address`` that answered Info (same vocabulary), or None for now."""
+        from verifier_service.remote import VerifierClient
+
+        client = VerifierClient(address, self.upstream)
+        try:
+            info = client.fetch_info(2.0)
+        except rpc.UpstreamError as exc:
+            log.warning("verifier %s not ready: %s", address, exc)
+            return None
+        if vocab_size is not None and info.vocab_size != vocab_size:
+            log.error("verifier %s serves a vocabulary of %d, the others %d: not used", address, info.vocab_size,
+                      vocab_size)
+            return None
+        return client
+
+    async def _sync(self) -> None:
+        """Follow Membership: new replicas in at once; gone ones out once absent for ``grace`` seconds, so
+        that a restarted Membership (empty until the next heartbeats) takes no replica away. A replica kept
+        meanwhile that is really gone refuses connections, which moves a request to another before its first
+        token; a draining one refuses new sessions the same way."""
+        from drafter_service.remote import DrafterClient
+
+        verifiers = await asyncio.wait_for(self.membership.members.remote(VERIFIER), 5.0)
+        drafters = await asyncio.wait_for(self.membership.members.remote(DRAFTER), 5.0)
+        now = time.monotonic()
+        vocab = self.backend.info.vocab_size
+        for address in verifiers:
+            if address not in self.verifiers:
+                client = await asyncio.to_thread(self._fetched_verifier, address, vocab)
+                if client is not None:
+                    self.verifiers[address] = client
+        for address in drafters:
+            self.drafters.setdefault(address, DrafterClient(address, self.upstream))
+        listed = set(verifiers) | set(drafters)
+        for address in listed:
+            self._absent.pop(address, None)
+        for pool in (self.verifiers, self.drafters):
+            for address in [a for a in pool if a not in listed]:
+                if now - self._absent.setdefault(address, now) > self.grace:
+                    del pool[address]
+                    self._absent.pop(address)
+        self.backend.set_replicas(list(self.verifiers.values()), list(self.drafters.values()))
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self._sync()
+            except Exception as exc:  # Membership restarting: keep the last known replicas
+                log.warning("membership sync failed: %s", exc)
+
+    def replicas(self) -> dict[str, list[str]]:
+        """The replicas this orchestrator uses now (for operators and tests)."""
+        return {VERIFIER: sorted(self.verifiers), DRAFTER: sorted(self.drafters)}
+
+
+# ------------------------------------------------------------------ the application
+def build_app(args: dict) -> serve.Application:
+    """The application builder of ``import_path: specmesh.app.deploy:build_app``: ``args`` as AppArgs."""
+    return application(args)
+
+
+def application(args: AppArgs | dict, options: dict[str, dict] | None = None) -> serve.Application:
+    """The Serve application. Every option list is parsed here first, so a typo fails `serve run` / `serve
+    deploy` at once instead of in replicas Serve restarts. ``options``: deployment options by deployment name
+    (``num_replicas``, ``autoscaling_config``, ``ray_actor_options``, ...) for Python callers; a Serve
+    config's ``deployments:`` list does the same."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    options = dict(options or {})
+    unknown = set(options) - {"Membership", "Verifier", "Drafter", "Orchestrator"}
+    if unknown:
+        raise ValueError(f"options for unknown deployments {sorted(unknown)}: Membership, Verifier, Drafter, "
+                         "Orchestrator")
+    parse_options("verifier", args.verifier, REPLICA_OPTIONS)
+    parse_options("serve", args.serve, SERVE_OPTIONS)
+    if args.drafter is not None:
+        parse_options("drafter", args.drafter, REPLICA_OPTIONS)
+
+    def deployment(d, name: str, **defaults):
+        return d.options(**{**defaults, **options.get(name, {})})
+
+    shutdown = {"graceful_shutdown_timeout_s": args.drain_timeout_s + 10}
+    membership = deployment(Membership, "Membership").bind(3 * args.heartbeat_s)
+    pools = [deployment(VerifierReplica, "Verifier", **shutdown).bind(args.verifier, membership, args.heartbeat_s,
+                                                                       args.drain_timeout_s)]
+    if args.drafter is not None:
+        pools.append(deployment(DrafterReplica, "Drafter", **shutdown).bind(args.drafter, membership,
+                                                                            args.heartbeat_s, args.drain_timeout_s))
+    return deployment(Orchestrator, "Orchestrator").bind(args.serve, membership, *pools,
+                                                         grace=3 * args.heartbeat_s)

@@ -1,0 +1,113 @@
+"""The Ray Serve application's pure parts, without a cluster: membership, autoscaling policies, option checks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+pytest.importorskip("ray")  # the [ray] extra
+
+from specmesh.app import autoscaling  # noqa: E402
+from specmesh.app.deploy import AppArgs, Roster, ServeCallContext, application, build_app, parse_options  # noqa: E402
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_roster_forgets_a_replica_silent_for_its_ttl_and_a_withdrawn_one_at_once():
+    clock = Clock()
+    roster = Roster(ttl=6.0, clock=clock)
+    roster.announce("verifier", "a", "10.0.0.1:5000")
+    roster.announce("verifier", "b", "10.0.0.2:5000")
+    roster.announce("drafter", "c", "10.0.0.3:5000")
+    assert roster.members("verifier") == ["10.0.0.1:5000", "10.0.0.2:5000"]
+    assert roster.members("drafter") == ["10.0.0.3:5000"]
+    clock.now = 5.0
+    roster.announce("verifier", "a", "10.0.0.1:5000")  # a heartbeat
+    clock.now = 6.5  # b silent for 6.5 s: killed without a goodbye
+    assert roster.members("verifier") == ["10.0.0.1:5000"]
+    roster.withdraw("verifier", "a")  # a draining replica
+    assert roster.members("verifier") == []
+    roster.announce("verifier", "a2", "10.0.0.1:6000")  # a restarted replica, on a new port
+    assert roster.members("verifier") == ["10.0.0.1:6000"]
+
+
+def test_verifier_policy_takes_the_larger_need_of_sessions_and_kv_pool():
+    def need(sessions, kv, current=2):
+        return autoscaling.verifier_replicas(current, {autoscaling.SESSIONS: dict(enumerate(sessions)),
+                                                       autoscaling.KV_USAGE: dict(enumerate(kv))}, 8, 0.7)
+
+    assert need([4, 4], [0.1, 0.1]) == 1  # 8 sessions fit one replica
+    assert need([8, 9], [0.1, 0.1]) == 3  # 17 sessions need three
+    assert need([1, 1], [0.9, 0.8]) == 3  # few sessions, long contexts: the KV pool decides
+    assert need([0, 0], [0.0, 0.0]) == 0  # idle: Serve clamps to min_replicas
+    assert autoscaling.verifier_replicas(3, {}, 8, 0.7) == 3  # no reports yet: keep the size
+    assert autoscaling.verifier_replicas(3, None, 8, 0.7) == 3
+
+
+def test_drafter_policy_follows_busy_time_and_scales_up_on_slow_proposals():
+    def need(busy, latency, current=2):
+        metrics = {autoscaling.DRAFT_BUSY: dict(enumerate(busy))}
+        if latency is not None:
+            metrics[autoscaling.DRAFT_LATENCY_MS] = dict(enumerate(latency))
+        return autoscaling.drafter_replicas(current, metrics, 0.6, 20.0)
+
+    assert need([0.3, 0.3], [5, 5]) == 1  # 0.6 of one model thread
+    assert need([0.9, 0.9], [10, 10]) == 3  # 1.8 threads busy at 0.6 each
+    assert need([0.3, 0.3], [40, 40]) == 4  # proposals twice the target: twice the replicas
+    assert need([0.0, 0.0], None) == 0  # nobody drafting
+    assert autoscaling.drafter_replicas(2, {}, 0.6, 20.0) == 2
+
+
+def test_policies_refuse_targets_they_cannot_meet():
+    with pytest.raises(ValueError):
+        autoscaling.VerifierAutoscaling(target_sessions=0)
+    with pytest.raises(ValueError):
+        autoscaling.VerifierAutoscaling(target_kv_usage=1.5)
+    with pytest.raises(ValueError):
+        autoscaling.DrafterAutoscaling(target_busy=0)
+
+
+def test_options_parse_as_the_commands_do_and_serve_decided_ones_are_refused():
+    args = parse_options("verifier", ["--kv-cache-gb", "2", "--dtype", "float32"])
+    assert args.kv_cache_gb == 2 and args.command == "verifier"
+    with pytest.raises(ValueError, match="--kv-cach"):
+        parse_options("verifier", ["--kv-cach-gb", "2"])  # a typo: argparse's own message
+    with pytest.raises(ValueError, match="--listen is decided by Ray Serve"):
+        parse_options("verifier", ["--listen=0.0.0.0:1"], ("--listen",))
+
+
+def test_build_app_fails_at_once_on_bad_args():
+    with pytest.raises(ValueError, match="--verifier is decided by Ray Serve"):
+        application({"serve": ["--verifier", "127.0.0.1:1"]})
+    with pytest.raises(ValueError, match="unknown deployments"):
+        application({}, {"Verfier": {"num_replicas": 2}})
+    with pytest.raises(ValueError):
+        application({"drafters": []})  # extra fields are refused, not ignored
+    with pytest.raises(ValueError, match="--bogus"):
+        build_app({"verifier": ["--bogus"]})  # the import path's builder checks the same way
+    assert AppArgs().drafter == []  # a drafter pool by default; None = none
+
+
+def test_serve_call_context_abort_sets_the_status_the_proxy_sends():
+    class Proxy:
+        code = details = None
+
+        def set_code(self, code):
+            self.code = code
+
+        def set_details(self, details):
+            self.details = details
+
+    proxy = Proxy()
+    with pytest.raises(RuntimeError, match="bad"):
+        asyncio.run(ServeCallContext(proxy).abort(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
+    assert (proxy.code, proxy.details) == (grpc.StatusCode.INVALID_ARGUMENT, "bad")
+    assert ServeCallContext(proxy).time_remaining() is None

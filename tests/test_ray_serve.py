@@ -1,0 +1,295 @@
+"""specmesh on Ray Serve (specmesh/app/deploy.py): a local Ray cluster, the real application, real faults.
+
+One cluster for the module (a Ray start costs seconds). The application serves the bundled demo pair in
+float64, so outputs are compared token for token with plain greedy decoding of the embedded engine in this
+process. Ray's CPUs here are logical: replicas reserve 1 (verifier), 0.5 (drafter), 0.25 (orchestrator)
+of the 6 declared (two applications at once), on a 2-core
+machine.
+
+`pytest -m "not ray"` skips the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from orchestrator.embedded import EmbeddedStack
+from specmesh.client import Client
+from specmesh.sampling import SamplingParams
+from tests.service_helpers import DRAFT, DRAFT_ARGS, TARGET, TARGET_ARGS, wait_until
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ray = pytest.importorskip("ray")  # the [ray] extra
+from ray import serve  # noqa: E402
+
+from specmesh.app.deploy import application  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    def __init__(self"]
+APP = "specmesh"
+VERIFIER_ARGS = [*TARGET_ARGS, "--kv-cache-gb", "0.05", "--no-cost-profile"]
+DRAFTER_ARGS = [*DRAFT_ARGS, "--proposers", "prompt_lookup", "draft_model"]
+SERVE_ARGS = ["--proposer", "draft_model", "--tokenizer", TARGET]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # replicas report their load every half second (default 10 s): the autoscaling test stays short
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    ports = {"http": free_port(), "grpc": free_port()}
+    serve.start(http_options={"host": "127.0.0.1", "port": ports["http"]},
+                grpc_options={"port": ports["grpc"],
+                              "grpc_servicer_functions": ["specmesh.v1.generate_pb2_grpc.add_GenerateServicer_to_server"]})
+    try:
+        yield ports
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = EmbeddedStack.load(TARGET, DRAFT, torch.float64, kv_cache_gb=0.05)
+    yield stack
+    stack.close()
+
+
+def reference(stack, prompt: str, max_new_tokens: int) -> tuple[str, list[int]]:
+    """(text, token ids) of plain greedy decoding on the embedded engine."""
+    result = stack.engine(None).generate(stack.tokenizer.encode(prompt), SamplingParams(max_new_tokens=max_new_tokens))
+    return stack.decode(result.token_ids), result.token_ids
+
+
+def main_app(count_file):
+    """The verifier pool scales to the count in ``count_file`` (tests/ray_policies.py), in place."""
+    count_file.write_text("2")
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2, "upscale_delay_s": 0,
+                   "downscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 1.0,
+                   "policy": {"policy_function": "tests.ray_policies:CountFromFile",
+                              "policy_kwargs": {"path": str(count_file)}}}
+    return application({"verifier": VERIFIER_ARGS, "drafter": DRAFTER_ARGS, "serve": SERVE_ARGS},
+                     {"Verifier": {"autoscaling_config": autoscaling}})
+
+
+def replicas() -> dict[str, list[str]]:
+    return serve.get_deployment_handle("Orchestrator", APP).replicas.remote().result()
+
+
+def pool_is(kind: str, n: int, app: str = APP) -> bool:
+    """``n`` live replicas of ``kind``, all announced and all used by the orchestrator (and no other)."""
+    deployment = {"verifier": "Verifier", "drafter": "Drafter"}[kind]
+    members = serve.get_deployment_handle("Membership", app).members.remote(kind).result()
+    used = serve.get_deployment_handle("Orchestrator", app).replicas.remote().result()[kind]
+    return len(replica_actors(deployment, app)) == n and len(members) == n and sorted(used) == members
+
+
+def replica_actors(deployment: str, app: str = APP) -> list[str]:
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def kill(actor_name: str) -> None:
+    """The replica's process dies at once, as on a machine failure (Serve notices and replaces it)."""
+    ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def app(cluster, tmp_path_factory):
+    count_file = tmp_path_factory.mktemp("ray") / "verifiers"
+    serve.run(main_app(count_file), name=APP, route_prefix="/")
+    assert wait_until(lambda: pool_is("verifier", 2) and pool_is("drafter", 1), 60)
+    yield {**cluster, "verifiers": count_file}
+    serve.delete(APP)
+
+
+def complete(port: int, body: dict, route: str = "") -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{route}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+# --------------------------------------------------------------------------- tests
+def test_http_through_serve_matches_embedded_greedy(app, stack):
+    for proposer in ("prompt_lookup", "draft_model"):
+        for prompt in PROMPTS:
+            answer = complete(app["http"], {"model": "target", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                            "proposer": proposer})
+            assert answer["choices"][0]["text"] == reference(stack, prompt, 40)[0], (proposer, prompt)
+            assert answer["specmesh"]["proposer"] == proposer
+
+
+def test_grpc_through_serve_proxy_matches_embedded_greedy(app, stack):
+    with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:
+        for prompt in PROMPTS:
+            _, ids = reference(stack, prompt, 40)
+            assert client.generate(prompt, max_new_tokens=40, proposer="draft_model").token_ids == ids
+            streamed = [t for chunk in client.stream(prompt, max_new_tokens=40, proposer="prompt_lookup")
+                        for t in chunk.token_ids]
+            assert streamed == ids
+        with pytest.raises(grpc.RpcError) as bad:  # a request error keeps its code through the proxy
+            client.generate("x", max_new_tokens=10**6)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_killed_drafter_replica_keeps_the_output_and_comes_back(app, stack):
+    prompt, n = PROMPTS[0], 300
+    _, ids = reference(stack, prompt, n)
+    before = replicas()["drafter"]
+    [drafter] = replica_actors("Drafter")
+    tokens, killed_at = [], None
+    with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:
+        for chunk in client.stream(prompt, max_new_tokens=n, proposer="draft_model"):
+            tokens += chunk.token_ids
+            if killed_at is None and len(tokens) >= 20:
+                kill(drafter)
+                killed_at = len(tokens)
+    assert killed_at is not None and killed_at < n  # killed mid-request
+    assert tokens == ids
+    # Serve starts a new replica; it announces itself and the orchestrator drafts with it again
+    assert wait_until(lambda: pool_is("drafter", 1) and replicas()["drafter"] != before, 90)
+    answer = complete(app["http"], {"model": "target", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                    "proposer": "draft_model"})
+    assert answer["choices"][0]["text"] == reference(stack, prompt, 24)[0]
+    assert answer["specmesh"]["draft_errors"] == 0
+
+
+def test_killed_verifier_replica_fails_only_its_requests(app, stack):
+    prompt, n = PROMPTS[1], 400
+    _, ids = reference(stack, prompt, n)
+    assert pool_is("verifier", 2)
+    outcomes: dict[int, object] = {}
+    first_tokens = [threading.Event(), threading.Event()]
+
+    def run(i: int) -> None:
+        tokens = []
+        try:
+            with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:
+                for chunk in client.stream(prompt, max_new_tokens=n, proposer="prompt_lookup"):
+                    tokens += chunk.token_ids
+                    first_tokens[i].set()
+            outcomes[i] = tokens
+        except grpc.RpcError as exc:
+            outcomes[i] = exc
+        finally:
+            first_tokens[i].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads[0].start()
+    assert first_tokens[0].wait(60)  # the second request then goes to the other, less loaded, replica
+    threads[1].start()
+    assert first_tokens[1].wait(60)
+    kill(replica_actors("Verifier")[0])
+    for t in threads:
+        t.join(120)
+    failed = [o for o in outcomes.values() if isinstance(o, grpc.RpcError)]
+    served = [o for o in outcomes.values() if not isinstance(o, grpc.RpcError)]
+    assert len(failed) == 1 and len(served) == 1, outcomes
+    assert failed[0].code() == grpc.StatusCode.UNAVAILABLE  # retryable: a retry lands on the live replica
+    assert served[0] == ids
+    with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:  # new requests are served meanwhile
+        assert client.generate(prompt, max_new_tokens=16, proposer="prompt_lookup").token_ids == ids[:16]
+    assert wait_until(lambda: pool_is("verifier", 2), 90)  # Serve replaced the replica
+
+
+def test_scale_down_drains_the_stopped_replica(app, stack):
+    """Two requests in flight, one per verifier replica; the pool shrinks to one: both finish, identical."""
+    prompt, n = PROMPTS[0], 400
+    _, ids = reference(stack, prompt, n)
+    assert wait_until(lambda: pool_is("verifier", 2), 90)
+    outcomes: dict[int, object] = {}
+    first_tokens = [threading.Event(), threading.Event()]
+
+    def run(i: int) -> None:
+        tokens = []
+        try:
+            with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:
+                for chunk in client.stream(prompt, max_new_tokens=n, proposer="prompt_lookup"):
+                    tokens += chunk.token_ids
+                    first_tokens[i].set()
+            outcomes[i] = tokens
+        except grpc.RpcError as exc:
+            outcomes[i] = exc
+        finally:
+            first_tokens[i].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads[0].start()
+    assert first_tokens[0].wait(60)
+    threads[1].start()
+    assert first_tokens[1].wait(60)
+    before = replica_actors("Verifier")
+    assert all(t.is_alive() for t in threads)  # both in flight when the pool shrinks
+    app["verifiers"].write_text("1")  # Serve stops one replica while both requests run
+    assert wait_until(lambda: len(replica_actors("Verifier")) == 1, 60)  # stopped once drained
+    for t in threads:
+        t.join(120)
+    assert outcomes == {0: ids, 1: ids}
+    assert set(replica_actors("Verifier")) < set(before)  # the survivor is one of the two, not a new one
+    assert wait_until(lambda: pool_is("verifier", 1), 30)
+    app["verifiers"].write_text("2")  # as the other tests found it
+    assert wait_until(lambda: pool_is("verifier", 2), 90)
+
+
+def test_verifier_pool_autoscales_up_under_load_and_back_down(cluster, stack):
+    """A test-only autoscaling window: one session per replica as the target, sub-second metrics."""
+    name = "scaling"
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "metrics_interval_s": 0.5,
+                   "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
+                   "policy": {"policy_function": "specmesh.app.autoscaling:VerifierAutoscaling",
+                              "policy_kwargs": {"target_sessions": 1}}}
+    scaling_app = application({"verifier": VERIFIER_ARGS, "drafter": None, "serve": ["--proposer", "prompt_lookup",
+                                                                                  "--tokenizer", TARGET]},
+                            {"Verifier": {"autoscaling_config": autoscaling}})
+    serve.run(scaling_app, name=name, route_prefix="/scaling")
+    stop = threading.Event()
+    errors: list[Exception] = []
+    prompt = PROMPTS[0]
+    expected = reference(stack, prompt, 64)[0]
+
+    def load() -> None:  # bounded: until told to stop, 90 s at most
+        deadline = time.monotonic() + 90
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                answer = complete(cluster["http"], {"model": "target", "prompt": prompt, "max_tokens": 64,
+                                                    "temperature": 0}, "/scaling")
+                assert answer["choices"][0]["text"] == expected
+            except Exception as exc:
+                errors.append(exc)
+                return
+
+    try:
+        started = time.monotonic()
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: pool_is("verifier", 2, name), 60), "no scale-up"
+        scaled_up = time.monotonic() - started
+        stop.set()
+        for t in threads:
+            t.join(120)
+        idle = time.monotonic()
+        assert wait_until(lambda: pool_is("verifier", 1, name), 60), "no scale-down"
+        print(f"autoscaling: 1 -> 2 verifier replicas {scaled_up:.1f} s into the load, 2 -> 1 "
+              f"{time.monotonic() - idle:.1f} s after it stopped")
+        assert not errors, errors
+    finally:
+        stop.set()
+        serve.delete(name)
