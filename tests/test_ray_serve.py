@@ -81,7 +81,7 @@ def main_app(count_file):
     """The verifier pool scales to the count in ``count_file`` (tests/ray_policies.py), in place."""
     count_file.write_text("2")
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2, "upscale_delay_s": 0,
-                   "downscale_delay_s": 0, "metrics_interval_s": 0.5, "look_back_period_s": 1.0,
+                   "downscale_delay_s": 0, "look_back_period_s": 1.0,
                    "policy": {"policy_function": "tests.ray_policies:CountFromFile",
                               "policy_kwargs": {"path": str(count_file)}}}
     return application({"verifier": VERIFIER_ARGS, "drafter": DRAFTER_ARGS, "serve": SERVE_ARGS},
@@ -251,7 +251,7 @@ def test_scale_down_drains_the_stopped_replica(app, stack):
 def test_verifier_pool_autoscales_up_under_load_and_back_down(cluster, stack):
     """A test-only autoscaling window: one session per replica as the target, sub-second metrics."""
     name = "scaling"
-    autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "metrics_interval_s": 0.5,
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                    "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
                    "policy": {"policy_function": "specmesh.app.autoscaling:VerifierAutoscaling",
                               "policy_kwargs": {"target_sessions": 1}}}
