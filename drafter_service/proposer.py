@@ -128,6 +128,9 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
                  help="REST: the most frequent continuations in an n-gram store that learns from every output"),
     ProposerSpec("recycling", "drafter_service.recycling:recycling_proposer", 10, 6,
                  help="Token Recycling: the target's own top-k candidates seen in verification"),
+    ProposerSpec("jacobi", "drafter_service.jacobi:jacobi_proposer", 6, 6,
+                 help="Jacobi decoding: the target's own predictions for the next positions, one fixed-point "
+                      "iteration per verification"),
     ProposerSpec("fused", "drafter_service.fusion:fused_proposer", 24, 12,
                  help="one tree merged from several proposers (--members), ranked by live acceptance"),
 )}

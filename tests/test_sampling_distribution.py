@@ -458,7 +458,9 @@ def ar_pairs(e2e_models):
      # learning proposers: trees built from earlier requests' samples (store, top-k table, calibration)
      ("retrieval:span=2,min_n=1", "plain", False), ("recycling", "plain", False),
      ("fused:members=copy+recycling+draft_model", "plain", False),
-     ("fused", "topk_topp", True)],
+     ("fused", "topk_topp", True),
+     # Jacobi: deterministic guesses (the target's greedy predictions), point masses to the verifier
+     ("jacobi", "plain", False), ("jacobi", "topk_topp", True)],
 )
 def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
     model, target_runner, draft_runner = e2e_models

@@ -272,6 +272,11 @@ COMMANDS = {
                           "Train a tokenizer, a target and a draft model on Python source files and save them in "
                           "Hugging Face format.",
                           "specmesh.app.train_pair:add_arguments", "specmesh.app.train_pair:run"),
+    "train-cllm": Command("fine-tune a copy of a target into a consistency LLM (CLLM) for Jacobi decoding",
+                          "Collect the target's Jacobi trajectories on a corpus and fine-tune a copy with the "
+                          "global consistency loss plus the AR loss; saves a model directory (a different model "
+                          "from its base: label it so).",
+                          "specmesh.app.train_cllm:add_arguments", "specmesh.app.train_cllm:run"),
     "ingest": Command("tokenize files and fill an n-gram store for retrieval drafting (REST)",
                       "Tokenize files (directories are walked) and add their n-grams to a Redis store or to a "
                       "snapshot file that drafters load with --ngram-store.",
