@@ -188,7 +188,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory of the embedded verifier's paged KV pool (default: the verifier's)")
 
 
-def _load_tokenizer(args: argparse.Namespace, verifier_model: str):
+def load_tokenizer(args: argparse.Namespace, verifier_model: str):
+    """The tokenizer of text prompts (--tokenizer, else the verifiers' model directory when it exists here, else
+    the demo target's): (its directory, the tokenizer)."""
     path = args.tokenizer
     if path is None:
         local = Path(verifier_model) if verifier_model else None
@@ -225,7 +227,7 @@ def _remote_backend(args: argparse.Namespace, security: rpc.Security):
             log.warning("drafter %s not reachable yet (%s)", client.address, exc.code().name)
     backend = RemoteBackend(verifiers, drafters, min(i.max_tree_nodes for i in infos), args.draft_timeout_ms / 1000,
                             infos[0].model)
-    return (backend, *_load_tokenizer(args, infos[0].model))
+    return (backend, *load_tokenizer(args, infos[0].model))
 
 
 def _embedded_backend(args: argparse.Namespace):
@@ -236,6 +238,16 @@ def _embedded_backend(args: argparse.Namespace):
     path = args.tokenizer or stack.target_dir
     tokenizer = load_text_tokenizer(path) if args.tokenizer else stack.tokenizer
     return EmbeddedBackend(stack, args.draft_timeout_ms / 1000), path, tokenizer
+
+
+def build_service(args: argparse.Namespace, backend, tokenizer, model_name: str,
+                  metrics: ServeMetrics) -> GenerationService:
+    """The GenerationService `serve`'s options describe (also the Ray Serve orchestrator's)."""
+    proposer = None if args.proposer == "none" else args.proposer
+    return GenerationService(backend, tokenizer, model_name, proposer, args.max_concurrent, args.max_queued,
+                             overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
+                             policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
+                             max_prompt_bytes=args.max_prompt_bytes, metrics=metrics)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,11 +269,7 @@ def run(args: argparse.Namespace) -> int:
     model_name = args.model_name or Path(backend.model or tokenizer_dir).name
     metrics = ServeMetrics(model_name)
     backend.register_metrics(metrics.registry)
-    proposer = None if args.proposer == "none" else args.proposer
-    service = GenerationService(backend, tokenizer, model_name, proposer, args.max_concurrent, args.max_queued,
-                                overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
-                                policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
-                                max_prompt_bytes=args.max_prompt_bytes, metrics=metrics)
+    service = build_service(args, backend, tokenizer, model_name, metrics)
     if args.metrics:
         start_metrics_server(args.metrics, metrics.registry)
     background = None

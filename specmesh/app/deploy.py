@@ -30,6 +30,7 @@ import io
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -285,9 +286,8 @@ class Orchestrator:
         application; requests reach their replicas over gRPC. ``grace``: seconds a replica missing from
         Membership is still used (``_sync``)."""
         from orchestrator.metrics import ServeMetrics
-        from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY
-        from orchestrator.server import GenerateServicer, _load_tokenizer
-        from orchestrator.service import GenerationService, RemoteBackend
+        from orchestrator.server import GenerateServicer, build_service, load_tokenizer
+        from orchestrator.service import RemoteBackend
 
         args = parse_options("serve", options, SERVE_OPTIONS)
         serving.setup_logging(args)
@@ -301,15 +301,9 @@ class Orchestrator:
         first = await self._first_verifier(args.connect_timeout)
         info = first.fetch_info(1.0)
         self.backend = RemoteBackend([first], [], info.max_tree_nodes, args.draft_timeout_ms / 1000, info.model)
-        self.tokenizer_dir, tokenizer = await asyncio.to_thread(_load_tokenizer, args, info.model)
-        model_name = args.model_name or info.model.rstrip("/").rsplit("/", 1)[-1] or "specmesh"
-        metrics = ServeMetrics(model_name)
-        proposer = None if args.proposer == "none" else args.proposer
-        self.service = GenerationService(
-            self.backend, tokenizer, model_name, proposer, args.max_concurrent, args.max_queued,
-            overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
-            policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
-            max_prompt_bytes=args.max_prompt_bytes, metrics=metrics)
+        self.tokenizer_dir, tokenizer = await asyncio.to_thread(load_tokenizer, args, info.model)
+        model_name = args.model_name or Path(info.model or self.tokenizer_dir).name  # as `specmesh serve` names it
+        self.service = build_service(args, self.backend, tokenizer, model_name, ServeMetrics(model_name))
         self.grpc = GenerateServicer(self.service)
         await self._sync()
         self._syncer = asyncio.ensure_future(self._sync_forever())
