@@ -93,11 +93,19 @@ def replicas() -> dict[str, list[str]]:
 
 
 def pool_is(kind: str, n: int, app: str = APP) -> bool:
-    """``n`` live replicas of ``kind``, all announced and all used by the orchestrator (and no other)."""
-    deployment = {"verifier": "Verifier", "drafter": "Drafter"}[kind]
+    """``n`` replicas of ``kind`` announced (a dead one drops out within 3 heartbeats) and exactly those used by
+    the orchestrator."""
     members = serve.get_deployment_handle("Membership", app).members.remote(kind).result()
     used = serve.get_deployment_handle("Orchestrator", app).replicas.remote().result()[kind]
-    return len(replica_actors(deployment, app)) == n and len(members) == n and sorted(used) == members
+    return len(members) == n and sorted(used) == members
+
+
+def pools(app: str = APP) -> dict:
+    """What each side sees now, for failure messages."""
+    return {kind: {"actors": replica_actors({"verifier": "Verifier", "drafter": "Drafter"}[kind], app),
+                   "members": serve.get_deployment_handle("Membership", app).members.remote(kind).result(),
+                   "used": serve.get_deployment_handle("Orchestrator", app).replicas.remote().result()[kind]}
+            for kind in ("verifier", "drafter")}
 
 
 def replica_actors(deployment: str, app: str = APP) -> list[str]:
@@ -164,7 +172,7 @@ def test_killed_drafter_replica_keeps_the_output_and_comes_back(app, stack):
     assert killed_at is not None and killed_at < n  # killed mid-request
     assert tokens == ids
     # Serve starts a new replica; it announces itself and the orchestrator drafts with it again
-    assert wait_until(lambda: pool_is("drafter", 1) and replicas()["drafter"] != before, 90)
+    assert wait_until(lambda: pool_is("drafter", 1) and replicas()["drafter"] != before, 120), pools()
     answer = complete(app["http"], {"model": "target", "prompt": prompt, "max_tokens": 24, "temperature": 0,
                                     "proposer": "draft_model"})
     assert answer["choices"][0]["text"] == reference(stack, prompt, 24)[0]
@@ -206,7 +214,7 @@ def test_killed_verifier_replica_fails_only_its_requests(app, stack):
     assert served[0] == ids
     with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:  # new requests are served meanwhile
         assert client.generate(prompt, max_new_tokens=16, proposer="prompt_lookup").token_ids == ids[:16]
-    assert wait_until(lambda: pool_is("verifier", 2), 90)  # Serve replaced the replica
+    assert wait_until(lambda: pool_is("verifier", 2), 120), pools()  # Serve replaced the replica
 
 
 def test_scale_down_drains_the_stopped_replica(app, stack):
