@@ -30,6 +30,7 @@ import grpc
 import openai
 from tqdm import tqdm
 
+from specmesh.app.bench import load_prompts
 from specmesh.app.local_mesh import ServiceProcess
 from specmesh.client import Client
 
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
 
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompts = prompts[: args.limit]
+    prompts = [row["prompt"] for row in load_prompts(args.prompts, args.limit)]
     plain, plain_url = start_serve(args)
     traced = receiver = None
     try:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specmesh.app.bench import load_prompts
 from specmesh.app.local_mesh import LocalMesh
 
 MODEL = "bench"
@@ -94,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
 
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompts = prompts[: args.limit]
+    prompts = [row["prompt"] for row in load_prompts(args.prompts, args.limit)]
     verifier = ["--target", str(args.target), "--threads", str(args.threads)]
     drafter = ["--draft", str(args.draft), "--threads", str(args.threads)]
     serve_args = ["--proposer", args.proposer, "--model-name", MODEL, "--tokenizer", str(args.target)]

@@ -65,10 +65,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """Refuse new sessions (UNAVAILABLE: the orchestrator fails over) and wait up to ``timeout`` seconds for
         the open ones to end. True if none is left."""
         self.draining = True
-        deadline = time.monotonic() + timeout
-        while self.num_sessions and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        return not self.num_sessions
+        return await serving.wait_until_idle(lambda: self.num_sessions, timeout)
 
     def sessions_by_proposer(self) -> dict[str, int]:
         return {name: drafter.num_sessions for name, drafter in self._drafters.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -85,6 +86,15 @@ def write_ready_file(path: Path | None):
             tmp.replace(path)  # atomic: readers never see a partial file
 
     return on_started
+
+
+async def wait_until_idle(sessions: Callable[[], int], timeout: float, poll: float = 0.1) -> bool:
+    """Wait up to ``timeout`` seconds for ``sessions()`` to reach 0 (a draining server's open sessions); True if
+    it did."""
+    deadline = time.monotonic() + timeout
+    while sessions() and time.monotonic() < deadline:
+        await asyncio.sleep(poll)
+    return not sessions()
 
 
 def setup_logging(args: argparse.Namespace) -> None:

@@ -13,10 +13,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import importlib
-import io
 import json
 import types
 from pathlib import Path
@@ -35,11 +33,6 @@ KUBERNETES_VERSION = "1.33.0"  # the oldest these manifests target; kubernetes-v
 APP_IMPORT_PATH = "specmesh.app.deploy:build_app"
 GENERATE_SERVICER = "specmesh.v1.generate_pb2_grpc.add_GenerateServicer_to_server"
 # AppArgs field -> the `specmesh` command whose options it holds, and the options Serve decides for it
-COMMANDS = {
-    "verifier": ("verifier", {"--listen"}),
-    "drafter": ("drafter", {"--listen"}),
-    "serve": ("serve", {"--listen", "--http", "--verifier", "--drafter", "--embedded"}),
-}
 SERVE_CONFIGS = ["laptop", "kuberay"]
 
 
@@ -110,32 +103,15 @@ def check_serve_config(config: dict) -> None:
             AutoscalingConfig.model_validate(deployment["autoscaling_config"])
 
 
-def parse_command(command: str, options: list[str]) -> argparse.Namespace:
-    """``options`` parsed by the real `specmesh <command>` parser; ValueError with argparse's one-line message."""
-    from specmesh.app.cli import build_parser
-
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            return build_parser([command]).parse_args([command, *options])
-    except SystemExit:
-        raise ValueError(f"specmesh {command} {options}: {stderr.getvalue().strip()}") from None
-
-
 def check_app_args(args: dict) -> dict[str, argparse.Namespace]:
-    """``args`` as AppArgs, each option list parsed by its command: field -> parsed options."""
-    from specmesh.app.deploy import AppArgs
+    """``args`` as AppArgs, each option list parsed by its command the way the application parses it (options
+    Serve decides refused): field -> parsed options."""
+    from specmesh.app.deploy import REPLICA_OPTIONS, SERVE_OPTIONS, AppArgs, parse_options
 
     app_args = AppArgs.model_validate(args)
-    parsed = {}
-    for field, (command, decided_by_serve) in COMMANDS.items():
-        options = getattr(app_args, field)
-        if options is None:  # drafter: null = no drafter deployment
-            continue
-        set_here = decided_by_serve & {option.split("=", 1)[0] for option in options}
-        assert not set_here, f"{field}: Serve sets {sorted(set_here)}"
-        parsed[field] = parse_command(command, options)
-    return parsed
+    decided = {"verifier": REPLICA_OPTIONS, "drafter": REPLICA_OPTIONS, "serve": SERVE_OPTIONS}
+    return {field: parse_options(field, getattr(app_args, field), decided[field]) for field in decided
+            if getattr(app_args, field) is not None}  # drafter: null = no drafter deployment
 
 
 def check_policy(policy: dict) -> None:
@@ -264,7 +240,7 @@ def test_rayservice_pieces_agree():
         if selector:
             assert any(selector.items() <= labels.items() for labels in groups), f"{name}: no group has {selector}"
 
-    store = urlparse(parse_command("drafter", only_app(config)["args"]["drafter"]).ngram_store)
+    store = urlparse(check_app_args(only_app(config)["args"])["drafter"].ngram_store)
     (service,) = [d for n, d in k8s_documents() if n == "redis.yaml" and d["kind"] == "Service"]
     assert store.hostname == service["metadata"]["name"]
     assert store.port in {p["port"] for p in service["spec"]["ports"]}
@@ -311,7 +287,7 @@ def test_app_args_checks_reject_broken_args():
         check_app_args({**args, "verifier": ["--kv-cache-gbs", "1"]})  # no such option
     with pytest.raises(ValueError, match="invalid choice"):
         check_app_args({**args, "serve": ["--proposer", "fuzed"]})
-    with pytest.raises(AssertionError, match="Serve sets"):
+    with pytest.raises(ValueError, match="--listen is decided by Ray Serve"):
         check_app_args({**args, "verifier": ["--listen", "0.0.0.0:50052"]})
 
 

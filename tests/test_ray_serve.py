@@ -134,6 +134,33 @@ def complete(port: int, body: dict, route: str = "") -> dict:
         return json.loads(response.read())
 
 
+def two_streams(port: int, prompt: str, n: int) -> tuple[list[threading.Thread], dict[int, object]]:
+    """Two streamed `prompt_lookup` requests in flight, the second started once the first has its first token,
+    so that it goes to the other, less loaded, verifier replica: (their threads, index -> tokens or the
+    grpc.RpcError it ended with, filled as they end)."""
+    outcomes: dict[int, object] = {}
+    first_tokens = [threading.Event(), threading.Event()]
+
+    def run(i: int) -> None:
+        tokens = []
+        try:
+            with Client(f"127.0.0.1:{port}", timeout=120) as client:
+                for chunk in client.stream(prompt, max_new_tokens=n, proposer="prompt_lookup"):
+                    tokens += chunk.token_ids
+                    first_tokens[i].set()
+            outcomes[i] = tokens
+        except grpc.RpcError as exc:
+            outcomes[i] = exc
+        finally:
+            first_tokens[i].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread, first_token in zip(threads, first_tokens, strict=True):
+        thread.start()
+        assert first_token.wait(60)
+    return threads, outcomes
+
+
 # --------------------------------------------------------------------------- tests
 def test_http_through_serve_matches_embedded_greedy(app, stack):
     for proposer in ("prompt_lookup", "draft_model"):
@@ -183,27 +210,7 @@ def test_killed_verifier_replica_fails_only_its_requests(app, stack):
     prompt, n = PROMPTS[1], 400
     _, ids = reference(stack, prompt, n)
     assert pool_is("verifier", 2)
-    outcomes: dict[int, object] = {}
-    first_tokens = [threading.Event(), threading.Event()]
-
-    def run(i: int) -> None:
-        tokens = []
-        try:
-            with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:
-                for chunk in client.stream(prompt, max_new_tokens=n, proposer="prompt_lookup"):
-                    tokens += chunk.token_ids
-                    first_tokens[i].set()
-            outcomes[i] = tokens
-        except grpc.RpcError as exc:
-            outcomes[i] = exc
-        finally:
-            first_tokens[i].set()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    threads[0].start()
-    assert first_tokens[0].wait(60)  # the second request then goes to the other, less loaded, replica
-    threads[1].start()
-    assert first_tokens[1].wait(60)
+    threads, outcomes = two_streams(app["grpc"], prompt, n)
     kill(replica_actors("Verifier")[0])
     for t in threads:
         t.join(120)
@@ -222,27 +229,7 @@ def test_scale_down_drains_the_stopped_replica(app, stack):
     prompt, n = PROMPTS[0], 400
     _, ids = reference(stack, prompt, n)
     assert wait_until(lambda: pool_is("verifier", 2), 90)
-    outcomes: dict[int, object] = {}
-    first_tokens = [threading.Event(), threading.Event()]
-
-    def run(i: int) -> None:
-        tokens = []
-        try:
-            with Client(f"127.0.0.1:{app['grpc']}", timeout=120) as client:
-                for chunk in client.stream(prompt, max_new_tokens=n, proposer="prompt_lookup"):
-                    tokens += chunk.token_ids
-                    first_tokens[i].set()
-            outcomes[i] = tokens
-        except grpc.RpcError as exc:
-            outcomes[i] = exc
-        finally:
-            first_tokens[i].set()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    threads[0].start()
-    assert first_tokens[0].wait(60)
-    threads[1].start()
-    assert first_tokens[1].wait(60)
+    threads, outcomes = two_streams(app["grpc"], prompt, n)
     before = replica_actors("Verifier")
     assert all(t.is_alive() for t in threads)  # both in flight when the pool shrinks
     app["verifiers"].write_text("1")  # Serve stops one replica while both requests run

@@ -67,10 +67,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Refuse new sessions (UNAVAILABLE: the orchestrator tries another replica) and wait up to ``timeout``
         seconds for the open ones to end. True if none is left."""
         self.draining = True
-        deadline = time.monotonic() + timeout
-        while self.verifier.num_sessions and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        return not self.verifier.num_sessions
+        return await serving.wait_until_idle(lambda: self.verifier.num_sessions, timeout)
 
     # ------------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):

@@ -179,6 +179,19 @@ class HostedService:
 
 
 # ------------------------------------------------------------------ replicas
+async def host_servicer(kind: str, options: list[str], build_servicer: Callable, add_to_server: Callable,
+                        service_name: str, membership: DeploymentHandle, heartbeat_s: float):
+    """`specmesh <kind>`'s servicer, built from its command-line ``options`` as the command builds it (the model
+    loaded off the event loop), served and announced: (servicer, HostedService)."""
+    args = parse_options(kind, options, REPLICA_OPTIONS)
+    serving.setup_logging(args)
+    serving.setup_tracing(args)
+    security = _or_runtime_error(serving.server_security, args)
+    servicer = await asyncio.to_thread(_or_runtime_error, build_servicer, args)
+    hosted = await HostedService.start(kind, servicer, add_to_server, service_name, security, membership, heartbeat_s)
+    return servicer, hosted
+
+
 @serve.deployment(name="Verifier", ray_actor_options={"num_cpus": 1}, health_check_period_s=5)
 class VerifierReplica:
     """`specmesh verifier` in a Serve replica (``num_gpus`` in ray_actor_options gives it a GPU)."""
@@ -189,14 +202,10 @@ class VerifierReplica:
         from specmesh.wire import VERIFIER_SERVICE
         from verifier_service.server import build_servicer
 
-        args = parse_options("verifier", options, REPLICA_OPTIONS)
-        serving.setup_logging(args)
-        serving.setup_tracing(args)
-        security = _or_runtime_error(serving.server_security, args)
-        self.servicer = await asyncio.to_thread(_or_runtime_error, build_servicer, args)
         self.drain_timeout_s = drain_timeout_s
-        self.hosted = await HostedService.start(VERIFIER, self.servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
-                                                VERIFIER_SERVICE, security, membership, heartbeat_s)
+        self.servicer, self.hosted = await host_servicer(
+            VERIFIER, options, build_servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, VERIFIER_SERVICE,
+            membership, heartbeat_s)
         self._reaper = asyncio.ensure_future(self.servicer.reap_idle_sessions())
 
     def address(self) -> str:
@@ -229,14 +238,10 @@ class DrafterReplica:
         from specmesh.v1 import drafter_pb2_grpc
         from specmesh.wire import DRAFTER_SERVICE
 
-        args = parse_options("drafter", options, REPLICA_OPTIONS)
-        serving.setup_logging(args)
-        serving.setup_tracing(args)
-        security = _or_runtime_error(serving.server_security, args)
-        self.servicer = await asyncio.to_thread(_or_runtime_error, build_servicer, args)
         self.drain_timeout_s = drain_timeout_s
-        self.hosted = await HostedService.start(DRAFTER, self.servicer, drafter_pb2_grpc.add_DrafterServicer_to_server,
-                                                DRAFTER_SERVICE, security, membership, heartbeat_s)
+        self.servicer, self.hosted = await host_servicer(
+            DRAFTER, options, build_servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE,
+            membership, heartbeat_s)
         self._last = (time.monotonic(), 0, 0.0)  # (when, drafts, draft seconds) at the last report
 
     def address(self) -> str:
@@ -298,8 +303,7 @@ class Orchestrator:
         self.verifiers: dict = {}  # address -> VerifierClient
         self.drafters: dict = {}  # address -> DrafterClient
         self._absent: dict[str, float] = {}  # address -> when Membership first stopped listing it
-        first = await self._first_verifier(args.connect_timeout)
-        info = first.fetch_info(1.0)
+        first, info = await self._first_verifier(args.connect_timeout)
         self.backend = RemoteBackend([first], [], info.max_tree_nodes, args.draft_timeout_ms / 1000, info.model)
         self.tokenizer_dir, tokenizer = await asyncio.to_thread(load_tokenizer, args, info.model)
         model_name = args.model_name or Path(info.model or self.tokenizer_dir).name  # as `specmesh serve` names it
@@ -333,20 +337,21 @@ class Orchestrator:
 
     # ------------------------------------------------------------- replicas
     async def _first_verifier(self, timeout: float):
-        """A verifier that answers Info, waiting up to ``timeout`` s for the pool to come up."""
+        """(client, Info) of a verifier that answers, waiting up to ``timeout`` s for the pool to come up."""
         deadline = time.monotonic() + timeout
         while True:
             for address in await self.membership.members.remote(VERIFIER):
-                client = await asyncio.to_thread(self._fetched_verifier, address, None)
-                if client is not None:
-                    self.verifiers[address] = client
-                    return client
+                fetched = await asyncio.to_thread(self._fetched_verifier, address, None)
+                if fetched is not None:
+                    self.verifiers[address] = fetched[0]
+                    return fetched
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no verifier replica answered within {timeout:.0f} s (--connect-timeout)")
             await asyncio.sleep(self.refresh_s)
 
     def _fetched_verifier(self, address: str, vocab_size: int | None):
-        """A client of the verifier at ``address`` that answered Info (same vocabulary), or None for now."""
+        """(client, its Info) of the verifier at ``address`` if it answered Info (with this vocabulary), else
+        None for now."""
         from verifier_service.remote import VerifierClient
 
         client = VerifierClient(address, self.upstream)
@@ -359,7 +364,7 @@ class Orchestrator:
             log.error("verifier %s serves a vocabulary of %d, the others %d: not used", address, info.vocab_size,
                       vocab_size)
             return None
-        return client
+        return client, info
 
     async def _sync(self) -> None:
         """Follow Membership: new replicas in at once; gone ones out once absent for ``grace`` seconds, so
@@ -374,9 +379,9 @@ class Orchestrator:
         vocab = self.backend.info.vocab_size
         for address in verifiers:
             if address not in self.verifiers:
-                client = await asyncio.to_thread(self._fetched_verifier, address, vocab)
-                if client is not None:
-                    self.verifiers[address] = client
+                fetched = await asyncio.to_thread(self._fetched_verifier, address, vocab)
+                if fetched is not None:
+                    self.verifiers[address] = fetched[0]
         for address in drafters:
             self.drafters.setdefault(address, DrafterClient(address, self.upstream))
         listed = set(verifiers) | set(drafters)
