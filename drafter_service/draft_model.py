@@ -40,12 +40,12 @@ from specmesh.warp import warp_probs
 
 
 @dataclass
-class _DraftCache:
+class DraftCache:
     cache: KVCache
     cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds, in order
 
 
-def _sync(runner: ModelRunner, dc: _DraftCache, committed: list[int]) -> torch.Tensor:
+def sync_draft_cache(runner: ModelRunner, dc: DraftCache, committed: list[int]) -> torch.Tensor:
     """Bring the draft cache to ``committed``; return the logits after its last token, [vocab]."""
     # always re-feed at least the last committed token
     common = common_prefix_len(dc.cached, committed, limit=len(committed) - 1)
@@ -78,8 +78,8 @@ class DraftModelProposer(Proposer):
             return TokenTree.empty()
         dc = state.scratch.get(self.name)
         if dc is None:
-            dc = state.scratch[self.name] = _DraftCache(self.runner.new_cache())
-        logits = _sync(self.runner, dc, state.tokens)
+            dc = state.scratch[self.name] = DraftCache(self.runner.new_cache())
+        logits = sync_draft_cache(self.runner, dc, state.tokens)
         if self.tree:
             return self._tree(dc, logits, state, budget)
         return self._chain(dc, logits, state, budget)
@@ -87,7 +87,7 @@ class DraftModelProposer(Proposer):
     def prepare(self, state: DraftSessionState) -> None:
         """Prefill the prompt (all but its last token, which the first proposal feeds)."""
         if 1 < len(state.tokens) <= self.runner.info.max_positions:
-            dc = state.scratch[self.name] = _DraftCache(self.runner.new_cache())
+            dc = state.scratch[self.name] = DraftCache(self.runner.new_cache())
             self.runner.forward(dc.cache, state.tokens[:-1], range(len(state.tokens) - 1), last_only=True)
             dc.cached = list(state.tokens[:-1])
 
@@ -95,7 +95,7 @@ class DraftModelProposer(Proposer):
         state.scratch.pop(self.name, None)
 
     # ----------------------------------------------------------------- chain
-    def _chain(self, dc: _DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
+    def _chain(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
         sp = state.sampling
         length = min(budget.max_nodes, budget.max_depth)
         tokens: list[int] = []
@@ -136,7 +136,7 @@ class DraftModelProposer(Proposer):
         return tree
 
     # ------------------------------------------------------------------ tree
-    def _tree(self, dc: _DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
+    def _tree(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
         base = len(dc.cached)  # committed length; drafted nodes go after it in the cache
         # Candidate arrays, indexed by candidate id.
         cand_token: list[int] = []

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from drafter_service.proposer import DraftSessionState, Proposer, make_proposer
+from drafter_service.proposer import DraftSessionState, Proposer, make_proposer, proposer_names, proposer_spec
 from drafter_service.tree_builders import best_paths_tree
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
@@ -157,6 +157,10 @@ class FusedProposer(Proposer):
     def feedback_min_ngram(self) -> int:
         return max((m.feedback_min_ngram for m in self.members), default=0)
 
+    @property
+    def feedback_window(self) -> tuple[int, int] | None:
+        return next((m.feedback_window for m in self.members if m.feedback_window is not None), None)
+
     def prepare(self, state: DraftSessionState) -> None:
         state.scratch[self.name] = deque(maxlen=self.max_pending)
         for member in self.members:
@@ -215,6 +219,10 @@ def parse_members(members: str | Sequence[str] | None) -> list[str]:
     names = [m for m in names if m]
     if not names or "fused" in names or len(set(names)) != len(names):
         raise ValueError(f"fused members must be distinct proposer names other than 'fused', got {members!r}")
+    lossy = [n for n in names if n in proposer_names() and proposer_spec(n).lossy]
+    if lossy:  # its trees need its own (lossy) acceptance, which a fused request never gets
+        raise ValueError(f"fused members cannot include {', '.join(lossy)}: a lossy proposer runs only when a "
+                         "request asks for it by name")
     return names
 
 

@@ -94,13 +94,8 @@ class JacobiProposer(Proposer):
         session = state.scratch[self.name] = JacobiSession()
         learn_successors(session, state.tokens)
 
-    def _session(self, state: DraftSessionState) -> JacobiSession:
-        if self.name not in state.scratch:
-            self.prepare(state)
-        return state.scratch[self.name]
-
     def observe(self, state: DraftSessionState, feedback: DraftFeedback) -> None:
-        session = self._session(state)
+        session: JacobiSession = self.scratch(state)
         for verified in feedback.verified:
             if verified.k and verified.inputs.size:
                 record_iteration(session, verified.inputs.tolist(), verified.topk[:, 0].tolist(), state.tokens)
@@ -111,7 +106,7 @@ class JacobiProposer(Proposer):
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         if budget.is_zero:
             return TokenTree.empty()
-        session = self._session(state)
+        session: JacobiSession = self.scratch(state)
         learn_successors(session, state.tokens)
         chain = window(session, state.tokens, min(budget.max_nodes, budget.max_depth))
         session.proposals.append((len(state.tokens), chain))

@@ -60,12 +60,15 @@ class Proposer:
     One proposer object serves every session of a drafter; per-session state lives in
     ``DraftSessionState.scratch`` under the proposer's name. Capabilities are plain attributes:
     ``feedback_topk`` (top-k rows it wants the verifier to report after every verified row,
-    e.g. Token Recycling) and ``feedback_min_ngram`` (the shortest Jacobi n-gram it learns from;
-    0 = none, so no verifier window runs for it)."""
+    e.g. Token Recycling), ``feedback_min_ngram`` (the shortest Jacobi n-gram it learns from;
+    0 = none, so no verifier window runs for it) and ``feedback_window`` ((W, N): the verifier window
+    it wants when the host has none configured; None = the host's choice)."""
 
     name: str = "proposer"
     feedback_topk: int = 0
     feedback_min_ngram: int = 0
+    feedback_window: tuple[int, int] | None = None
+    feedback_features: bool = False  # wants the target's final-layer features (DraftFeedback.features): Falcon
 
     def prepare(self, state: DraftSessionState) -> None:
         """Run when a session opens (a draft model prefills the prompt here, so the first step does
@@ -78,6 +81,12 @@ class Proposer:
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         """A candidate tree for ``state.tokens`` within ``budget``."""
         raise NotImplementedError
+
+    def scratch(self, state: DraftSessionState) -> Any:
+        """This proposer's per-session state, made by ``prepare`` first if the session has none yet."""
+        if self.name not in state.scratch:
+            self.prepare(state)
+        return state.scratch[self.name]
 
     def release(self, state: DraftSessionState) -> None:
         """Run at close; the orchestrator syncs the context to exactly the committed tokens first, so a
@@ -99,6 +108,16 @@ class ProposerSpec:
     max_depth: int  # ... and depth (tuned with `specmesh bench` on the stdlib-code pair)
     needs_draft_model: bool = False
     help: str = ""  # one line for --help
+    # how the verifier accepts this proposer's trees (specmesh.sampling.ACCEPTANCES): "exact" (lossless), or
+    # "mjsd" (LOSSY: the orchestrator turns it on for requests that ask for this proposer, and only for them)
+    acceptance: str = "exact"
+    # needs the target model in its own process (shares its embedding and LM head, reads its features): embedded
+    # mode only for now; a drafter server refuses it
+    needs_target: bool = False
+
+    @property
+    def lossy(self) -> bool:
+        return self.acceptance != "exact"
 
     @property
     def default_budget(self) -> tuple[int, int]:
@@ -131,8 +150,18 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
     ProposerSpec("jacobi", "drafter_service.jacobi:jacobi_proposer", 6, 6,
                  help="Jacobi decoding: the target's own predictions for the next positions, one fixed-point "
                       "iteration per verification"),
+    ProposerSpec("lookahead", "drafter_service.lookahead:lookahead_proposer", 12, 3,
+                 help="lookahead decoding: n-grams from the verifier's 2-D Jacobi window (W x N-1 levels), "
+                      "up to G of them starting with the last token verified as one tree"),
+    ProposerSpec("falcon", "drafter_service.falcon:falcon_proposer", 16, 6, needs_target=True,
+                 help="a Falcon semi-autoregressive head (head=DIR, `specmesh train-falcon`) on the target's features: "
+                      "k tokens per forward, a custom decoding tree"),
     ProposerSpec("fused", "drafter_service.fusion:fused_proposer", 24, 12,
                  help="one tree merged from several proposers (--members), ranked by live acceptance"),
+    ProposerSpec("mjsd", "drafter_service.mjsd:mjsd_proposer", 4, 4, needs_draft_model=True, acceptance="mjsd",
+                 help="LOSSY (opt-in): MJSD, the draft model's best beam (width 8, length = depth) accepted by "
+                      "joint likelihood ratio p/q >= a threshold (--mjsd-threshold); greedy only, and the output "
+                      "differs from the target's own"),
 )}
 
 
@@ -164,7 +193,7 @@ def proposer_spec(name: str) -> ProposerSpec:
 
 
 # what hosts (the embedded stack, the drafter server) offer every proposer factory
-RESOURCES = frozenset({"draft_runner", "store", "store_spec", "store_namespace"})
+RESOURCES = frozenset({"draft_runner", "target_runner", "store", "store_spec", "store_namespace"})
 
 
 def proposer_options(given: dict[str, Any], allowed: tuple[str, ...], name: str) -> dict[str, Any]:

@@ -247,7 +247,12 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
         draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
                                           args.runner, device, args.attention)
     needs_draft = {n for n in proposer_names() if proposer_spec(n).needs_draft_model}
-    names = args.proposers or [n for n in proposer_names() if draft_runner is not None or n not in needs_draft]
+    needs_target = [n for n in (args.proposers or ()) if proposer_spec(n).needs_target]
+    if needs_target:  # a Falcon head shares the target's tables and reads its features: embedded mode only
+        raise SystemExit(f"specmesh drafter: {', '.join(needs_target)} needs the target model in its process; "
+                         "it runs embedded only (`specmesh generate/bench/serve --embedded`), not on a drafter server")
+    names = args.proposers or [n for n in proposer_names() if (draft_runner is not None or n not in needs_draft)
+                               and not proposer_spec(n).needs_target]
     missing = [n for n in names if n in needs_draft and draft_runner is None]
     if missing:
         raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")

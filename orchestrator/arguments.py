@@ -28,9 +28,11 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         f"drafter drafts ahead (default: {DEFAULT_RESTART_DEPTH})")
 
 
-LOOKAHEAD_HELP = ("for proposers that learn n-grams (retrieval, fused with retrieval): run a Jacobi window of W guess "
-                  "tokens beside every verified tree (W extra rows per forward) and feed the N-grams it harvests to "
-                  "their n-gram store; N must exceed the store's shortest context (2 by default) (default: off)")
+LOOKAHEAD_HELP = ("for proposers that learn n-grams (lookahead, retrieval, fused with either): run lookahead "
+                  "decoding's 2-D Jacobi window, N-1 levels of W guess tokens, beside every verified tree ((N-1)*W "
+                  "extra rows per forward) and feed the N-grams it harvests to them; for retrieval N must exceed "
+                  "the store's shortest context (2 by default) (default: off; lookahead runs its own window, "
+                  "--proposer lookahead:window=W,ngram=N)")
 
 
 def add_embedded_arguments(p: argparse.ArgumentParser) -> None:

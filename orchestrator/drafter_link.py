@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specmesh.contract import Budget, Drafter, common_prefix_len
-from specmesh.feedback import DraftFeedback, VerifyFeedback
+from specmesh.feedback import DraftFeedback, TargetFeatures, VerifyFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 
@@ -199,6 +199,7 @@ class DrafterLink:
         self._sampling = SamplingParams()
         self._errors: list[str] = []  # failures not yet reported in a step
         self._unsent: list[VerifyFeedback] = []  # verifier feedback not yet given to the drafter
+        self._unsent_features: list[TargetFeatures] = []  # target features not yet given (never dropped)
         self._stop: threading.Event | None = None  # ends the pre-draft in flight
 
     @property
@@ -293,6 +294,11 @@ class DrafterLink:
         if self._in_use is not None:
             self._unsent = self._unsent[-(MAX_UNSENT_FEEDBACK - 1):] + [feedback]
 
+    def add_features(self, features: TargetFeatures) -> None:
+        """Target features (a prefill's, a verification's) for the next drafter call. Kept whole, even before the
+        drafter opens: a feature-based drafter needs every committed position's (bounded by the request)."""
+        self._unsent_features.append(features)
+
     def fail(self, exc: BaseException) -> None:
         """The drafter in use failed: record it, close it, open the next candidate with every committed
         token (or decode without drafts when none is left)."""
@@ -316,8 +322,9 @@ class DrafterLink:
         """What goes with a drafter call: the committed length (prompt + ``num_committed`` tokens, default
         all committed so far) and the feedback not yet sent."""
         verified, self._unsent = tuple(self._unsent), []
+        features, self._unsent_features = tuple(self._unsent_features), []
         count = len(self.committed) if num_committed is None else num_committed
-        return DraftFeedback(len(self._prompt) + count, verified)
+        return DraftFeedback(len(self._prompt) + count, verified, features)
 
     def _open_next(self) -> None:
         """Open the next candidate that opens: on the worker, with the prompt and every committed token."""

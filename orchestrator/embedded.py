@@ -98,40 +98,48 @@ class EmbeddedStack:
         batching verifier, so the requests of all threads using such engines share forwards (an engine is
         safe to use from many threads at once)."""
         proposer = None if proposer in (None, "none", "ar") else proposer
-        drafter, topk, min_ngram = None, 0, 0
+        drafter, topk, min_ngram, wanted_window, features = None, 0, 0, None, False
         if proposer is not None:
             if proposer_spec(proposer).needs_draft_model and self.draft_runner is None:
                 raise ValueError(f"proposer {proposer!r} needs a draft model (--draft DIR)")
-            resources = dict(draft_runner=self.draft_runner, store_spec=self.store_spec,
-                             store_namespace=self.store_namespace)
+            resources = dict(draft_runner=self.draft_runner, target_runner=self.target_runner,
+                             store_spec=self.store_spec, store_namespace=self.store_namespace)
             prop = make_proposer(proposer, **{**resources, **proposer_opts})
             drafter = LocalDrafter(prop)
             topk = prop.feedback_topk  # token recycling: the verifier reports its top-k rows
             min_ngram = prop.feedback_min_ngram  # n-gram learners: shortest useful harvest
+            wanted_window = prop.feedback_window  # lookahead: the window it is tuned for
+            features = prop.feedback_features  # Falcon heads: the target's features of committed tokens
         nodes, depth = resolve_budget(proposer, max_nodes, max_depth, MAX_TREE_NODES)
         chosen = build_policy(policy or DEFAULT_POLICY, nodes, depth, restart_depth=restart_depth)
-        lookahead = self.lookahead if drafter is not None and min_ngram else None  # W rows a step: only if used
+        lookahead = self.lookahead  # (N - 1) * W rows a step: only if used
+        if lookahead is None and wanted_window is not None:
+            lookahead = LookaheadConfig(*wanted_window)
+        lookahead = lookahead if drafter is not None and min_ngram else None
         if lookahead is not None and lookahead.ngram < min_ngram:
             raise ValueError(f"--lookahead N must be at least {min_ngram} for {proposer}'s n-gram store "
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
         if shared:
-            verifier = self.shared_verifier(topk, lookahead)
+            verifier = self.shared_verifier(topk, lookahead, features)
             chosen = load_aware(chosen, verifier.costs, drafting_shares_cores=True)
         else:
             # one request at a time: a pool for two sessions at the full context, not the server's budget
-            per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.window if lookahead else 0)
+            per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
             gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
-            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb)
+            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb,
+                                     features=features)
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         return Engine(verifier, only(drafter, proposer or ""), chosen, self.decode, overlap=overlap,
                       ahead_from=ahead_from)
 
 
-    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None) -> BatchingVerifier:
+    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None,
+                        features: bool = False) -> BatchingVerifier:
         """The stack's batching verifier of that configuration (one KV pool each), created on first use."""
-        key = (feedback_topk, lookahead)
+        key = (feedback_topk, lookahead, features)
         if key not in self._shared:
-            local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb)
+            local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb,
+                                  features=features)
             self._shared[key] = BatchingVerifier(local, costs=local.profile_costs())
         return self._shared[key]
 

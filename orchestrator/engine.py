@@ -86,6 +86,7 @@ class Engine:
         result = result if result is not None else GenerationResult([], "", RequestStats())
         stats = result.stats
         stats.prompt_tokens = len(prompt)
+        stats.acceptance = sampling.acceptance  # lossy (mjsd) or exact: the request's stats say which
         stopper = StopChecker(sampling, self.verifier.info.eos_token_ids, self.decode)
         session, committed = uuid.uuid4().hex, []
         background = self.overlap and bool(self.drafters)
@@ -102,6 +103,8 @@ class Engine:
                                              "specmesh.prefill.prompt_tokens": len(prompt)}):
                 prefill = self.verifier.prefill(req.session, prompt, sampling)
             stats.prefill_seconds = prefill.seconds
+            if prefill.features is not None:  # the prompt's target features, for feature-based drafters
+                req.link.add_features(prefill.features)
             req.committed.append(prefill.first_token)
             yield StepEvent(tuple(stopper.push([prefill.first_token])), None)
             if not background:
@@ -233,6 +236,8 @@ class _Request:
         self.committed += verified.tokens
         if verified.feedback is not None:
             self.link.add_feedback(verified.feedback)
+        if verified.features is not None:
+            self.link.add_features(verified.features)
         return tree, verified
 
     def step_stats(self, tree: TokenTree, verified: VerifyResult, budget: Budget, t_step: float, **extra) -> StepStats:

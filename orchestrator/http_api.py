@@ -6,9 +6,10 @@ has none), ``GET /v1/models``, ``GET /health`` (200 while a verifier is up, else
 ``stream_options.include_usage``.
 
 Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``, ``max_nodes``,
-``max_depth``, ``policy``, ``overlap``, ``restart_depth``, plus vLLM's ``top_k``, ``ignore_eos``,
-``stop_token_ids``), and every response carries the request's speculation stats under ``specmesh``
-(non-streaming: in the response; streaming: in the chunk that carries the finish reason).
+``max_depth``, ``policy``, ``overlap``, ``restart_depth``, ``mjsd_threshold``, plus vLLM's ``top_k``,
+``ignore_eos``, ``stop_token_ids``), and every response carries the request's speculation stats under
+``specmesh`` (non-streaming: in the response; streaming: in the chunk that carries the finish reason), whose
+``lossy`` is true when the output may differ from the target's own (``proposer: "mjsd"``, asked for by name).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (malformed
 JSON, wrong types, unsupported options such as ``n > 1`` or ``logprobs``, a prompt past the context), 401 a
@@ -100,6 +101,9 @@ class SpecmeshOptions(BaseModel):
     policy: Literal["static", "adaptive"] | None = None
     overlap: bool | None = Field(None, description="PEARL: draft the next tree while verifying this one")
     restart_depth: int | None = Field(None, ge=0)
+    mjsd_threshold: float | None = Field(None, gt=0, description="proposer mjsd (LOSSY, greedy only): accept the "
+                                         "longest drafted prefix whose joint likelihood ratio p/q reaches this "
+                                         "(default: the server's)")
     top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0 = off)")
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
@@ -186,7 +190,8 @@ def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
             temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
             max_new_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids),
-            ignore_eos=body.ignore_eos)
+            ignore_eos=body.ignore_eos,
+            **({} if body.mjsd_threshold is None else {"mjsd_threshold": body.mjsd_threshold}))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
 
@@ -202,6 +207,8 @@ def stats_extension(plan: Plan, final: Final) -> dict:
     accepted, reached = stats.position_counts()
     return {
         "proposer": plan.proposer or "none",
+        "acceptance": stats.acceptance,
+        "lossy": stats.lossy,  # the output may differ from the target's own decoding (mjsd)
         "steps": stats.num_steps,
         "tau": stats.tau,
         "acceptance_per_position": stats.acceptance_per_position(),

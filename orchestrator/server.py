@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names
+from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names, proposer_spec
 from drafter_service.remote import DrafterClient
 from orchestrator import http_api
 from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments
@@ -72,6 +72,7 @@ def stats_to_proto(stats: RequestStats) -> generate_pb2.RequestStats:
         prompt_tokens=stats.prompt_tokens, generated_tokens=stats.num_generated, steps=stats.num_steps,
         tau=stats.tau, tokens_per_second=stats.tokens_per_second, total_seconds=stats.total_seconds,
         acceptance_per_position=stats.acceptance_per_position(), draft_errors=stats.num_draft_errors,
+        acceptance=stats.acceptance, lossy=stats.lossy,
     )
 
 
@@ -156,8 +157,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", default=[], metavar="HOST:PORT",
                    help="a drafter replica (repeatable); least-loaded first, failing over to the next, then to "
                         "local prompt lookup, then to plain decoding")
-    p.add_argument("--proposer", default=DEFAULT_PROPOSER, choices=proposer_names() + ["none"],
-                   help=f"proposer for requests that name none (default: {DEFAULT_PROPOSER}: {DEFAULT_PROPOSER_WHY})")
+    p.add_argument("--proposer", default=DEFAULT_PROPOSER,
+                   choices=[n for n in proposer_names() if not proposer_spec(n).lossy] + ["none"],
+                   help=f"proposer for requests that name none; never a lossy one (mjsd: requests ask for it by "
+                        f"name) (default: {DEFAULT_PROPOSER}: {DEFAULT_PROPOSER_WHY})")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory for text prompts (default: the verifier's model directory when it "
                         "exists here, else the bundled demo target's; --embedded: the target's)")

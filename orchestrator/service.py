@@ -35,6 +35,7 @@ import grpc
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import DEFAULT_PROPOSER, make_proposer, proposer_names
 from drafter_service.remote import DrafterClient
+from orchestrator.acceptance import acceptance_of, request_sampling
 from orchestrator.engine import Engine, GenerationResult, StepEvent
 from orchestrator.metrics import ServeMetrics
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
@@ -205,6 +206,9 @@ class GenerationService:
         ``restart_depth``: defaults for requests that leave them unset."""
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.info = backend.info
+        if default_proposer is not None and acceptance_of(default_proposer) != "exact":
+            raise ValueError(f"{default_proposer} is lossy: it cannot be the default proposer; requests ask for it by "
+                             "name")
         self.default_proposer = default_proposer
         self.overlap, self.policy, self.restart_depth = overlap, policy, restart_depth
         self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_POSITION * self.info.max_positions
@@ -247,6 +251,7 @@ class GenerationService:
             proposer = None
         if proposer is not None and proposer not in proposer_names():
             raise ValueError(f"unknown proposer {proposer!r}; choose from {', '.join(proposer_names())}, none")
+        sampling = request_sampling(proposer, sampling)  # a lossy acceptance only for the proposer asked for
         nodes, depth = resolve_budget(proposer, request.max_nodes, request.max_depth, self.backend.max_tree_nodes)
         policy = request.policy or self.policy
         overlap = self.overlap if request.overlap is None else request.overlap

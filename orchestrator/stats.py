@@ -37,6 +37,12 @@ class RequestStats:
     total_seconds: float = 0.0
     num_generated: int = 0
     steps: list[StepStats] = field(default_factory=list)
+    acceptance: str = "exact"  # how the verifier accepted drafts (SamplingParams.acceptance): "exact" | "mjsd"
+
+    @property
+    def lossy(self) -> bool:
+        """The output may differ from the target's own decoding (MJSD's acceptance)."""
+        return self.acceptance != "exact"
 
     @property
     def num_steps(self) -> int:
@@ -138,4 +144,6 @@ class RequestStats:
             "predrafted_steps": self.predrafted_steps,
             "predraft_used_fraction": self.predraft_used_fraction,
             "budgets": self.budgets(),
+            "acceptance": self.acceptance,
+            "lossy": self.lossy,
         }

@@ -80,10 +80,11 @@ def _request(
     overlap: bool | None = None,
     policy: str | None = None,
     restart_depth: int | None = None,
+    mjsd_threshold: float | None = None,
 ) -> generate_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, stop=list(stop),
-        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, mjsd_threshold=mjsd_threshold or 0.0,
     )
     if seed is not None:
         sampling.seed = seed
@@ -124,6 +125,7 @@ def _completion(msg: generate_pb2.GenerateResponse) -> Completion:
         "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens, "steps": s.steps, "tau": s.tau,
         "tokens_per_second": s.tokens_per_second, "total_seconds": s.total_seconds,
         "acceptance_per_position": list(s.acceptance_per_position), "draft_errors": s.draft_errors,
+        "acceptance": s.acceptance or "exact", "lossy": s.lossy,
     }
     return Completion(list(msg.token_ids), msg.text, msg.finish_reason, stats)
 
@@ -181,8 +183,10 @@ class Client(_Base):
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
         """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, proposer ("none" = plain decoding), max_nodes, max_depth, overlap
-        (PEARL on/off), policy ("static" | "adaptive") and restart_depth; unset = the server's defaults."""
+        stop_token_ids, ignore_eos, proposer ("none" = plain decoding; "mjsd" = LOSSY, greedy only), max_nodes,
+        max_depth, overlap (PEARL on/off), policy ("static" | "adaptive"), restart_depth and mjsd_threshold
+        (proposer mjsd only); unset = the server's defaults. ``stats["lossy"]``: whether the output may differ
+        from the target's own decoding."""
         msg = self._stub.Generate(_request(prompt, **params), **self._call_options(timeout))
         return _completion(msg)
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specmesh.feedback import DraftFeedback, VerifyFeedback
+from specmesh.feedback import DraftFeedback, TargetFeatures, VerifyFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 
@@ -122,6 +122,7 @@ class CapacityError(RuntimeError):
 class PrefillResult:
     first_token: int
     seconds: float
+    features: TargetFeatures | None = None  # the prompt's target features, when the verifier reports them
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class VerifyResult:
     seconds: float  # time spent in the verifier (forward + acceptance + compaction)
     feedback: VerifyFeedback | None = None  # top-k rows / Jacobi n-grams, when the verifier is configured for them
     batch_sessions: int = 1  # sessions verified in the same forward (the verifier's load at this step)
+    features: TargetFeatures | None = None  # target features of the pending + accepted rows, when reported
 
     @property
     def num_accepted(self) -> int:

@@ -372,11 +372,13 @@ class FastLlamaRunner(ModelRunner):
         num_new: Sequence[int],  # [B]: request r owns rows cu[r]:cu[r + 1], cu = cumsum([0] + num_new)
         attends: Sequence[torch.Tensor | TreeMask | None],  # [B]: [num_new[r], caches[r].length + num_new[r]]
         logit_rows: torch.Tensor | slice | None = None,  # packed rows whose logits are wanted (None = all)
-    ) -> torch.Tensor:
+        hidden_rows: torch.Tensor | None = None,  # packed rows whose final-layer features are wanted (None = none)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward over the new tokens of B sessions: the projections and the MLP run on all T rows at
         once, attention per session on its own keys (its prefix in its cache + its new rows, under its mask:
         None = causal). Appends each session's rows to its cache; returns the logits of ``logit_rows``,
-        [R, vocab] float32."""
+        [R, vocab] float32. With ``hidden_rows``: (logits, features [len(hidden_rows), hidden] in the model's
+        dtype), the features being the final norm's output (what the LM head reads; Falcon heads draft on them)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(-1)
         total = ids.shape[0]
@@ -404,10 +406,11 @@ class FastLlamaRunner(ModelRunner):
             x = x + _linear(F.silu(gate) * up, down)
         for cache, n in zip(caches, num_new, strict=True):
             cache.length += n
+        features = None if hidden_rows is None else self._rms(x[hidden_rows], self.norm)
         if logit_rows is not None:
             x = x[logit_rows]
-        logits = _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias)
-        return logits.float()
+        logits = _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias).float()
+        return logits if features is None else (logits, features)
 
     def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPool:
         """A paged KV pool for this model's sessions (``PagedKVCache``s from ``pool.open``)."""

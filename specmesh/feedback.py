@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,21 @@ class VerifyFeedback:
         return VerifyFeedback(inputs, np.asarray(topk, np.int64), tuple(tuple(int(t) for t in g) for g in ngrams))
 
 
+@dataclass(frozen=True, eq=False)
+class TargetFeatures:
+    """The target's final-layer features (what its LM head reads) of consecutive committed positions, for
+    feature-based drafters (Falcon heads): the prefill's prompt rows, a verification's pending + accepted rows.
+    Off unless the verifier is asked for them (``LocalVerifier(features=True)``)."""
+
+    start: int  # absolute position (0-based) of the first row
+    rows: Any  # [n, hidden]: a torch tensor in process (float16/bfloat16/float32 numpy over the wire)
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+
 @dataclass(frozen=True)
 class DraftFeedback:
     committed_len: int = 0  # tokens at the start of the context (after the call's edit) that are committed; 0 = not told
     verified: tuple[VerifyFeedback, ...] = field(default=())  # verifications since the drafter's last call
+    features: tuple[TargetFeatures, ...] = field(default=())  # target features since the last call (Falcon)

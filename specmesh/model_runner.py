@@ -85,9 +85,12 @@ class ModelRunner:
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
         attend: torch.Tensor | TreeMask | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
         last_only: bool = False,
-    ) -> torch.Tensor:
+        features: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``input_ids`` to ``cache`` and return their logits, [num_new, vocab] float32
-        (``last_only``: the last token's, [1, vocab]; a prefill skips the output layer for the rest)."""
+        (``last_only``: the last token's, [1, vocab]; a prefill skips the output layer for the rest).
+        ``features``: (logits, the final-layer features of every new token [num_new, hidden]: the base model's
+        last hidden state, after its final norm, which the LM head reads)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         num_new = ids.shape[1]
@@ -99,6 +102,12 @@ class ModelRunner:
             mask = torch.zeros(attend.shape, dtype=self.dtype, device=self.device)
             mask.masked_fill_(~attend.to(self.device), torch.finfo(self.dtype).min)
             mask = mask[None, None]  # [1, 1, num_new, total]
+        if features:  # the base model, then its LM head: the features are its last hidden state
+            hidden = self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                           past_key_values=cache.hf_cache, use_cache=True).last_hidden_state[0]
+            cache.length += num_new
+            head = self.model.get_output_embeddings()
+            return head(hidden[-1:] if last_only else hidden).float(), hidden
         out = self.model(
             input_ids=ids,
             position_ids=pos,
@@ -118,17 +127,25 @@ class ModelRunner:
         num_new: Sequence[int],  # [B]
         attends: Sequence[torch.Tensor | TreeMask | None],  # [B]: [num_new[r], caches[r].length + num_new[r]]
         logit_rows: torch.Tensor | slice | None = None,  # packed rows whose logits are wanted (None = all)
-    ) -> torch.Tensor:
+        hidden_rows: torch.Tensor | None = None,  # packed rows whose final-layer features are wanted
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The batched entry point of ``FastLlamaRunner.forward_batch``; the generic Hugging Face path runs
         one forward per request (same results, no shared forward)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
         pos = torch.as_tensor(position_ids, dtype=torch.long).reshape(-1)
-        outs, row = [], 0
+        outs, hiddens, row = [], [], 0
         for cache, n, attend in zip(caches, num_new, attends, strict=True):
-            outs.append(self.forward(cache, ids[row : row + n], pos[row : row + n], attend))
+            out = self.forward(cache, ids[row : row + n], pos[row : row + n], attend, features=hidden_rows is not None)
+            if hidden_rows is not None:
+                out, hidden = out
+                hiddens.append(hidden)
+            outs.append(out)
             row += n
         logits = torch.cat(outs) if outs else torch.zeros(0, self.info.vocab_size)
-        return logits if logit_rows is None else logits[logit_rows]
+        logits = logits if logit_rows is None else logits[logit_rows]
+        if hidden_rows is None:
+            return logits
+        return logits, torch.cat(hiddens)[hidden_rows.to(logits.device)]
 
     def new_pool(self, num_blocks: int, block_size: int) -> None:
         """No paged pool on the generic path: sessions keep Hugging Face caches (``new_cache``); the verifier

@@ -1,6 +1,12 @@
 """Sampling parameters of a request (torch-free: part of the contracts every floor speaks).
 
 The warping they describe (temperature, then top-k, then top-p) is ``specmesh.warp.warp_probs``.
+
+``acceptance`` is how the verifier accepts drafted tokens: ``exact`` (every method: greedy output identical
+to autoregressive decoding, sampling with the same distribution) or ``mjsd`` (MJSD's joint-likelihood
+acceptance, ``verifier_service.verification.verify_mjsd``: greedy only and LOSSY, its output differs from the
+target's own). The orchestrator sets ``mjsd`` only for the proposer that asks for it (the registry's
+``ProposerSpec.acceptance``: ``mjsd``); nothing else ever chooses it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,11 @@ from dataclasses import dataclass
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+
+ACCEPTANCES = ("exact", "mjsd")  # exact: lossless; mjsd: lossy joint-likelihood acceptance (opt-in)
+# MJSD accepts the longest drafted prefix whose joint likelihood ratio p/q is at least this; chosen by measurement
+# on the stdlib-code pair (README, "MJSD"): speed against the target's perplexity of the outputs
+DEFAULT_MJSD_THRESHOLD = 0.3
 
 
 @dataclass(frozen=True)
@@ -23,6 +34,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    acceptance: str = "exact"  # "exact" | "mjsd" (lossy; set by the orchestrator for the mjsd proposer only)
+    mjsd_threshold: float = DEFAULT_MJSD_THRESHOLD  # acceptance "mjsd": the joint likelihood ratio to reach
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):  # NaN fails the comparison too
@@ -37,7 +50,19 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters each")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, each >= 0")
+        if self.acceptance not in ACCEPTANCES:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {self.acceptance!r}")
+        if not 0.0 < self.mjsd_threshold < float("inf"):
+            raise ValueError(f"mjsd_threshold must be a finite number > 0, got {self.mjsd_threshold}")
+        if self.acceptance == "mjsd" and not self.greedy:
+            raise ValueError("MJSD (lossy joint-likelihood acceptance) is greedy only: it needs temperature 0, "
+                             f"got {self.temperature}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the output may differ from the target's own decoding (MJSD acceptance)."""
+        return self.acceptance != "exact"

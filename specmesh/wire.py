@@ -11,7 +11,7 @@ import numpy as np
 
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback, VerifyFeedback
-from specmesh.sampling import SamplingParams
+from specmesh.sampling import DEFAULT_MJSD_THRESHOLD, SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import common_pb2, drafter_pb2, generate_pb2, verifier_pb2
 
@@ -75,6 +75,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        acceptance=params.acceptance,
+        mjsd_threshold=params.mjsd_threshold,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -82,7 +84,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: int = 128) -> SamplingParams:
-    """Unset fields take the defaults a user expects (top_p 0 = off, max_new_tokens 0 = default)."""
+    """Unset fields take the defaults a user expects (top_p 0 = off, max_new_tokens 0 = default, acceptance "" =
+    exact, mjsd_threshold 0 = the default)."""
     return SamplingParams(
         temperature=msg.temperature,
         top_k=msg.top_k,
@@ -92,6 +95,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        acceptance=msg.acceptance or "exact",
+        mjsd_threshold=msg.mjsd_threshold or DEFAULT_MJSD_THRESHOLD,
     )
 
 

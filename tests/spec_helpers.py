@@ -25,6 +25,7 @@ from specmesh.contract import Budget
 from specmesh.model_runner import ModelRunner
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
+from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
 
 VOCAB = 128
@@ -177,13 +178,19 @@ def engine_for(
     """Wire an engine the way orchestrator/embedded.py does, without tokenizer files. ``strict`` (the default
     here): a drafter failure fails the request, so no drafter bug hides behind the fallback to plain
     decoding; tests of that fallback pass False."""
-    drafters, topk = [], 0
+    drafters, topk, window = [], 0, None
     if proposer is not None:
         prop = make_proposer(proposer, draft_runner=draft_runner, **opts) if isinstance(proposer, str) else proposer
         drafters = only(LocalDrafter(prop), prop.name)
         topk = prop.feedback_topk
-    verifier = verifier if verifier is not None else LocalVerifier(target_runner, feedback_topk=topk)
+        window = window_for(prop)
+    verifier = verifier if verifier is not None else LocalVerifier(target_runner, feedback_topk=topk, lookahead=window)
     return Engine(verifier, drafters, StaticPolicy(max_nodes, max_depth), decode, strict=strict)
+
+
+def window_for(proposer: Proposer) -> LookaheadConfig | None:
+    """The verifier window a proposer asks for (lookahead), as orchestrator/embedded.py configures it."""
+    return LookaheadConfig(*proposer.feedback_window) if proposer.feedback_window is not None else None
 
 
 def greedy(max_new_tokens: int, **kw) -> SamplingParams:
@@ -329,6 +336,10 @@ class ForwardingProposer(Proposer):
     @property
     def feedback_min_ngram(self) -> int:
         return self.inner.feedback_min_ngram
+
+    @property
+    def feedback_window(self) -> tuple[int, int] | None:
+        return self.inner.feedback_window
 
     def prepare(self, state: DraftSessionState) -> None:
         self.inner.prepare(state)

@@ -23,9 +23,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from spec_helpers import engine_for, greedy, make_prompts
+from spec_helpers import engine_for, greedy, make_prompts, window_for
 
-from drafter_service.proposer import proposer_names, proposer_spec
+from drafter_service.proposer import make_proposer, proposer_names, proposer_spec
 from specmesh.blocks import BlockAllocator
 from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.fast_llama import FastKVCache
@@ -108,7 +108,8 @@ def test_forward_batch_equals_one_forward_per_session(model_sets, fragmented):
 # ------------------------------------------------- engines on many threads
 def _concurrent_outputs(runner, proposer, prompts, draft_runner=None, **verifier_opts):
     topk = 8 if proposer is not None and "recycling" in proposer or proposer == "fused" else 0
-    batching = BatchingVerifier(LocalVerifier(runner, feedback_topk=topk, **verifier_opts))
+    window = window_for(make_proposer(proposer)) if proposer == "lookahead" else None
+    batching = BatchingVerifier(LocalVerifier(runner, feedback_topk=topk, lookahead=window, **verifier_opts))
     outputs: list = [None] * len(prompts)
     rng = random.Random(0)
     delays = [rng.random() * 0.05 for _ in prompts]  # staggered: sessions join while others run

@@ -167,6 +167,37 @@ def test_bench_sampling_has_no_greedy_match(pair, tmp_path):
         assert agg["generated_tokens"] <= 6
 
 
+def test_bench_mjsd_is_labelled_lossy_and_scored_by_perplexity(pair, tmp_path, capsys):
+    """The lossy method: its rows say so (table and JSON), a mismatch with ar is reported, not failed, and the
+    target's perplexity of its outputs and of ar's is measured; a threshold nothing reaches gives ar's output."""
+    methods = ["ar", "prompt_lookup", "mjsd:threshold=0.05,beam_width=4", "mjsd:threshold=1e300"]
+    report = _bench(pair, tmp_path / "out.json", "--methods", *methods, "--limit", "2")
+    agg = report["methods"]
+    lossy, never = agg["mjsd:threshold=0.05,beam_width=4"], agg["mjsd:threshold=1e300"]
+    assert lossy["lossy"] and lossy["acceptance"] == "mjsd" and never["lossy"]
+    assert not agg["ar"]["lossy"] and agg["ar"]["acceptance"] == "exact"
+    assert never["greedy_match_ar"] == 1.0 and never["tau"] == 1.0  # nothing accepted: the target's own tokens
+    for label in ("ar", "mjsd:threshold=0.05,beam_width=4", "mjsd:threshold=1e300"):
+        assert agg[label]["perplexity"] >= 1.0
+    assert never["perplexity"] == pytest.approx(agg["ar"]["perplexity"], rel=1e-9)
+    assert agg["prompt_lookup"]["perplexity"] is None  # lossless methods only with --perplexity
+    records = [r for r in report["records"] if r["method"] == "ar"]
+    assert all(r["target_nll"] >= 0 and r["acceptance"] == "exact" for r in records)
+    table = capsys.readouterr().out
+    assert "| mjsd:threshold=1e300 (LOSSY) |" in table and "| ar |" in table and "LOSSY (output differs" in table
+    scored = _bench(pair, tmp_path / "all.json", "--methods", "ar", "prompt_lookup", "--limit", "1", "--perplexity")
+    assert all(m["perplexity"] >= 1.0 for m in scored["methods"].values())
+
+
+@pytest.mark.parametrize(("methods", "extra", "message"), [
+    (["mjsd"], ["--temperature", "0.7"], "greedy only"),
+    (["draft_model:threshold=0.3"], [], "mjsd proposer only"),
+])
+def test_bench_refuses_lossy_misuse(pair, tmp_path, methods, extra, message):
+    with pytest.raises(SystemExit, match=f"specmesh bench: .*{message}"):
+        _bench(pair, tmp_path / "out.json", "--methods", *methods, *extra)
+
+
 def test_bench_default_methods_without_draft(pair, tmp_path):
     report = _bench(pair, tmp_path / "out.json", "--limit", "1", "--max-new-tokens", "4", draft=None)
     methods = list(report["methods"])

@@ -53,8 +53,15 @@ def run_cli(*args: str, stdin: bytes = b"", timeout: float = 120) -> tuple[int |
     (["generate"], bytes(range(256)) * 8, "specmesh generate: standard input is not UTF-8 text (byte 128)", None),
     (["generate"], b"", "specmesh generate: empty prompt", None),
     (["bogus"], b"", 2, "invalid choice: 'bogus'"),
+    (["generate", "x", "--proposer", "mjsd", "--temperature", "0.7"], b"",
+     "specmesh generate: proposer mjsd (lossy joint-likelihood acceptance) is greedy only: it needs temperature 0, "
+     "got 0.7", None),
+    (["generate", "x", "--mjsd-threshold", "0.5"], b"",
+     "specmesh generate: an MJSD threshold applies to the mjsd proposer only, not fused", None),
+    (["generate", "x", "--proposer", "mjsd", "--mjsd-threshold", "0"], b"",
+     "specmesh generate: mjsd_threshold must be a finite number > 0, got 0.0", None),
 ], ids=["max-nodes", "threads", "max-new-tokens", "proposer", "temperature", "temperature-inf", "top-p", "members",
-        "binary-stdin", "empty", "command"])
+        "binary-stdin", "empty", "command", "mjsd-sampled", "threshold-without-mjsd", "mjsd-threshold-0"])
 def test_bad_arguments_are_one_line_before_any_model_loads(args, stdin, code, message):
     got, torch_loaded, stderr = run_cli(*args, stdin=stdin)
     if message is None:  # a SystemExit whose code is the message itself (printed by Python, exit status 1)
@@ -89,7 +96,7 @@ def test_a_prompt_past_the_context_is_one_line():
 
 JSON_KEYS = {"text", "token_ids", "finish_reason", "proposer", "server", "stats"}
 STATS_KEYS = {"prompt_tokens", "generated_tokens", "steps", "tau", "tokens_per_second", "total_seconds",
-              "acceptance_per_position", "draft_errors"}
+              "acceptance_per_position", "draft_errors", "acceptance", "lossy"}
 
 
 def _json_run(*extra: str) -> dict:
@@ -111,6 +118,19 @@ def test_json_is_one_object_with_the_same_schema_in_both_modes(mesh):
     assert embedded["server"] is None and remote["server"] == mesh["serve"].address
     assert embedded["proposer"] == remote["proposer"] == "fused"  # the measured default
     assert embedded["token_ids"] == remote["token_ids"]  # float64 on both sides: the same greedy tokens
+
+
+def test_mjsd_runs_on_the_demo_pair_and_says_it_is_lossy():
+    out = subprocess.run([sys.executable, "-m", "specmesh", "generate", "def fibonacci(n):", "--proposer", "mjsd",
+                          "--max-new-tokens", "16", "--threads", "1", "--mjsd-threshold", "0.2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "proposer=mjsd" in out.stderr and "lossy (mjsd)" in out.stderr and out.stdout.strip()
+    out = subprocess.run([sys.executable, "-m", "specmesh", "generate", "def f(x):", "--proposer", "mjsd", "--json",
+                          "--max-new-tokens", "8", "--threads", "1"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    doc = json.loads(out.stdout)
+    assert doc["stats"]["lossy"] is True and doc["stats"]["acceptance"] == "mjsd"
 
 
 def _free_port() -> int:

@@ -23,6 +23,7 @@ from spec_helpers import (
     greedy,
     make_prompts,
     naive_greedy,
+    window_for,
 )
 
 from drafter_service.proposer import make_proposer, proposer_names
@@ -72,7 +73,7 @@ def test_speculative_greedy_equals_ar(model_sets, ar_reference, proposer, budget
     ms = model_sets(kind)
     target = ms.runner("target", backend)
     recorder = ContextRecorder(make_proposer(proposer, draft_runner=ms.runner("near", backend)))
-    verifier = RecordingVerifier(target, feedback_topk=recorder.feedback_topk)
+    verifier = RecordingVerifier(target, feedback_topk=recorder.feedback_topk, lookahead=window_for(recorder))
     engine = engine_for(target, recorder, *budget, verifier=verifier)
     accepted = 0
     for i, prompt in enumerate(PROMPTS[:num_prompts]):

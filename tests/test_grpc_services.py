@@ -22,7 +22,7 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
 ]
 PROPOSERS = ["draft_model", "draft_model_tree", "prompt_lookup", "prompt_lookup_tree", "copy", "retrieval", "recycling",
-             "jacobi", "fused"]
+             "jacobi", "lookahead", "fused"]
 MAX_NEW = 40
 
 

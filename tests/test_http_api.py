@@ -143,6 +143,23 @@ def test_completions_greedy_equal_the_engine_for_every_proposer(stack, client, p
             assert ext["tau"] == 1.0 and ext["accepted_per_position"] == []
 
 
+def test_mjsd_is_asked_for_by_name_greedy_only_and_reported_lossy(stack, client, server):
+    """The lossy proposer: its stats say so; with OpenAI's default temperature (1) it is a clear 400."""
+    prompt = PROMPTS[0]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                         extra_body={"proposer": "mjsd", "mjsd_threshold": 0.2})
+    ext = response.model_extra["specmesh"]
+    assert ext["proposer"] == "mjsd" and ext["lossy"] is True and ext["acceptance"] == "mjsd"
+    sampling = SamplingParams(max_new_tokens=16, acceptance="mjsd", mjsd_threshold=0.2)
+    ids = stack.engine("mjsd").generate(stack.tokenizer.encode(prompt), sampling).token_ids
+    assert response.choices[0].text == stack.decode(ids)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert plain.model_extra["specmesh"]["lossy"] is False
+    status, body = post(server[1].url + "/v1/completions", {"model": MODEL, "prompt": prompt, "proposer": "mjsd"})
+    assert_openai_error(status, body, 400)
+    assert "greedy only" in body["error"]["message"]
+
+
 def test_streaming_completions_carry_the_same_text_usage_and_stats(stack, client):
     prompt = PROMPTS[1]
     text, ids, _ = reference(stack, prompt, 40)

@@ -24,6 +24,7 @@ from spec_helpers import (
     greedy,
     make_prompts,
     perturbed,
+    window_for,
 )
 
 from drafter_service.proposer import Proposer, make_proposer, proposer_names
@@ -73,12 +74,14 @@ def check_overlap_contexts(contexts, log, prompt, generated) -> None:
 
 @pytest.mark.parametrize("restart_depth", [None, 1], ids=["full", "preverify"])
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"{b[0]}x{b[1]}")
-@pytest.mark.parametrize("proposer", proposer_names())
+# falcon is checked in tests/test_falcon.py (PEARL with a trained head and the verifier's features): here it
+# would get neither, and an untrained head's drafts are never accepted, which the non-vacuity checks refuse
+@pytest.mark.parametrize("proposer", [n for n in proposer_names() if n != "falcon"])
 def test_overlapped_greedy_equals_ar(model_sets, ar_reference, close_draft, proposer, budget, restart_depth):
     kind = "cyclic"
     target = model_sets(kind).runner("target", "fast")
     recorder = ContextRecorder(make_proposer(proposer, draft_runner=close_draft))
-    verifier = RecordingVerifier(target, feedback_topk=recorder.feedback_topk)
+    verifier = RecordingVerifier(target, feedback_topk=recorder.feedback_topk, lookahead=window_for(recorder))
     engine = overlapped(engine_for(target, recorder, *budget, verifier=verifier), restart_depth)
     predrafted = accepted = 0
     prompts = PROMPTS

@@ -460,7 +460,10 @@ def ar_pairs(e2e_models):
      ("fused:members=copy+recycling+draft_model", "plain", False),
      ("fused", "topk_topp", True),
      # Jacobi: deterministic guesses (the target's greedy predictions), point masses to the verifier
-     ("jacobi", "plain", False), ("jacobi", "topk_topp", True)],
+     ("jacobi", "plain", False), ("jacobi", "topk_topp", True),
+     # lookahead: pool n-grams from the prompt and the verifier's window (argmax only), point masses; 4 tokens
+     # are too few for a deeper window's n-grams to be used (N = 3 keeps seeded samples: test_verifier_feedback)
+     ("lookahead:window=3,ngram=2", "plain", False), ("lookahead:window=3,ngram=2", "topk_topp", False)],
 )
 def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
     model, target_runner, draft_runner = e2e_models

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -92,3 +93,27 @@ def test_the_command_saves_a_labelled_loadable_model(tmp_path, capsys):
     AutoModelForCausalLM.from_pretrained(out)  # a model directory any loader takes
     assert (out / "tokenizer.json").is_file()
     assert "Jacobi tokens per step" in capsys.readouterr().out
+
+
+def test_the_ar_loss_reads_the_corpus_text_after_each_context():
+    """With ar_on="corpus" (the default) an example keeps the corpus window as long as its context + block: the
+    AR loss is on ground truth, not on the base model's own fixed point; ar_on="model" keeps none."""
+    model = tiny(4)
+    rng = np.random.default_rng(4)
+    windows = [rng.integers(VOCAB, size=10 + 2 * 6).tolist() for _ in range(4)]  # context + 2 blocks of text
+    for ar_on in ("corpus", "model"):
+        cfg = CllmConfig(base=demo_model("target"), out_dir=None, corpus=(), block=6, prompt_len=10, num_prompts=4,
+                         ar_on=ar_on)
+        assert cfg.window_len == 22
+        examples = collect(model, windows, cfg, np.random.default_rng(5))
+        assert examples
+        for ex in examples:
+            window = next(w for w in windows if w[:10] == ex.context[:10].tolist())
+            if ar_on == "corpus":
+                assert ex.truth.tolist() == window[: ex.context.shape[0] + 6]
+            else:
+                assert ex.truth is None
+        loss, consistency, ar = cllm_loss(model, examples, np.random.default_rng(6), 1.0)
+        assert np.isfinite(loss.item()) and consistency >= 0 and ar > 0
+    with pytest.raises(ValueError):
+        CllmConfig(base=demo_model("target"), out_dir=None, corpus=(), ar_on="both")

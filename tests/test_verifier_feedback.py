@@ -33,14 +33,16 @@ from spec_helpers import (
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, ancestor_mask
 from verifier_service.lookahead import (
-    NO_TOKEN,
     LookaheadConfig,
+    Window,
     branch_parents,
     fill,
     harvest,
-    initial_trail,
+    initial_window,
     note_successors,
-    shift_trail,
+    rows_are_causal,
+    shift_window,
+    window_positions,
     window_span,
 )
 from verifier_service.verifier import LocalVerifier
@@ -57,6 +59,7 @@ def _cfg_id(cfg: LookaheadConfig | None) -> str:
 # ===================================================================== pure functions
 def test_lookahead_config_validates_and_parses():
     assert LookaheadConfig.parse("4,3") == LookaheadConfig(4, 3)
+    assert LookaheadConfig(4, 3).levels == 2 and LookaheadConfig(4, 3).rows == 8
     for bad in ["4", "4,3,2", "a,3", "0,3", "4,1", ""]:
         with pytest.raises(ValueError):
             LookaheadConfig.parse(bad)
@@ -64,42 +67,69 @@ def test_lookahead_config_validates_and_parses():
         LookaheadConfig(2.5, 3)
 
 
-def test_window_is_a_chain_off_the_pending_token_beside_the_tree():
+def test_window_is_a_comb_off_the_pending_token_beside_the_tree():
+    """(l, i) sees the pending token, level 0 up to column i - 1 and its own column up to level l; positions
+    are prefix_len + depth; the tree never sees the window and the window never sees the tree."""
     tree_parents = np.array([-1, -1, 0, 2], np.int64)  # nodes 0, 1 under pending; 2 under 0; 3 under 2
-    anc = ancestor_mask(branch_parents(tree_parents, 3))  # rows: pending, 4 nodes, 3 window tokens
-    assert anc.shape == (8, 8)
-    tree_rows, window_rows = range(1, 5), range(5, 8)
-    for r in window_rows:  # pending + the window tokens up to itself, no tree node
-        assert anc[r].nonzero()[0].tolist() == [0, *range(5, r + 1)]
-    for r in tree_rows:  # the tree never sees the window
+    span, levels = 3, 2
+    anc = ancestor_mask(branch_parents(tree_parents, span, levels))  # rows: pending, 4 nodes, 2 x 3 window
+    assert anc.shape == (11, 11)
+    row = {(lv, i): 5 + lv * span + i for lv in range(levels) for i in range(span)}
+    for (lv, i), r in row.items():
+        want = {0} | {row[0, j] for j in range(i)} | {row[m, i] for m in range(lv + 1)}
+        assert set(anc[r].nonzero()[0].tolist()) == want, (lv, i)
+    for r in range(1, 5):  # the tree never sees the window
         assert not anc[r, 5:].any() and anc[r, 0]
     np.testing.assert_array_equal(anc[:5, :5], ancestor_mask([-1, *(tree_parents + 1).tolist()]))
-    assert branch_parents(tree_parents, 0) == [-1, 0, 0, 1, 3]
-    assert branch_parents(np.zeros(0, np.int64), 2) == [-1, 0, 1]
+    depth = anc.sum(axis=1) - 1  # ancestors below the pending token
+    np.testing.assert_array_equal(window_positions(100, span, levels), 100 + depth[5:])
+    assert branch_parents(tree_parents, 0, levels) == [-1, 0, 0, 1, 3]
+    assert branch_parents(np.zeros(0, np.int64), 2) == [-1, 0, 1]  # one level: a chain
+
+
+def test_causal_only_for_one_chain_in_row_order():
+    assert rows_are_causal(3, True, 0, 2)  # a chain, no window
+    assert rows_are_causal(0, True, 4, 1)  # the one-level window alone
+    assert rows_are_causal(0, True, 1, 3)  # one column
+    assert not rows_are_causal(0, True, 2, 2)  # a comb
+    assert not rows_are_causal(2, True, 1, 1)  # chain + window: two branches
+    assert not rows_are_causal(3, False, 0, 1)
 
 
 def test_window_span_shrinks_at_the_context_end():
-    assert window_span(10, 4, 100) == 4
-    assert window_span(96, 4, 100) == 3  # positions 97, 98, 99
-    assert window_span(99, 4, 100) == 0
+    cfg = LookaheadConfig(4, 3)  # the top of column i at prefix_len + i + 2
+    assert window_span(10, cfg, 100) == 4
+    assert window_span(95, cfg, 100) == 3  # columns 0..2: tops at 97, 98, 99
+    assert window_span(98, cfg, 100) == 0
+    assert window_span(96, LookaheadConfig(4, 2), 100) == 3  # one level: positions 97, 98, 99
 
 
-def test_shift_keeps_the_guesses_still_ahead_and_fills_the_rest():
+def _window(tokens, predicted=True) -> Window:
+    tokens = np.asarray(tokens, np.int64)
+    return Window(tokens, np.broadcast_to(np.asarray(predicted, bool), tokens.shape).copy())
+
+
+def test_shift_moves_each_guess_with_its_position_and_fills_the_rest():
     successors = {5: 6, 6: 7}
-    trail = np.array([[10, 11, 12, 13], [20, 21, 22, 23]])  # N = 3, W = 4; row -1 fed at P+1..P+4
-    outputs = np.array([30, 31, 32, 33])  # guesses for P+2..P+5
-    # nothing accepted, bonus at P+1: plain Jacobi, every position keeps a guess
-    np.testing.assert_array_equal(shift_trail(trail, outputs, 1, 99, successors),
-                                  [[20, 21, 22, 23], [30, 31, 32, 33]])
-    # two accepted + bonus (at P+3): guesses for P+4, P+5 stay; P+6, P+7 are fills after 33 (no successor)
-    np.testing.assert_array_equal(shift_trail(trail, outputs, 3, 5, successors),
-                                  [[22, 23, NO_TOKEN, NO_TOKEN], [32, 33, 33, 33]])
-    # more committed than the window covers: all fills, a bigram chain from the bonus
-    np.testing.assert_array_equal(shift_trail(trail, outputs, 6, 5, successors),
-                                  [[NO_TOKEN] * 4, [6, 7, 7, 7]])
-    # a cropped window (span 2 < W): the rest are fills
-    np.testing.assert_array_equal(shift_trail(trail, outputs[:2], 1, 99, successors),
-                                  [[20, 21, NO_TOKEN, NO_TOKEN], [30, 31, 31, 31]])
+    win = _window([[10, 11, 12, 13], [20, 21, 22, 23]])  # N = 3, W = 4: (l, i) at P+1+i+l
+    outputs = np.array([30, 31, 32, 33])  # guesses for P+3..P+6
+    # nothing accepted, bonus at P+1: plain Jacobi, the window climbs one level
+    new = shift_window(win, outputs, 0, 99, successors)
+    np.testing.assert_array_equal(new.tokens, [[20, 21, 22, 23], [30, 31, 32, 33]])
+    assert new.predicted.all()
+    # two accepted + bonus (at P+3): (0, i) at P+4+i takes old (1, i+2), the top old outputs[2:];
+    # the rest continue level 0 / their column by successors (33 and 23 have none)
+    new = shift_window(win, outputs, 2, 5, successors)
+    np.testing.assert_array_equal(new.tokens, [[22, 23, 23, 23], [32, 33, 23, 23]])
+    np.testing.assert_array_equal(new.predicted, [[1, 1, 0, 0], [1, 1, 0, 0]])
+    # more committed than the window covers: all fills, level 0 a bigram chain from the bonus
+    new = shift_window(win, outputs, 5, 5, successors)
+    np.testing.assert_array_equal(new.tokens, [[6, 7, 7, 7], [7, 7, 7, 7]])
+    assert not new.predicted.any()
+    # a cropped window (span 2 < W): the unfed columns' older levels still move
+    new = shift_window(win, outputs[:2], 0, 99, successors)
+    np.testing.assert_array_equal(new.tokens, [[20, 21, 22, 23], [30, 31, 22, 23]])
+    np.testing.assert_array_equal(new.predicted, [[1, 1, 1, 1], [1, 1, 0, 0]])
 
 
 def test_fills_and_initial_window_follow_the_most_recent_successor():
@@ -107,16 +137,20 @@ def test_fills_and_initial_window_follow_the_most_recent_successor():
     note_successors(successors, [1, 2, 3, 1, 4])
     assert successors == {1: 4, 2: 3, 3: 1}
     assert fill(3, 5, successors) == [1, 4, 4, 4, 4]
-    np.testing.assert_array_equal(initial_trail(2, LookaheadConfig(3, 3), successors),
-                                  [[NO_TOKEN] * 3, [3, 1, 4]])
+    win = initial_window(2, LookaheadConfig(3, 3), successors)
+    np.testing.assert_array_equal(win.tokens, [[3, 1, 4], [1, 4, 4]])
+    assert not win.predicted.any()
 
 
-def test_harvest_takes_full_diagonals_once():
-    trail = np.array([[1, NO_TOKEN, 1, 1], [2, 5, 2, 2]])
-    assert harvest(trail, np.array([3, 6, 3, 4])) == [(1, 2, 3), (1, 2, 4)]
-    assert harvest(np.zeros((2, 0), np.int64), np.zeros(0, np.int64)) == []
+def test_harvest_takes_columns_predicted_above_level_zero_once():
+    win = _window([[9, 1, 1, 1], [2, 5, 2, 2]], [[0, 0, 0, 0], [1, 0, 1, 1]])
+    assert harvest(win, np.array([3, 6, 3, 4])) == [(9, 2, 3), (1, 2, 3), (1, 2, 4)]
+    assert harvest(win, np.zeros(0, np.int64)) == []
+    one_level = _window([[4, 5]], False)  # N = 2: every column is a bigram
+    assert harvest(one_level, np.array([7, 8])) == [(4, 7), (5, 8)]
 
 
+# ============================================================ the window, simulated
 def _fake_target(seq: tuple[int, ...], vocab: int) -> int:
     """A deterministic 'target': the next token depends on the last two tokens (and a little on length)."""
     return zlib.crc32(repr((seq[-2:], len(seq) % 3)).encode()) % vocab
@@ -129,59 +163,46 @@ def _fake_target(seq: tuple[int, ...], vocab: int) -> int:
     seed=st.integers(0, 2**31),
     context_end=st.integers(12, 60),
 )
-def test_harvested_ngrams_are_the_diagonals_of_the_jacobi_trajectory(window, ngram, vocab, seed, context_end):
-    """Simulate the verifier's window state with the pure functions and keep the whole 2-D trajectory
-    (fed window and outputs per iteration, keyed by absolute position) beside it: every step's harvest
-    is exactly the diagonals of N - 1 fed tokens + one output that the trajectory holds, where each
-    link was predicted right after its diagonal predecessor."""
+def test_window_simulation_keeps_positions_and_harvests_jacobi_ngrams(window, ngram, vocab, seed, context_end):
+    """Run the window with the pure functions against a fake target that reads each row's context as the
+    forward does (the committed tokens, then level 0 before the column, then the column up to the row).
+    Every entry keeps its absolute position through the shifts; every harvested n-gram is a column fed
+    plus the target's prediction after it, and each link of it was predicted by the target right after
+    its predecessor (in this or an earlier iteration)."""
     rng = random.Random(seed)
     cfg = LookaheadConfig(window, ngram)
     context = [rng.randrange(vocab) for _ in range(rng.randint(2, 8))]  # committed, pending last
     successors: dict[int, int] = {}
     note_successors(successors, context)
-    trail = initial_trail(context[-1], cfg, successors)
-    fed: list[dict[int, int]] = []  # iteration -> {position: token fed}
-    kept: list[set[int]] = []  # iteration -> positions whose fed token is the previous iteration's output there
-    outs: list[dict[int, int]] = []  # iteration -> {position: the target's argmax}
+    win = initial_window(context[-1], cfg, successors)
     links: set[tuple[int, int]] = set()  # (last input token, output) of every prediction made
+    made: list[dict[int, int]] = []  # iteration -> {position: the target's guess for it}
     while len(context) < context_end:
         prefix_len = len(context) - 1  # the pending token sits at prefix_len
-        span = window_span(prefix_len, window, context_end + 2)
-        guesses = trail[-1, :span].tolist()
-        fed.append({prefix_len + 1 + j: g for j, g in enumerate(guesses)})
-        prev = outs[-1] if outs else {}
-        kept.append({p for p in fed[-1] if p in prev})  # the shift keeps those guesses (checked below)
+        span = window_span(prefix_len, cfg, context_end + 2)
+        t = len(made)
+        for lv in range(cfg.levels):  # a predicted entry of level l was guessed L - l iterations ago
+            for i in range(window):
+                if win.predicted[lv, i]:
+                    assert made[t - (cfg.levels - lv)][prefix_len + 1 + i + lv] == win.tokens[lv, i]
         outputs = []
-        for j in range(span):  # window token j sees the context and window tokens 0..j
-            outputs.append(_fake_target(tuple(context + guesses[: j + 1]), vocab))
-            links.add((guesses[j], outputs[-1]))
-        outs.append({prefix_len + 2 + j: o for j, o in enumerate(outputs)})
-        got = harvest(trail[:, :span], np.asarray(outputs, np.int64))
-
-        t = len(fed) - 1
-        want: list[tuple[int, ...]] = []
-        for q in sorted(outs[t]):
-            gram, ok = [outs[t][q]], True
-            for d in range(ngram - 1):  # back along the diagonal: position q-1-d in iteration t-d
-                pos, it = q - 1 - d, t - d
-                if it < 0 or pos not in fed[it] or (d < ngram - 2 and pos not in kept[it]):
-                    ok = False
-                    break
-                gram.insert(0, fed[it][pos])
-            if ok and tuple(gram) not in want:
-                want.append(tuple(gram))
-        assert got == want
-        for gram in got:  # Jacobi's property: each token was predicted right after its predecessor
+        for i in range(span):
+            seen = tuple(context + win.tokens[0, :i].tolist() + win.tokens[:, i].tolist())
+            outputs.append(_fake_target(seen, vocab))
+            links.add((seen[-1], outputs[-1]))
+        made.append({prefix_len + 1 + i + cfg.levels: o for i, o in enumerate(outputs)})
+        got = harvest(win, np.asarray(outputs, np.int64))
+        want = []
+        for i in range(span):
+            gram = (*win.tokens[:, i].tolist(), outputs[i])
+            if win.predicted[1:, i].all() and gram not in want:
+                want.append(gram)
+        assert got == want and all(len(g) == ngram for g in got)
+        for gram in got:
             assert all((a, b) in links for a, b in zip(gram, gram[1:], strict=False))
-
         committed = [rng.randrange(vocab) for _ in range(rng.randint(1, window + 2))]  # accepted + bonus
         note_successors(successors, [context[-1], *committed])
-        trail = shift_trail(trail, np.asarray(outputs, np.int64), len(committed), committed[-1], successors)
-        # the guesses still ahead survive the shift
-        new_start = prefix_len + len(committed) + 1
-        for i, g in enumerate(trail[-1].tolist()):
-            if new_start + i in outs[t]:
-                assert g == outs[t][new_start + i]
+        win = shift_window(win, np.asarray(outputs, np.int64), len(committed) - 1, committed[-1], successors)
         context += committed
 
 
@@ -231,28 +252,30 @@ def test_topk_rows_equal_a_full_recompute(model_sets, backend, lookahead):
     assert rows > 30
 
 
+@pytest.mark.parametrize("cfg", [LookaheadConfig(5, 2), LookaheadConfig(4, 4)], ids=_cfg_id)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_window_rows_are_jacobi_iterations(model_sets, backend):
-    """Beside random trees, the argmax after window token j is the target's argmax after the committed
-    tokens + window tokens 0..j (positions and mask right, no tree node seen); the shifted window holds
-    those outputs for the positions still ahead."""
+def test_window_rows_are_jacobi_iterations(model_sets, backend, cfg):
+    """Beside random trees, the argmax after the top of window column i is the target's argmax after the
+    committed tokens + level 0 up to column i - 1 + column i (positions and mask right, no tree node
+    seen); the shifted window's top level holds those outputs for the positions still ahead."""
     ms = model_sets("cyclic")
-    cfg = LookaheadConfig(5, 3)
     verifier = LocalVerifier(ms.runner("target", backend), lookahead=cfg)
     rng = random.Random(11)
     checked = 0
     for s, prompt in enumerate(PROMPTS[:3]):
         committed = list(prompt) + [verifier.prefill(f"s{s}", prompt, greedy(MAX_NEW)).first_token]
         for _ in range(6):
-            guesses = verifier._sessions[f"s{s}"].trail[-1].tolist()
-            naive = [_naive_topk(ms.target, committed + guesses[: j + 1], 1)[0] for j in range(cfg.window)]
+            win = verifier._sessions[f"s{s}"].window.tokens
+            naive = [_naive_topk(ms.target, committed + win[0, :i].tolist() + win[:, i].tolist(), 1)[0]
+                     for i in range(cfg.window)]
             result = verifier.verify(f"s{s}", _random_tree(rng, 8))
             a = result.num_accepted
-            new = verifier._sessions[f"s{s}"].trail[-1].tolist()
-            assert new[: cfg.window - a] == naive[a:], (s, a)
+            new = verifier._sessions[f"s{s}"].window
+            assert new.tokens[-1, : cfg.window - a].tolist() == naive[a:], (s, a)
+            assert new.predicted[-1, : cfg.window - a].all()
             checked += cfg.window - a
             committed += result.tokens
-    assert checked > 40
+    assert checked > 30
 
 
 def test_feedback_is_off_by_default_and_lookahead_alone_has_no_topk(model_sets):

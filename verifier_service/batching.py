@@ -357,7 +357,8 @@ class BatchingVerifier:
             for session_id, first in firsts.items():
                 self._decoding.add(session_id)
                 request = self._prefilling.pop(session_id)
-                _settle(request.future, PrefillResult(first, time.perf_counter() - request.started))
+                _settle(request.future, PrefillResult(first, time.perf_counter() - request.started,
+                                                      self.verifier.take_prompt_features(session_id)))
 
     def _drop_waiting(self, session_id: str, exc: Exception) -> None:
         for request in list(self._waiting):

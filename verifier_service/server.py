@@ -186,8 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not time a few batched forwards at start-up; without them the orchestrator does not "
                         "shrink speculation trees as this replica's batch grows (default: profile, well under a "
                         "second)")
-    add_lookahead_argument(p, "run a Jacobi window of W guess tokens beside every verified tree (W extra rows per "
-                              "forward) and report the N-grams it harvests with each Verify (default: off)")
+    add_lookahead_argument(p, "run lookahead decoding's 2-D Jacobi window (N-1 levels of W guess tokens) beside "
+                              "every verified tree ((N-1)*W extra rows per forward) and report the N-grams it "
+                              "harvests with each Verify, for the lookahead and retrieval drafters (default: off)")
     metrics.add_metrics_argument(p)
     serving.add_server_arguments(p)
 

@@ -15,6 +15,9 @@ row i + 1 to node i: row r holds the target's prediction for the *children* of r
   output distribution identical to sampling from the target. A deterministic pick
   is the point mass q_c = delta(x_c): accept with probability p(x_c), else zero
   x_c out of p and renormalise. It is ``verify_sample_batch`` for one tree (one walk).
+- ``verify_mjsd``: MJSD's joint-likelihood acceptance (Qin et al. 2024, arXiv 2407.09722),
+  greedy only and LOSSY (sessions whose ``SamplingParams.acceptance`` is ``mjsd``; see its
+  docstring for the exact rule).
 
 Batched serving verifies many requests' trees from one target forward. The target's
 outputs then arrive packed: request r owns rows ``cu_rows[r]:cu_rows[r + 1]`` (its
@@ -65,6 +68,62 @@ def verify_greedy(tree: TokenTree, target_argmax: np.ndarray) -> Acceptance:
             return Acceptance(tuple(accepted), want)
         accepted.append(nxt)
         node = nxt
+
+
+def verify_mjsd(tree: TokenTree, target_argmax: np.ndarray, target_logprobs: np.ndarray,
+                threshold: float) -> Acceptance:
+    """MJSD verification (LOSSY: the output is not the target's own greedy decoding).
+
+    target_argmax: [num_nodes + 1] int, the target's argmax at the root and at each node (as ``verify_greedy``);
+    target_logprobs: [num_nodes] float, log p(x_i | context, path to i): node i's token under the target's
+    full softmax in its parent's row; q(x_i | ...) is ``tree.draft_probs[i]``, the draft's own probability.
+
+    The rule: a node's joint likelihood ratio is R_i = prod over its path x_1..x_i of p(x_j | x_<j) / q(x_j | x_<j)
+    = p(x_1..i) / q(x_1..i). The accepted path ends at the DEEPEST node with R_i >= ``threshold`` (the longest
+    prefix passing the test, not the prefix before the first failure: R may rise again after a dip; ties in
+    depth go to the higher R, then the lower index), or at the root if none passes; then one bonus token, the
+    target's argmax after the last accepted node. For a chain (the mjsd proposer's best beam) this is the
+    paper's longest accepted prefix; any other tree gets the rule on each root-to-leaf path, keeping the longest
+    accepted prefix. With the draft = the target (R = 1) every drafted token passes a threshold < 1; with a
+    threshold no prefix reaches, the output is the target's greedy decoding."""
+    n = tree.num_nodes
+    assert target_argmax.shape == (n + 1,), target_argmax.shape
+    assert target_logprobs.shape == (n,), target_logprobs.shape
+    if not threshold > 0:
+        raise ValueError(f"the MJSD threshold must be > 0, got {threshold}")
+    # log q clamped: a drafter claiming q = 0 gets a huge ratio, never NaN (log p = -inf still fails)
+    log_ratio = target_logprobs.astype(np.float64) - np.log(np.maximum(tree.draft_probs, np.finfo(np.float64).tiny))
+    joint = np.empty(n, np.float64)  # log R_i; parents[i] < i, so one pass in index order
+    for i in range(n):
+        parent = int(tree.parents[i])
+        joint[i] = log_ratio[i] + (joint[parent] if parent >= 0 else 0.0)
+    passing = np.flatnonzero(joint >= np.log(threshold))
+    if not len(passing):
+        return Acceptance((), int(target_argmax[0]))
+    depth = tree.depth
+    last = int(min(passing, key=lambda i: (-depth[i], -joint[i], i)))
+    path = []
+    node = last
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    return Acceptance(tuple(reversed(path)), int(target_argmax[last + 1]))
+
+
+def node_logprobs(trees: Sequence[TokenTree], logits: torch.Tensor, firsts: Sequence[int]) -> list[np.ndarray]:
+    """log p(x_i | ...) of every node of every tree: tree r's outputs are rows [firsts[r], firsts[r] + num_nodes + 1)
+    of logits [R, vocab] (any device), row 0 the root's; node i's token is read from its parent's row. One log-softmax
+    over the parents' rows (float64), one gather and one host copy for all trees. Returns [num_nodes] per tree."""
+    rows = np.concatenate([first + 1 + tree.parents for tree, first in zip(trees, firsts, strict=True)] + [[]])
+    cols = np.concatenate([tree.tokens for tree in trees] + [[]])
+    if not len(rows):
+        return [np.zeros(0) for _ in trees]
+    index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
+    picked = logits[index].double()  # [total_nodes, vocab]
+    logp = picked.gather(1, torch.from_numpy(cols.astype(np.int64)).to(logits.device)[:, None])[:, 0]
+    logp = (logp - torch.logsumexp(picked, dim=-1)).cpu().numpy()  # [total_nodes]; host sync
+    cu = np.cumsum([0] + [tree.num_nodes for tree in trees])
+    return [logp[a:b] for a, b in pairwise(cu)]
 
 
 def verify_sample(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> Acceptance:

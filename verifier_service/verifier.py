@@ -24,6 +24,7 @@ of memory. ``prefill`` / ``verify`` are the one-session case; ``BatchingVerifier
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import torch
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
 from specmesh.contract import PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
-from specmesh.feedback import VerifyFeedback
+from specmesh.feedback import TargetFeatures, VerifyFeedback
 from specmesh.kv_pool import PagedKVCache
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.sampling import SamplingParams
@@ -42,15 +43,24 @@ from specmesh.warp import warp_probs
 from verifier_service.arguments import DEFAULT_KV_CACHE_GB, DEFAULT_PREFILL_CHUNK
 from verifier_service.lookahead import (
     LookaheadConfig,
+    Window,
     branch_parents,
     harvest,
-    initial_trail,
+    initial_window,
     note_successors,
-    shift_trail,
+    rows_are_causal,
+    shift_window,
+    window_inputs,
     window_positions,
     window_span,
 )
-from verifier_service.verification import Acceptance, verify_greedy, verify_sample_batch
+from verifier_service.verification import (
+    Acceptance,
+    node_logprobs,
+    verify_greedy,
+    verify_mjsd,
+    verify_sample_batch,
+)
 
 
 def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: int) -> int:
@@ -90,10 +100,12 @@ class _Session:
     prompt: list[int]  # the whole prompt
     prefilled: int = 0  # prompt tokens in the cache; < len(prompt) while the prefill runs (chunked)
     pending: int = -1  # newest committed token, not yet in the cache (-1 until the prefill is done)
-    # lookahead only: the Jacobi window's diagonals ([N - 1, W], last row = the guesses fed next)
-    # and the most recent successor of each committed token (fills)
-    trail: np.ndarray | None = None
+    # lookahead only: the 2-D Jacobi window (N - 1 levels x W columns) and the most recent successor of
+    # each committed token (fills)
+    window: Window | None = None
     successors: dict[int, int] = field(default_factory=dict)
+    # features=True only: the prompt's target features, chunk by chunk, until the prefill's result takes them
+    prompt_features: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -109,8 +121,14 @@ class _Row:
     num_new: int  # rows fed
     prefix_len: int  # cache length before the step
     tree: TokenTree | None = None  # verify: the tree; None for a prefill chunk
-    span: int = 0  # verify: Jacobi window rows after the tree rows
+    span: int = 0  # verify: Jacobi window columns fed (levels * span rows after the tree rows)
     input_ids: np.ndarray | None = None  # [num_new]
+
+    @property
+    def num_out(self) -> int:
+        """Verify: logits rows the step needs, [pending, tree nodes..., the window's top level]: a lower level's
+        prediction is never used (its successor in the column is already fed), so its LM head is skipped."""
+        return 1 + self.tree.num_nodes + self.span
 
 
 class LocalVerifier:
@@ -126,7 +144,11 @@ class LocalVerifier:
         kv_cache_gb: float | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        features: bool = False,
     ) -> None:
+        """``features``: report the target's final-layer features of the prompt (``PrefillResult.features``) and
+        of every verification's pending + accepted rows (``VerifyResult.features``), for Falcon heads; off by
+        default (the runner then computes none)."""
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
         if prefill_chunk < 1:
@@ -137,6 +159,7 @@ class LocalVerifier:
         self.feedback_topk = min(feedback_topk, runner.info.vocab_size)
         self.lookahead = lookahead
         self.prefill_chunk = prefill_chunk
+        self.features = features
         num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size)
         self.pool = runner.new_pool(num_blocks, block_size)  # None on the generic HF path
         self.allocator = self.pool.allocator if self.pool is not None else BlockAllocator(num_blocks, block_size)
@@ -153,7 +176,7 @@ class LocalVerifier:
         except BaseException:
             self.release(session_id)
             raise
-        return PrefillResult(first, time.perf_counter() - start)
+        return PrefillResult(first, time.perf_counter() - start, self.take_prompt_features(session_id))
 
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
         result = self.verify_batch([(session_id, tree)])[0]
@@ -203,7 +226,7 @@ class LocalVerifier:
     def reservation(self, prompt_len: int, sampling: SamplingParams) -> int:
         """KV positions a session may ever hold: its prompt and output, plus the pending token, the largest
         tree and the lookahead window of a step."""
-        window = self.lookahead.window if self.lookahead is not None else 0
+        window = self.lookahead.rows if self.lookahead is not None else 0
         return prompt_len + sampling.max_new_tokens + 1 + self.max_tree_nodes + window
 
     def can_admit(self, prompt_len: int, sampling: SamplingParams) -> bool:
@@ -251,7 +274,7 @@ class LocalVerifier:
             seen.add(session_id)
             ids.append(row.input_ids)
             positions.append(np.concatenate([[row.prefix_len], row.prefix_len + 1 + tree.depth,
-                                             window_positions(row.prefix_len, row.span)]))
+                                             window_positions(row.prefix_len, row.span, self._levels)]))
             attends.append(self._tree_attend(row))
             rows.append(row)
             verify_rows.append((index, row))
@@ -265,12 +288,24 @@ class LocalVerifier:
                 if row.prefix_len + row.num_new == len(row.session.prompt):
                     wanted.append(np.array([row.start + row.num_new - 1]))
             else:
-                wanted.append(np.arange(row.start, row.start + row.num_new))
+                verified = row.start + 1 + row.tree.num_nodes
+                top = row.start + row.num_new - row.span  # the window's top level: the last span rows
+                wanted += [np.arange(row.start, verified), np.arange(top, top + row.span)]
         logit_index = torch.from_numpy(np.concatenate(wanted)) if wanted else torch.zeros(0, dtype=torch.long)
+        # features: every row of a prefill chunk and every verified row (pending + tree), picked after acceptance
+        hidden_index = None
+        if self.features:
+            spans = [(r.start, r.start + (r.num_new if r.tree is None else 1 + r.tree.num_nodes)) for r in rows]
+            hidden_index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans])).to(self.runner.device)
+            cu = np.cumsum([0] + [b - a for a, b in spans])
+            span_start = {id(r): int(cu[i]) for i, r in enumerate(rows)}
         logits = self.runner.forward_batch(
             [row.session.cache for row in rows], np.concatenate(ids), np.concatenate(positions),
-            [row.num_new for row in rows], attends, logit_index.to(self.runner.device),
+            [row.num_new for row in rows], attends, logit_index.to(self.runner.device), hidden_index,
         )  # [len(logit_index), vocab]
+        features = None
+        if hidden_index is not None:
+            logits, features = logits  # features: [len(hidden_index), hidden]
         argmax = logits.argmax(dim=-1).cpu().numpy()  # one host copy for every greedy decision and window
         topk = None
         if self.feedback_topk and verify_rows:
@@ -280,6 +315,8 @@ class LocalVerifier:
         finishing: list[str] = []
         offset = 0
         for session_id, row in zip(prefills, rows, strict=False):
+            if features is not None:
+                row.session.prompt_features.append(features[span_start[id(row)] :][: row.num_new])
             row.session.prefilled += row.num_new
             if row.session.prefilled == len(row.session.prompt):
                 accepting.append((row.session, TokenTree.empty(), offset))
@@ -287,7 +324,7 @@ class LocalVerifier:
                 offset += 1
         for _, row in verify_rows:
             accepting.append((row.session, row.tree, offset))
-            offset += row.num_new
+            offset += row.num_out
         acceptances = self._accept_all(accepting, logits, argmax)
         firsts: dict[str, int] = {}
         for session_id, acceptance in zip(finishing, acceptances, strict=False):
@@ -296,10 +333,23 @@ class LocalVerifier:
         elapsed = time.perf_counter() - start_time
         verified = zip(verify_rows, accepting[len(finishing) :], acceptances[len(finishing) :], strict=True)
         for (index, row), (_, _, first), acceptance in verified:
-            r = slice(first, first + row.num_new)
+            r = slice(first, first + row.num_out)
             results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed,
                                                  len(rows))
+            if features is not None:  # the pending row and the accepted path's rows, at their positions
+                offset = span_start[id(row)]
+                keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes], device=features.device)
+                results[index] = dataclasses.replace(
+                    results[index], features=TargetFeatures(row.prefix_len, features[offset:][keep]))
         return firsts, results
+
+    def take_prompt_features(self, session_id: str) -> TargetFeatures | None:
+        """The prompt's target features of a session whose prefill finished (once; None unless ``features``)."""
+        session = self._sessions.get(session_id)
+        if session is None or not session.prompt_features:
+            return None
+        rows, session.prompt_features = torch.cat(session.prompt_features), []
+        return TargetFeatures(0, rows)
 
     @torch.inference_mode()
     def profile_costs(self, prefix_len: int = 128, sessions: tuple[int, ...] = (1, 8),
@@ -366,9 +416,9 @@ class LocalVerifier:
         prefix_len = session.cache.length
         if prefix_len + 1 + tree.max_depth + 1 > self.info.max_positions:
             raise InvalidTreeError("tree would run past the target's context length")
-        trail = session.trail  # [N - 1, W] or None
-        span = window_span(prefix_len, trail.shape[1], self.info.max_positions) if trail is not None else 0
-        guesses = trail[-1, :span] if trail is not None else np.zeros(0, np.int64)  # [span]
+        window = session.window
+        span = window_span(prefix_len, self.lookahead, self.info.max_positions) if window is not None else 0
+        guesses = window_inputs(window, span) if window is not None else np.zeros(0, np.int64)  # [levels * span]
         input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
         capacity = getattr(session.cache, "capacity", None)
         if capacity is not None and prefix_len + len(input_ids) > capacity:
@@ -378,24 +428,26 @@ class LocalVerifier:
 
     def _tree_attend(self, row: _Row) -> TreeMask | None:
         tree = row.tree
-        if tree.max_depth == tree.num_nodes and not (row.span and tree.num_nodes):
-            return None  # a chain (the window alone is one too): causal
-        # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a
-        # second chain below it. The ancestors stay on the host: the runner packs them (kernel) or
+        if rows_are_causal(tree.num_nodes, tree.max_depth == tree.num_nodes, row.span, self._levels):
+            return None  # one chain in row order: causal
+        # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a comb
+        # below it (lookahead.py). The ancestors stay on the host: the runner packs them (kernel) or
         # builds the dense mask on its device (SDPA, HF)
-        anc = ancestor_mask(branch_parents(tree.parents, row.span))
+        anc = ancestor_mask(branch_parents(tree.parents, row.span, self._levels))
         return TreeMask(row.prefix_len, torch.from_numpy(anc))
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
                        elapsed: float, batch_sessions: int) -> VerifyResult:
-        """argmax/topk: the row's [1 + num_nodes + span] outputs."""
+        """argmax/topk: the row's [1 + num_nodes + span] outputs (``num_out``)."""
         session, tree = row.session, row.tree
         verified = tree.num_nodes + 1  # rows taking part in acceptance
         session.cache.keep(row.prefix_len, [0] + [1 + n for n in acceptance.accepted_nodes])  # drops the window
         tokens = acceptance.tokens(tree)
         feedback = None
-        if topk is not None or session.trail is not None:
-            ngrams = self._advance_window(session, argmax[verified:], row.span, tokens) if session.trail is not None else ()
+        if topk is not None or session.window is not None:
+            ngrams = ()
+            if session.window is not None:  # the outputs after the window's top level
+                ngrams = self._advance_window(session, argmax[verified:], tokens)
             feedback = VerifyFeedback.of(row.input_ids[:verified], None if topk is None else topk[:verified], ngrams)
         session.pending = acceptance.bonus_token
         return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback, batch_sessions)
@@ -404,16 +456,21 @@ class LocalVerifier:
         session.pending = first
         if self.lookahead is not None:
             note_successors(session.successors, session.prompt + [first])
-            session.trail = initial_trail(first, self.lookahead, session.successors)
+            session.window = initial_window(first, self.lookahead, session.successors)
+
+    @property
+    def _levels(self) -> int:
+        return self.lookahead.levels if self.lookahead is not None else 1
 
     @staticmethod
-    def _advance_window(session: _Session, outputs: np.ndarray, span: int, committed: list[int]) -> list[tuple[int, ...]]:
+    def _advance_window(session: _Session, outputs: np.ndarray, committed: list[int]) -> list[tuple[int, ...]]:
         """One Jacobi iteration: harvest its n-grams, then shift the window past the committed tokens.
 
-        outputs: [span], the target's argmax after each window token; committed: accepted tokens + bonus."""
-        ngrams = harvest(session.trail[:, :span], outputs)
+        outputs: [span], the target's argmax after the top token of each column fed; committed: accepted
+        tokens + bonus."""
+        ngrams = harvest(session.window, outputs)
         note_successors(session.successors, [session.pending, *committed])
-        session.trail = shift_trail(session.trail, outputs, len(committed), committed[-1], session.successors)
+        session.window = shift_window(session.window, outputs, len(committed) - 1, committed[-1], session.successors)
         return ngrams
 
     @staticmethod
@@ -421,14 +478,23 @@ class LocalVerifier:
                     argmax: np.ndarray) -> list[Acceptance]:
         """The accepted path of each (session, tree, first row): tree r's outputs are rows
         [first, first + num_nodes + 1) of logits [R, vocab] (argmax: its row-wise argmax, on the host).
-        Greedy sessions walk the argmax; sampling ones go through one batched rejection sampler."""
+        Greedy sessions walk the argmax; sampling ones go through one batched rejection sampler; MJSD sessions
+        (lossy, greedy) read their nodes' target log-probabilities with one gather for all of them."""
         out: list[Acceptance | None] = [None] * len(items)
-        sampled = []
+        sampled, mjsd = [], []
         for i, (session, tree, first) in enumerate(items):
-            if session.sampling.greedy:
+            if session.sampling.acceptance == "mjsd":
+                mjsd.append(i)
+            elif session.sampling.greedy:
                 out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
             else:
                 sampled.append(i)
+        if mjsd:
+            logprobs = node_logprobs([items[i][1] for i in mjsd], logits, [items[i][2] for i in mjsd])
+            for i, logp in zip(mjsd, logprobs, strict=True):
+                session, tree, first = items[i]
+                out[i] = verify_mjsd(tree, argmax[first : first + tree.num_nodes + 1], logp,
+                                     session.sampling.mjsd_threshold)
         if sampled:
             probs, cu = [], [0]
             for i in sampled:

@@ -7,7 +7,8 @@ machine spreads evenly. Each method runs once untimed before timing starts.
 Methods (``NAME`` or ``NAME:key=value,...``):
   ar                 plain decoding through the specmesh engine (the reference)
   <proposer>         any registered proposer; ``max_nodes`` / ``max_depth`` set the
-                     static budget, other keys are proposer options
+                     static budget, other keys are proposer options; ``mjsd`` (LOSSY,
+                     greedy only, never run unless named) also takes ``threshold``
   hf_ar              ``model.generate`` on the same target model
   hf_assisted        transformers assisted generation, ``assistant_model`` = the draft
                      model; ``num_assistant_tokens``, ``num_assistant_tokens_schedule``
@@ -40,6 +41,13 @@ Definitions used in the report:
   loops      see ``is_loop``.
   overhead   grpc:NAME: (its time - NAME's time in process) / its verification steps, per
              prompt, when both ran the same steps; as a fraction of its own step time.
+  lossy      a method whose output may differ from the target's own decoding (mjsd), marked
+             so in the table and the JSON (``lossy``, ``acceptance``); its greedy_match_ar
+             below 1 is expected, not a failure.
+  perplexity the target's perplexity of a method's outputs: exp(sum of -log p_target(token |
+             prompt, earlier output) / tokens generated), pooled over prompts, each output scored
+             by one target forward (outside the timed runs). Computed for ar and every lossy
+             method when one runs (the quality MJSD trades for speed), for all with --perplexity.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from specmesh.app.bench_runners import (
     ForwardMeter,
     MethodSpec,
     RunOutput,
+    asked_sampling,
     measured_run,
     method_runner,
 )
@@ -100,7 +109,8 @@ def needs_draft(name: str) -> bool:
 def default_methods(has_draft: bool) -> list[str]:
     """Every in-process method: AR, every registered proposer, the HF peers (those needing a draft model
     only with one). grpc: methods run only when asked for."""
-    return [m for m in method_names() if (has_draft or not needs_draft(m)) and not m.startswith(GRPC_PREFIX)]
+    return [m for m in method_names() if (has_draft or not needs_draft(m)) and not m.startswith(GRPC_PREFIX)
+            and not MethodSpec(m, m).lossy]  # a lossy method runs only when named
 
 
 def parse_method(spec: str, known: Sequence[str]) -> MethodSpec:
@@ -249,6 +259,11 @@ def aggregate(records: list[dict], greedy: bool) -> dict:
         out["speedup_vs_hf_ar"] = spread([r["speedup_vs_hf_ar"] for r in records if r["speedup_vs_hf_ar"] is not None])
         out["greedy_match_hf_ar"] = float(np.mean([r["match_hf_ar"] for r in records])) if greedy else None
     out["loop_fraction"] = float(np.mean([r["loops"] for r in records]))
+    out["acceptance"] = records[0]["acceptance"]
+    out["lossy"] = records[0]["lossy"]
+    scored = [r for r in records if r.get("target_nll") is not None]
+    out["perplexity"] = (float(np.exp(sum(r["target_nll"] for r in scored) / sum(r["num_generated"] for r in scored)))
+                         if scored and sum(r["num_generated"] for r in scored) else None)
     return out
 
 
@@ -284,6 +299,9 @@ def make_record(prompt_id: str, prompt_tokens: int, spec: MethodSpec, runs: list
         "draft_forward_seconds": best.draft_forward_seconds,
         "loops": is_loop(body),
         "token_ids": tokens,
+        "acceptance": spec.acceptance,
+        "lossy": spec.lossy,
+        "target_nll": None,  # filled in by score_outputs when the method's perplexity is measured
     }
     rec["tokens_per_second"] = _ratio(len(tokens), rec["seconds"])
     if best.stats is not None:
@@ -310,6 +328,32 @@ def make_record(prompt_id: str, prompt_tokens: int, spec: MethodSpec, runs: list
     else:
         rec["tau"] = _ratio(len(tokens), best.target_forwards)
     return rec
+
+
+def target_nll(runner, prompt: Sequence[int], output: Sequence[int]) -> float:
+    """Sum over the output of -log p_target(token | prompt, earlier output tokens): one forward of prompt + output
+    on a fresh cache, log-softmax in float64."""
+    import torch
+
+    if not output:
+        return 0.0
+    ids = list(prompt) + list(output[:-1])
+    with torch.inference_mode():
+        logits = runner.forward(runner.new_cache(), ids, range(len(ids)))[len(prompt) - 1 :]  # [len(output), vocab]
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        picked = logp.gather(1, torch.as_tensor(list(output), device=logp.device)[:, None])
+    return float(-picked.sum())
+
+
+def score_outputs(runner, prompt: Sequence[int], records: dict[str, dict], specs: Sequence[MethodSpec],
+                  all_methods: bool) -> None:
+    """Fill in ``target_nll`` of one prompt's records: every method's with ``all_methods``, else ar's and the
+    lossy methods' when any runs."""
+    lossy = [s.label for s in specs if s.lossy]
+    wanted = [s.label for s in specs] if all_methods else (["ar", *lossy] if lossy else [])
+    for label in wanted:
+        rec = records[label]
+        rec["target_nll"] = target_nll(runner, prompt, rec["token_ids"])
 
 
 def _speedup(ref: dict | None, rec: dict) -> float | None:
@@ -359,6 +403,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     try:  # usage errors: one line, no traceback
         specs = plan_methods(args.methods or default_methods(draft_dir is not None), draft_dir is not None)
         base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        for spec in specs:  # a lossy method is greedy only; a threshold only for it
+            asked_sampling(spec, base)
         rows = load_prompts(Path(args.prompts), args.limit)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"specmesh bench: {exc}") from None
@@ -454,6 +500,7 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
                                                              draft_meter))
                 by_label = {s.label: make_record(pid, len(ids), s, runs[s.label], eos) for s in specs}
                 compare_prompt(by_label, base.greedy)
+                score_outputs(stack.target_runner, ids, by_label, specs, args.perplexity)
                 for rec in by_label.values():
                     rec["pass"] = p + 1
                 records += by_label.values()
@@ -523,18 +570,24 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 def markdown_table(report: dict) -> str:
     lines = [
-        "| method | τ | tok/s | speedup median [p10–p90] | greedy_match_ar | fwd/token |",
-        "|---|---|---|---|---|---|",
+        "| method | τ | tok/s | speedup median [p10–p90] | greedy_match_ar | fwd/token | target ppl |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, m in report["methods"].items():
         sp = m["speedup_vs_ar"]
         speed = "–" if sp is None else f"{sp['median']:.2f} [{sp['p10']:.2f}–{sp['p90']:.2f}]"
+        name = f"{label} (LOSSY)" if m.get("lossy") else label
         lines.append(
-            f"| {label} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_second'], 1)} | {speed} "
-            f"| {_fmt(m['greedy_match_ar'])} | {_fmt(m['target_forwards_per_token'])} |"
+            f"| {name} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_second'], 1)} | {speed} "
+            f"| {_fmt(m['greedy_match_ar'])} | {_fmt(m['target_forwards_per_token'])} | {_fmt(m.get('perplexity'))} |"
         )
     methods = report["methods"]
     notes = []
+    lossy = [k for k, m in methods.items() if m.get("lossy")]
+    if lossy:
+        notes.append(f"LOSSY (output differs from the target's own decoding by design; greedy_match_ar < 1 is "
+                     f"expected): {', '.join(lossy)}. target ppl = the target's perplexity of each method's outputs "
+                     "(ar = the target's own greedy output)")
     if "ar" in methods:
         notes.append(f"AR outputs that loop: {methods['ar']['loop_fraction']:.0%} of {methods['ar']['num_prompts']} prompts")
     grpc = [f"{k} {m['speedup_vs_grpc_ar']['median']:.2f}" for k, m in methods.items() if m.get("speedup_vs_grpc_ar")]
@@ -568,7 +621,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NAME or NAME:key=value,... with NAME one of ar, a proposer (keys: max_nodes, max_depth, "
                         "proposer options), hf_ar, hf_assisted (keys: num_assistant_tokens, "
                         "assistant_confidence_threshold, ...), hf_prompt_lookup (prompt_lookup_num_tokens, "
-                        "max_matching_ngram_size). Default: all of them; ar and hf_ar are added when missing")
+                        "max_matching_ngram_size); mjsd is LOSSY (greedy only; keys beam_width, draft_length, "
+                        "threshold) and runs only when named. Default: all of them but the lossy ones; ar and hf_ar "
+                        "are added when missing")
     parser.add_argument("--limit", type=int, help="first N prompts only")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -591,6 +646,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                         help="with --concurrency: the KV pool of the shared in-process verifier, as `specmesh "
                              "verifier --kv-cache-gb` (default: the verifier's)")
+    parser.add_argument("--perplexity", action="store_true",
+                        help="score every method's outputs with the target's perplexity (one target forward per "
+                             "output, outside the timed runs); without it only ar and the lossy methods (mjsd) are "
+                             "scored, and only when a lossy method runs")
     parser.add_argument("--spawn-mesh", action="store_true",
                         help="for grpc:NAME methods, start a verifier, a drafter and serve on 127.0.0.1 with this "
                              "command's model options, and stop them at the end")

@@ -33,6 +33,30 @@ class MethodSpec:
         """The method without its ``grpc:`` prefix."""
         return self.name.removeprefix(GRPC_PREFIX)
 
+    @property
+    def acceptance(self) -> str:
+        """How the verifier accepts the method's drafts: "exact", or a lossy one ("mjsd") for the proposer that
+        asks for it (``orchestrator.acceptance``)."""
+        from orchestrator.acceptance import acceptance_of
+
+        return "exact" if self.is_hf else acceptance_of(self.base_name)
+
+    @property
+    def lossy(self) -> bool:
+        return self.acceptance != "exact"
+
+
+def asked_sampling(spec: MethodSpec, sampling: SamplingParams) -> SamplingParams:
+    """The sampling the method's requests carry: the acceptance of its proposer, with its ``threshold`` option
+    (mjsd). ValueError for a lossy method with temperature > 0, or a threshold given to any other method."""
+    from orchestrator.acceptance import request_sampling
+
+    if spec.is_hf:
+        return sampling
+    name = None if spec.base_name == "ar" else spec.base_name
+    return request_sampling(name, sampling, dict(spec.options).get("threshold"))
+
+
 # keys of hf_assisted that transformers reads from the draft model's generation config
 ASSISTANT_CONFIG_KEYS = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"}
 
@@ -99,9 +123,12 @@ class RunOutput:
 
 class SpecmeshRunner:
     def __init__(self, stack, spec: MethodSpec) -> None:
-        self.engine = stack.engine(None if spec.name == "ar" else spec.name, **dict(spec.options))
+        options = {k: v for k, v in spec.options if k != "threshold"}  # the verifier's (mjsd), not the proposer's
+        self.spec = spec
+        self.engine = stack.engine(None if spec.name == "ar" else spec.name, **options)
 
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
+        sampling = asked_sampling(self.spec, sampling)
         t0 = time.perf_counter()
         result = self.engine.generate(prompt, sampling)
         return RunOutput(result.token_ids, time.perf_counter() - t0, stats=result.stats)
@@ -172,13 +199,17 @@ class GrpcRunner:
         for key in ("overlap", "policy", "restart_depth"):
             if key in options:
                 self.params[key] = options.pop(key)
+        if "threshold" in options:  # mjsd: the request's (the server sets the acceptance from the proposer)
+            self.params["mjsd_threshold"] = options.pop("threshold")
         if options:
-            raise ValueError(f"{spec.label}: only max_nodes, max_depth, overlap, policy and restart_depth can be set for grpc: methods")
+            raise ValueError(f"{spec.label}: only max_nodes, max_depth, overlap, policy, restart_depth and (mjsd) "
+                             "threshold can be set for grpc: methods")
+        self.acceptance = spec.acceptance
 
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
         from orchestrator.stats import RequestStats, StepStats
 
-        stats = RequestStats(prompt_tokens=len(prompt))
+        stats = RequestStats(prompt_tokens=len(prompt), acceptance=self.acceptance)
         tokens: list[int] = []
         t0 = time.perf_counter()
         for chunk in self.client.stream(

@@ -33,10 +33,14 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     from drafter_service.arguments import add_members_argument, proposers_help
     from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names
     from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments
+    from specmesh.sampling import DEFAULT_MJSD_THRESHOLD
 
     p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input, UTF-8)")
     add_embedded_arguments(p)
     add_members_argument(p)
+    p.add_argument("--falcon", default=None, metavar="DIR",
+                   help="a trained Falcon head (`specmesh train-falcon`) for the target: drafts with the falcon "
+                        "proposer and this head (embedded mode only)")
     p.add_argument("--proposer", default=None, choices=proposer_names() + ["none"], metavar="NAME",
                    help="how drafts are made, with its default budget (nodes x depth): " + proposers_help() +
                         f"; 'none' = plain autoregressive decoding (default: {DEFAULT_PROPOSER}: "
@@ -52,6 +56,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=non_negative_int, default=0,
                    help="sample among the k most likely tokens (default: 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
+    p.add_argument("--mjsd-threshold", type=float, default=None, metavar="T",
+                   help="--proposer mjsd (LOSSY, greedy only): accept the longest drafted prefix whose joint "
+                        "likelihood ratio p/q under target and draft is at least T (default: "
+                        f"{DEFAULT_MJSD_THRESHOLD}, chosen by measurement)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--compare-ar", action="store_true",
@@ -62,8 +70,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout and nothing else: text, token_ids, finish_reason, proposer, "
                         "server, stats (prompt_tokens, generated_tokens, steps, tau, tokens_per_second, "
-                        "total_seconds, acceptance_per_position, draft_errors) and, with --compare-ar, compare_ar; "
-                        "the same in both modes")
+                        "total_seconds, acceptance_per_position, draft_errors, acceptance, lossy) and, with "
+                        "--compare-ar, compare_ar; the same in both modes")
     r = p.add_argument_group("remote", "generate through a running `specmesh serve` instead of in this process "
                                        "(model options are then the server's business and ignored)")
     r.add_argument("--server", default=None, metavar="HOST:PORT", help="address of `specmesh serve`")
@@ -102,9 +110,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
-    proposer = args.proposer or DEFAULT_PROPOSER
+    proposer = args.proposer or ("falcon" if getattr(args, "falcon", None) else DEFAULT_PROPOSER)
+    if getattr(args, "falcon", None) and (proposer != "falcon" or args.server):
+        raise SystemExit("specmesh generate: --falcon is for --proposer falcon, in embedded mode (no --server)")
     if args.members and proposer != "fused":
         raise SystemExit("specmesh generate: --members is for --proposer fused")
+    from orchestrator.acceptance import request_sampling
+
+    try:  # a lossy acceptance only with the proposer that asks for it; greedy only
+        request_sampling(proposer, sampling, args.mjsd_threshold)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh generate: {exc}") from None
     run = _remote_runs(args, prompt, sampling, proposer) if args.server else _embedded_runs(args, prompt, sampling, proposer)
     try:
         return report(args, proposer, run)
@@ -130,7 +146,8 @@ def report(args: argparse.Namespace, proposer: str, run) -> int:
     s = out.stats
     line = (f"[specmesh] {'server=' + args.server + ' ' if args.server else ''}proposer={proposer} "
             f"tokens={s['generated_tokens']} steps={s['steps']} tau={s['tau']:.2f} "
-            f"tok/s={s['tokens_per_second']:.1f} finish={out.finish_reason}")
+            f"tok/s={s['tokens_per_second']:.1f} finish={out.finish_reason}"
+            + (f" lossy ({s['acceptance']}): output differs from the target's own" if s.get("lossy") else ""))
     doc = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "proposer": proposer,
            "server": args.server, "stats": s}
     if args.compare_ar:
@@ -158,11 +175,12 @@ def report(args: argparse.Namespace, proposer: str, run) -> int:
 
 def _stats(summary: dict) -> dict:
     keys = ("prompt_tokens", "generated_tokens", "steps", "tau", "tokens_per_second", "total_seconds",
-            "acceptance_per_position", "draft_errors")
+            "acceptance_per_position", "draft_errors", "acceptance", "lossy")
     return {k: summary[k] for k in keys}
 
 
 def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str):
+    from orchestrator.acceptance import request_sampling
     from orchestrator.embedded import load_stack
     from orchestrator.engine import GenerationResult
     from orchestrator.stats import RequestStats
@@ -170,6 +188,8 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
 
     stack = load_stack(args)
     options = {"members": args.members} if args.members else {}
+    if getattr(args, "falcon", None):
+        options["head"] = args.falcon
     try:
         engines = {name: stack.engine(name, args.max_nodes, args.max_depth, overlap=args.overlap, policy=args.policy,
                                       restart_depth=args.restart_depth, **(options if name != "none" else {}))
@@ -181,7 +201,8 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
     def run(name: str, echo: bool) -> Outcome:
         result = GenerationResult([], "", RequestStats())
         text, pieces = TextStream(stack.decode, sampling.stop), []
-        for event in engines[name].stream(prompt_ids, sampling, result):
+        asked = request_sampling(name, sampling, args.mjsd_threshold if name == proposer else None)
+        for event in engines[name].stream(prompt_ids, asked, result):
             pieces.append(text.push(event.tokens, result.text_limit))
             if echo:
                 sys.stdout.write(pieces[-1])
@@ -204,6 +225,7 @@ def _remote_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str)
                   top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos,
                   overlap=args.overlap, policy=args.policy, restart_depth=args.restart_depth,
                   max_nodes=args.max_nodes, max_depth=args.max_depth)  # unset: the proposer's default budget
+    from orchestrator.acceptance import acceptance_of
     try:
         client = Client(args.server, token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, timeout=args.timeout)
@@ -214,16 +236,19 @@ def _remote_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str)
     except TimeoutError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
 
+    def threshold(name: str) -> dict:
+        return {"mjsd_threshold": args.mjsd_threshold} if name == proposer and args.mjsd_threshold else {}
+
     def run(name: str, echo: bool) -> Outcome:
         """Streamed when echoing (the server's request stats arrive only with the unary call), else unary."""
         start = time.perf_counter()
         try:
             if not echo:
-                done = client.generate(prompt, proposer=name, **params)
+                done = client.generate(prompt, proposer=name, **params, **threshold(name))
                 return Outcome(done.token_ids, done.text, done.finish_reason, _stats(done.stats),
                                time.perf_counter() - start)
             ids, pieces, finish, steps = [], [], "", []
-            for chunk in client.stream(prompt, proposer=name, **params):
+            for chunk in client.stream(prompt, proposer=name, **params, **threshold(name)):
                 ids += chunk.token_ids
                 pieces.append(chunk.text)
                 steps += [chunk.step] if chunk.step is not None else []
@@ -236,7 +261,8 @@ def _remote_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str)
         sys.stdout.write("\n")
         stats = {"generated_tokens": len(ids), "steps": len(steps),
                  "tau": sum(s.num_accepted + 1 for s in steps) / max(len(steps), 1),
-                 "tokens_per_second": len(ids) / seconds if seconds else 0.0}
+                 "tokens_per_second": len(ids) / seconds if seconds else 0.0,
+                 "acceptance": acceptance_of(name), "lossy": acceptance_of(name) != "exact"}
         return Outcome(ids, "".join(pieces), finish, stats, seconds)
 
     return run
@@ -277,6 +303,12 @@ COMMANDS = {
                           "global consistency loss plus the AR loss; saves a model directory (a different model "
                           "from its base: label it so).",
                           "specmesh.app.train_cllm:add_arguments", "specmesh.app.train_cllm:run"),
+    "train-falcon": Command("train a Falcon semi-autoregressive draft head for a target (the `falcon` proposer)",
+                            "Dump the target's final-layer features over a corpus, then train a head (LSTM + one "
+                            "decoder layer on the target's embedding and LM head) with Coupled Sequential Glancing "
+                            "Distillation; saves a head folder (config.json + model.safetensors) that "
+                            "`--methods falcon:head=DIR` loads.",
+                            "specmesh.app.train_falcon:add_arguments", "specmesh.app.train_falcon:run"),
     "ingest": Command("tokenize files and fill an n-gram store for retrieval drafting (REST)",
                       "Tokenize files (directories are walked) and add their n-grams to a Redis store or to a "
                       "snapshot file that drafters load with --ngram-store.",

@@ -14,9 +14,13 @@ Pipeline, one pure function per step:
 Losses per example (x, y_j, y*):
     consistency  KL( p(. | x, y*) [fixed, no gradient] || p_theta(. | x, y_j) ) over the block's n positions:
                  any trajectory state maps to the fixed point's predictions (CLLM's global consistency loss);
-    AR           next-token cross-entropy on x + y* (y* is the base model's own greedy text), which keeps
-                 the model close to the base;
+    AR           next-token cross-entropy on corpus text: the window the context came from, as long as
+                 x + y* (``--ar-on corpus``, the default; CLLM uses the dataset's ground truth), or on x + y*
+                 itself (``--ar-on model``: the base model's own greedy text, which loops on a small model
+                 and overfits); it keeps the model's language modelling;
     loss = consistency + ar_weight * AR.
+
+The loss is batched: examples whose contexts have the same length share one forward per term.
 
 A CLLM is a different model from its base: its greedy output differs. Every table must say which one ran.
 """
@@ -38,6 +42,8 @@ from tqdm import tqdm
 
 from drafter_service.ingest import DEFAULT_GLOBS, corpus_files, documents
 
+AR_TEXTS = ("corpus", "model")
+
 
 @dataclass(frozen=True)
 class CllmConfig:
@@ -55,6 +61,7 @@ class CllmConfig:
     batch_size: int = 8
     lr: float = 5e-5
     ar_weight: float = 1.0
+    ar_on: str = "corpus"  # the AR loss's text: "corpus" (ground truth) or "model" (the fixed points)
     checkpoint_every: int = 200  # steps; 0 = only at the end
     seed: int = 0
     threads: int = 1
@@ -62,6 +69,13 @@ class CllmConfig:
     def __post_init__(self) -> None:
         if self.block < 2 or self.prompt_len < 1 or self.num_prompts < 1 or self.blocks_per_prompt < 1:
             raise ValueError("block >= 2, prompt_len >= 1, num_prompts >= 1 and blocks_per_prompt >= 1")
+        if self.ar_on not in AR_TEXTS:
+            raise ValueError(f"ar_on must be one of {', '.join(AR_TEXTS)}, got {self.ar_on!r}")
+
+    @property
+    def window_len(self) -> int:
+        """Corpus tokens a training window holds: the context and the text after it for every block."""
+        return self.prompt_len + self.blocks_per_prompt * self.block
 
 
 # ----------------------------------------------------------------------------- data
@@ -125,19 +139,24 @@ class Example:
     context: torch.Tensor  # [L]
     states: list[torch.Tensor]  # [n] each: trajectory points before the fixed point
     fixed: torch.Tensor  # [n]
+    truth: torch.Tensor | None = None  # [L + n] corpus text for the AR loss; None = the context + fixed point
 
 
-def collect(model, contexts: list[list[int]], cfg: CllmConfig, rng: np.random.Generator) -> list[Example]:
-    """Jacobi trajectories of the base model after each context, ``blocks_per_prompt`` consecutive blocks
-    (each next context = the last one + its fixed point); blocks that converge at once teach nothing."""
+def collect(model, windows: list[list[int]], cfg: CllmConfig, rng: np.random.Generator) -> list[Example]:
+    """Jacobi trajectories of the base model after each window's first ``prompt_len`` tokens,
+    ``blocks_per_prompt`` consecutive blocks (each next context = the last one + its fixed point); blocks that
+    converge at once teach nothing. With ``ar_on == "corpus"`` an example keeps the window's text as long as
+    its context + block (when the window has it) for the AR loss."""
     out = []
-    for ids in tqdm(contexts, desc="trajectories", unit="prompt", dynamic_ncols=True):
-        context = torch.tensor(ids)
+    for ids in tqdm(windows, desc="trajectories", unit="prompt", dynamic_ncols=True):
+        context = torch.tensor(ids[: cfg.prompt_len])
         for _ in range(cfg.blocks_per_prompt):
             init = torch.as_tensor(rng.choice(context.numpy(), size=cfg.block))  # random tokens of the context
             states, fixed = jacobi_trajectory(model, context, init)
+            span = context.shape[0] + cfg.block
+            truth = torch.tensor(ids[:span]) if cfg.ar_on == "corpus" and len(ids) >= span else None
             if states:
-                out.append(Example(context, states, fixed))
+                out.append(Example(context, states, fixed, truth))
             context = torch.cat([context, fixed])
     return out
 
@@ -145,19 +164,31 @@ def collect(model, contexts: list[list[int]], cfg: CllmConfig, rng: np.random.Ge
 # ----------------------------------------------------------------------------- training
 def cllm_loss(model, examples: list[Example], rng: np.random.Generator, ar_weight: float
               ) -> tuple[torch.Tensor, float, float]:
-    """(loss, consistency, AR) of one batch: for each example one trajectory state drawn uniformly."""
-    consistency, ar = [], []
-    for ex in examples:
-        state = ex.states[int(rng.integers(len(ex.states)))]
-        start = ex.context.shape[0] - 1  # the row predicting the block's first position
-        n = ex.fixed.shape[0]
-        ids = torch.cat([ex.context, ex.fixed]).unsqueeze(0)
-        fixed_logits = model(input_ids=ids).logits[0]  # [L + n, V]: AR loss and the consistency target
-        target = F.log_softmax(fixed_logits[start:start + n].detach(), -1)
-        noisy = model(input_ids=torch.cat([ex.context, state]).unsqueeze(0)).logits[0, start:start + n]
-        consistency.append(F.kl_div(F.log_softmax(noisy, -1), target, log_target=True, reduction="batchmean"))
-        ar.append(F.cross_entropy(fixed_logits[:-1], ids[0, 1:]))
-    c, a = torch.stack(consistency).mean(), torch.stack(ar).mean()
+    """(loss, consistency, AR) of one batch: for each example one trajectory state drawn uniformly. Examples
+    whose contexts have the same length are stacked: two forwards per group (fixed point, state), a third for
+    the AR loss on corpus text when the group has it (else the AR loss reads the fixed point's forward)."""
+    states = [ex.states[int(rng.integers(len(ex.states)))] for ex in examples]
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, ex in enumerate(examples):
+        groups.setdefault((ex.context.shape[0], ex.truth is not None), []).append(i)
+    consistency, ar = torch.zeros(()), torch.zeros(())
+    for (length, has_truth), members in groups.items():
+        start, n = length - 1, examples[members[0]].fixed.shape[0]  # row start predicts the block's first position
+        fixed_ids = torch.stack([torch.cat([examples[i].context, examples[i].fixed]) for i in members])  # [B, L+n]
+        state_ids = torch.stack([torch.cat([examples[i].context, states[i]]) for i in members])  # [B, L+n]
+        fixed_logits = model(input_ids=fixed_ids).logits  # [B, L + n, V]
+        target = F.log_softmax(fixed_logits[:, start:start + n].detach(), -1)  # [B, n, V]
+        noisy = F.log_softmax(model(input_ids=state_ids).logits[:, start:start + n], -1)
+        kl = F.kl_div(noisy, target, log_target=True, reduction="none").sum(-1).mean(-1)  # [B]: per example
+        consistency = consistency + kl.sum()
+        if has_truth:
+            truth = torch.stack([examples[i].truth for i in members])  # [B, L + n]
+            ar_logits = model(input_ids=truth).logits
+        else:
+            truth, ar_logits = fixed_ids, fixed_logits
+        ce = F.cross_entropy(ar_logits[:, :-1].flatten(0, 1), truth[:, 1:].flatten(), reduction="none")
+        ar = ar + ce.view(len(members), -1).mean(-1).sum()
+    c, a = consistency / len(examples), ar / len(examples)
     return c + ar_weight * a, c.item(), a.item()
 
 
@@ -214,7 +245,10 @@ def train_cllm(cfg: CllmConfig) -> dict:
     heldout = context_windows(heldout_docs, cfg.prompt_len, cfg.heldout_prompts, np.random.default_rng(cfg.seed + 2))
     before = evaluate(model, heldout, cfg)
     checkpoint = cfg.out_dir / "checkpoint.pt"
-    examples = collect(model, context_windows(train_docs, cfg.prompt_len, cfg.num_prompts, rng), cfg, rng)
+    long_docs = [d for d in train_docs if len(d) >= cfg.window_len]  # hold the text after every block
+    windows = context_windows(long_docs or train_docs, cfg.window_len if long_docs else cfg.prompt_len,
+                              cfg.num_prompts, rng)
+    examples = collect(model, windows, cfg, rng)
     if not examples:
         raise ValueError("every Jacobi block converged at once: nothing to learn from (a longer --block?)")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -273,6 +307,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default: 5e-5)")
     p.add_argument("--ar-weight", type=float, default=1.0, help="weight of the AR loss (default: 1)")
+    p.add_argument("--ar-on", choices=AR_TEXTS, default="corpus",
+                   help="the AR loss's text: corpus = the text that followed each context in the corpus (ground "
+                        "truth, as CLLM), model = the base model's own fixed points (default: corpus)")
     p.add_argument("--checkpoint-every", type=int, default=200,
                    help="steps between resumable checkpoints in OUT/checkpoint.pt (default: 200; 0 = none)")
     p.add_argument("--seed", type=int, default=0)
@@ -283,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = CllmConfig(args.base, args.out, tuple(args.corpus), args.jsonl_field, args.block, args.prompt_len,
                          args.blocks_per_prompt, args.num_prompts, minutes=args.minutes, max_steps=args.max_steps,
-                         batch_size=args.batch_size, lr=args.lr, ar_weight=args.ar_weight,
+                         batch_size=args.batch_size, lr=args.lr, ar_weight=args.ar_weight, ar_on=args.ar_on,
                          checkpoint_every=args.checkpoint_every, seed=args.seed, threads=args.threads)
         report = train_cllm(cfg)
     except (ValueError, FileNotFoundError, OSError) as exc:

@@ -38,7 +38,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., step: _Optional[_Union[_common_pb2.StepStats, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "tau", "tokens_per_second", "total_seconds", "acceptance_per_position", "draft_errors")
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "tau", "tokens_per_second", "total_seconds", "acceptance_per_position", "draft_errors", "acceptance", "lossy")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class RequestStats(_message.Message):
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     steps: int
@@ -55,7 +57,9 @@ class RequestStats(_message.Message):
     total_seconds: float
     acceptance_per_position: _containers.RepeatedScalarFieldContainer[float]
     draft_errors: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., tau: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_seconds: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., draft_errors: _Optional[int] = ...) -> None: ...
+    acceptance: str
+    lossy: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., tau: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_seconds: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., draft_errors: _Optional[int] = ..., acceptance: _Optional[str] = ..., lossy: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats")

@@ -1,0 +1,437 @@
+"""The ``falcon`` proposer: a Falcon SAR head (``falcon_head.py``) drafting a custom decoding tree.
+
+Per-session state (``FalconState``): for every context position fed so far, its token, what its input
+feature was (the target's, or a stand-in and from which anchor), the LSTM state after it, its LSTM output and
+its keys/values; plus the target features received (``DraftFeedback.features``). It is a pure function of
+(context tokens, target features known), kept in sync lazily and exactly under rollbacks:
+
+- positions 0..known have their true inputs [f[j-1]; x[j]] (``known`` = target features received, from 0);
+- positions after ``known`` (the overlapped loop's hypothesis, or everything when no verifier sends features)
+  take stand-in features, block by block from ``known``: the block of positions S..S+k-1 gets the outputs of
+  the final-block forward at end S-1 (what drafting from there would have produced);
+- before drafting, the first position whose token or kind of input changed is found, everything from there is
+  dropped, and the rest is fed again (a rollback is a cut; new features turn stand-ins into true inputs).
+
+Drafting, the custom tree: the final-block forward at the context's end gives k distributions (the next k
+tokens). Expanding a node makes its block of k tokens: under greedy, each token node gets its top-``branching``
+tokens of the next distribution (point masses, so any pruning stays lossless), the best ``max_nodes`` by
+cumulative log q are kept; under sampling, ``samples`` children of the block's first slot drawn without
+replacement (each ships the distribution it was drawn from, conditioned on its earlier siblings) and one
+sampled child per later slot, with every node count fixed before the draw (a node's existence never depends
+on its own value), so the verifier's rejection sampling stays lossless. Each further forward pass expands the
+best ``expand`` block ends at once (their k tokens fed as blocks under the relaxed mask: a block's rows see the
+context, their ancestor blocks and their whole own block), until ``max_depth`` or the budget's deadline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from drafter_service.falcon_head import FalconHead, TargetTables, load_head, random_head, target_tables
+from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
+from specmesh.contract import Budget
+from specmesh.feedback import DraftFeedback
+from specmesh.tree import TokenTree
+from specmesh.warp import warp_probs
+
+TRUE = -1  # kind of a position whose input feature is the target's (else: the anchor its stand-in came from)
+
+
+class _Rows:
+    """A growable [capacity, *shape] buffer; rows [0, length) are in use."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        self.data = torch.zeros((64, *shape), dtype=dtype, device=device)
+        self.length = 0
+
+    def reserve(self, length: int) -> None:
+        if length > self.data.shape[0]:
+            grown = torch.zeros((max(length, 2 * self.data.shape[0]), *self.data.shape[1:]), dtype=self.data.dtype,
+                                device=self.data.device)
+            grown[: self.length] = self.data[: self.length]
+            self.data = grown
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        self.reserve(start + rows.shape[0])
+        self.data[start : start + rows.shape[0]] = rows
+        self.length = max(self.length, start + rows.shape[0])
+
+    def view(self, end: int | None = None) -> torch.Tensor:
+        return self.data[: self.length if end is None else end]
+
+
+@dataclass
+class FalconState:
+    """One session's head state (see the module docstring). Positions [0, len(tokens)) are fed."""
+
+    head: FalconHead
+    tokens: list[int] = field(default_factory=list)
+    kinds: list[int] = field(default_factory=list)  # TRUE or the anchor of the stand-in
+    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # pos -> (h, c) [layers, H]
+    known: int = 0  # target features f[0..known-1] received
+
+    def __post_init__(self) -> None:
+        cfg, p = self.head.config, next(self.head.parameters())
+        hidden, kvh, hd = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+        self.outputs = _Rows((hidden,), p.dtype, p.device)  # LSTM outputs s[j]
+        self.keys = _Rows((kvh, hd), p.dtype, p.device)
+        self.values = _Rows((kvh, hd), p.dtype, p.device)
+        self.features = _Rows((hidden,), p.dtype, p.device)  # target features f[j]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    # ------------------------------------------------------------------ features
+    def add_features(self, start: int, rows: torch.Tensor) -> None:
+        """Target features of positions start.. (a gap before them, features lost on the way, is zeros)."""
+        rows = torch.as_tensor(rows).to(self.features.data.dtype).to(self.features.data.device)
+        if start > self.features.length:
+            self.features.put(self.features.length, torch.zeros_like(rows[:1]).expand(start - self.features.length, -1))
+        self.features.put(start, rows)
+        self.known = self.features.length
+
+    def truncate_features(self, length: int) -> None:
+        """Forget target features past a context of ``length`` tokens (only rows f[j], j < length - 1, stay)."""
+        self.features.length = min(self.features.length, max(0, length - 1))
+        self.known = self.features.length
+
+    # ---------------------------------------------------------------------- sync
+    def cut(self, length: int) -> None:
+        """Drop positions from ``length`` on, back to the last position whose LSTM state is kept."""
+        while length > 0 and (length - 1) not in self.states:
+            length -= 1
+        del self.tokens[length:], self.kinds[length:]
+        for pos in [p for p in self.states if p >= length]:
+            del self.states[pos]
+        for rows in (self.outputs, self.keys, self.values):
+            rows.length = min(rows.length, length)
+
+    def state_before(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, c) [layers, 1, H] after position pos - 1 (zeros before position 0)."""
+        if pos == 0:
+            return self.head.zero_state(1)
+        h, c = self.states[pos - 1]
+        return h[:, None], c[:, None]
+
+    def feed(self, ids: list[int], prev_features: torch.Tensor, kind: int, per_step: bool) -> None:
+        """Append positions with tokens ``ids`` and input features ``prev_features`` [n, H]. ``per_step``: keep the
+        LSTM state after every position (rollbacks may cut there), else only after the last."""
+        start, n = self.length, len(ids)
+        x = self.head.inputs(prev_features, torch.tensor(ids, device=prev_features.device))[None]  # [1, n, 2H]
+        h0, c0 = self.state_before(start)
+        if per_step:
+            s, hs, cs = self.head.lstm_steps(x, h0, c0)  # hs/cs: [n, layers, 1, H]
+            for i in range(n):
+                self.states[start + i] = (hs[i, :, 0], cs[i, :, 0])
+        else:
+            s, (h, c) = self.head.lstm(x, (h0, c0))
+            self.states[start + n - 1] = (h[:, 0], c[:, 0])
+        positions = torch.arange(start, start + n, device=x.device)
+        keys, values = self.head.project_kv(s[0], positions)
+        self.outputs.put(start, s[0])
+        self.keys.put(start, keys.transpose(0, 1))
+        self.values.put(start, values.transpose(0, 1))
+        self.tokens += ids
+        self.kinds += [kind] * n
+
+    def final_block(self, end: int) -> tuple[torch.Tensor, int]:
+        """The final-block forward at ``end`` (inclusive): rows max(0, end-k+1)..end see every position <= end.
+        Returns the outputs [rows, H] and the first row's index (row r predicts f[r-1+k] and x[r+k])."""
+        k = self.head.config.k
+        first = max(0, end - k + 1)
+        rows = torch.arange(first, end + 1, device=self.outputs.data.device)
+        keys = self.keys.view(end + 1).transpose(0, 1)  # [kvh, end+1, hd]
+        values = self.values.view(end + 1).transpose(0, 1)
+        return self.head.decode_rows(self.outputs.view(end + 1)[first:], rows, keys, values, None), first
+
+    def standin(self, block_start: int) -> torch.Tensor:
+        """Stand-in input features [k, H] of positions block_start..block_start+k-1: the outputs of the final-block
+        forward at block_start - 1 (zeros for rows before position 0)."""
+        k = self.head.config.k
+        out, first = self.final_block(block_start - 1)
+        missing = k - out.shape[0]  # rows before position 0
+        if missing:
+            out = torch.cat([torch.zeros_like(out[:1]).expand(missing, -1), out])
+        return out
+
+    @torch.inference_mode()
+    def sync(self, context: list[int]) -> None:
+        """Bring the fed positions to exactly ``context`` (see the module docstring)."""
+        n, known, k = len(context), self.known, self.head.config.k
+        kind = [TRUE if j <= known else known for j in range(n)]
+        c = 0
+        limit = min(self.length, n)
+        while c < limit and self.tokens[c] == context[c] and self.kinds[c] == kind[c]:
+            c += 1
+        if c < self.length:
+            self.cut(c)
+        c = self.length
+        last_true = min(known, n - 1)
+        if c <= last_true:  # committed positions with the target's features: one LSTM call
+            feats = self.features.view()
+            prev = torch.cat([torch.zeros_like(feats[:1]) if c == 0 else feats[c - 1 : c], feats[c:last_true]]) \
+                if feats.shape[0] else torch.zeros((last_true + 1 - c, self.head.config.hidden_size),
+                                                   dtype=self.outputs.data.dtype, device=self.outputs.data.device)
+            self.feed(context[c : last_true + 1], prev, TRUE, per_step=False)
+        while self.length < n:  # stand-in positions, block by block from the anchor
+            pos = self.length
+            block_start = known + 1 + (pos - known - 1) // k * k
+            standins = self.standin(block_start)
+            end = min(block_start + k, n)
+            self.feed(context[pos:end], standins[pos - block_start : end - block_start], known, per_step=True)
+
+
+# --------------------------------------------------------------------------------------------------- proposer
+@dataclass
+class _Cand:
+    token: int
+    parent: int  # candidate index, -1 = root
+    depth: int
+    score: float  # cumulative log q
+    prob: float  # draft probability of the token (conditioned on earlier siblings when sampled)
+    src: int  # fed block whose forward gave its distribution (-1 = the context's final block)
+    slot: int  # its place in that block, 0..k-1
+    dist: tuple[np.ndarray, np.ndarray] | None = None  # sampled: the sparse distribution it was drawn from
+
+
+@dataclass
+class _Fed:
+    """A block fed during drafting: its k rows in the tree buffer, ancestors (fed blocks), outputs, LSTM state."""
+
+    cols: list[int]
+    ancestors: list[int]
+    outputs: torch.Tensor  # [k, H]
+    h: torch.Tensor  # [layers, H] after its last row
+    c: torch.Tensor
+
+
+@dataclass
+class FalconProposer(Proposer):
+    head: FalconHead
+    branching: int = 4  # greedy: children per token node (top-m)
+    expand: int = 4  # block ends expanded per forward pass
+    samples: int = 2  # sampling: children drawn (without replacement) in each block's first slot
+    name: str = "falcon"
+    feedback_features: bool = True  # ask the verifier for the target's features
+
+    def observe(self, state: DraftSessionState, feedback: DraftFeedback) -> None:
+        fs = self._state(state)
+        for features in feedback.features:
+            fs.add_features(features.start, features.rows)
+
+    def release(self, state: DraftSessionState) -> None:
+        state.scratch.pop(self.name, None)
+
+    def _state(self, state: DraftSessionState) -> FalconState:
+        fs = state.scratch.get(self.name)
+        if fs is None:
+            fs = state.scratch[self.name] = FalconState(self.head)
+        return fs
+
+    @torch.inference_mode()
+    def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
+        k = self.head.config.k
+        n = len(state.tokens)
+        if budget.is_zero or n < k:
+            return TokenTree.empty()
+        fs = self._state(state)
+        fs.truncate_features(n)  # features of positions rolled back (never committed ones) are void
+        fs.sync(state.tokens)
+        out, _ = fs.final_block(n - 1)  # [k, H]
+        return _TreeBuilder(self, fs, state, budget, n).build(out)
+
+
+class _TreeBuilder:
+    """One proposal's custom decoding tree (see the module docstring)."""
+
+    def __init__(self, proposer: FalconProposer, fs: FalconState, state: DraftSessionState, budget: Budget,
+                 n: int) -> None:
+        self.p, self.fs, self.state, self.budget, self.n = proposer, fs, state, budget, n
+        self.head = proposer.head
+        self.k = self.head.config.k
+        self.sp = state.sampling
+        self.cands: list[_Cand] = []
+        self.fed: list[_Fed] = []
+        self.tree_keys: list[torch.Tensor] = []  # [kvh, rows, hd] per forward
+        self.tree_values: list[torch.Tensor] = []
+        self.tree_rows = 0
+        self.min_score = math.log(budget.min_path_prob) if budget.min_path_prob > 0 else -math.inf
+
+    def build(self, root_out: torch.Tensor) -> TokenTree:
+        budget = self.budget
+        self.root_out = root_out
+        probs = self._dists(root_out)  # [k, vocab]
+        leaves = self._expand(-1, -1, probs, 0.0, 0)
+        passes = 1
+        while leaves and not budget.expired() and (self.sp.greedy or len(self.cands) < budget.max_nodes):
+            leaves = [c for c in leaves if self.cands[c].depth + 1 < budget.max_depth
+                      and self.cands[c].score >= self.min_score]
+            leaves = sorted(leaves, key=lambda c: -self.cands[c].score)[: self.p.expand]
+            if not leaves:
+                break
+            outs, fed_ids = self._forward(leaves)
+            passes += 1
+            nxt = []
+            for leaf, out, fed in zip(leaves, outs, fed_ids, strict=True):
+                if not self.sp.greedy and len(self.cands) >= budget.max_nodes:
+                    break
+                nxt += self._expand(leaf, fed, self._dists(out), self.cands[leaf].score, self.cands[leaf].depth + 1)
+            leaves = nxt
+        return self._tree()
+
+    # -------------------------------------------------------------------- pieces
+    def _dists(self, out: torch.Tensor) -> torch.Tensor:
+        """[k, H] outputs -> [k, vocab] draft distributions (float64; warped like the target's when sampling)."""
+        logits = self.head.logits(out).cpu()
+        if self.sp.greedy:
+            return torch.softmax(logits.double(), dim=-1)
+        return warp_probs(logits, self.sp.temperature, self.sp.top_k, self.sp.top_p).double()
+
+    def _expand(self, anchor: int, src: int, probs: torch.Tensor, score: float, depth: int) -> list[int]:
+        """Children of ``anchor`` (-1 = root): a block of up to k slots drawn from ``probs`` [k, vocab]. Returns the
+        block ends (candidates at its last slot)."""
+        budget = self.budget
+        slots = min(self.k, budget.max_depth - depth)
+        parents = [(anchor, score)]
+        for slot in range(slots):
+            made = []
+            if self.sp.greedy:
+                top = torch.topk(probs[slot], min(self.p.branching, probs.shape[1]))
+                logs = torch.log(top.values).tolist()
+                for parent, pscore in parents:
+                    for lq, tok in zip(logs, top.indices.tolist(), strict=True):
+                        if lq == -math.inf:
+                            break
+                        made.append(_Cand(tok, parent, depth + slot, pscore + lq, math.exp(lq), src, slot))
+                made = sorted(made, key=lambda c: -c.score)[: budget.max_nodes]  # pruning point masses is lossless
+            else:
+                for parent, pscore in parents:
+                    room = budget.max_nodes - len(self.cands) - len(made)
+                    # counts fixed before drawing: the first slot's samples share what is left for their chains
+                    count = 1 if slot else max(1, min(self.p.samples, room // slots))
+                    for dist, tok in self._sample(probs[slot], min(count, room)):
+                        ids, vals = dist
+                        q = float(vals[ids == tok][0])
+                        made.append(_Cand(tok, parent, depth + slot, pscore + math.log(q), q, src, slot, dist))
+            ids = []
+            for cand in made:
+                self.cands.append(cand)
+                ids.append(len(self.cands) - 1)
+            parents = [(i, self.cands[i].score) for i in ids]
+            if not parents:
+                return []
+        return [i for i, _ in parents] if slots == self.k else []
+
+    def _sample(self, q: torch.Tensor, count: int):
+        """``count`` tokens drawn from q without replacement; each with the distribution it was drawn from."""
+        q = q.clone()
+        for _ in range(count):
+            total = float(q.sum())
+            if total <= 0:
+                return
+            q = q / total
+            tok = int(torch.multinomial(q, 1, generator=self.state.generator))
+            nz = torch.nonzero(q).flatten()
+            yield (nz.numpy(), q[nz].numpy()), tok
+            q[tok] = 0.0
+
+    def _chain(self, leaf: int) -> list[int]:
+        """The k candidates of the block ending at ``leaf``, first slot first."""
+        chain = [leaf]
+        while len(chain) < self.k:
+            chain.append(self.cands[chain[-1]].parent)
+        return chain[::-1]
+
+    def _forward(self, leaves: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """Feed the blocks ending at ``leaves`` in one forward; their outputs [k, H] and fed-block indices."""
+        fs, k, head = self.fs, self.k, self.head
+        chains = [self._chain(leaf) for leaf in leaves]
+        srcs = [self.cands[chain[0]].src for chain in chains]
+        feats, h0, c0 = [], [], []
+        for src in srcs:
+            if src < 0:
+                feats.append(self.root_out)
+                h, c = fs.states[self.n - 1]
+            else:
+                feats.append(self.fed[src].outputs)
+                h, c = self.fed[src].h, self.fed[src].c
+            h0.append(h)
+            c0.append(c)
+        ids = torch.tensor([[self.cands[i].token for i in chain] for chain in chains])
+        x = head.inputs(torch.stack(feats), ids)  # [N, k, 2H]
+        s, hs, cs = head.lstm_steps(x, torch.stack(h0, dim=1), torch.stack(c0, dim=1))
+        num = len(chains)
+        positions = torch.tensor([self.n + self.cands[i].depth for chain in chains for i in chain])
+        flat = s.reshape(num * k, -1)
+        keys, values = head.project_kv(flat, positions)  # [kvh, N*k, hd]
+        self.tree_keys.append(keys)
+        self.tree_values.append(values)
+        first_fed = len(self.fed)
+        base = self.tree_rows
+        self.tree_rows += num * k
+        mask = torch.zeros(num * k, self.n + self.tree_rows, dtype=torch.bool)
+        mask[:, : self.n] = True
+        for b, src in enumerate(srcs):
+            ancestors = (self.fed[src].ancestors if src >= 0 else []) + [first_fed + b]
+            cols = list(range(base + b * k, base + (b + 1) * k))
+            self.fed.append(_Fed(cols, ancestors, None, hs[-1][:, b], cs[-1][:, b]))
+            for a in ancestors:
+                mask[b * k : (b + 1) * k, [self.n + col for col in self.fed[a].cols]] = True
+        all_keys = torch.cat([fs.keys.view(self.n).transpose(0, 1), *self.tree_keys], dim=1)
+        all_values = torch.cat([fs.values.view(self.n).transpose(0, 1), *self.tree_values], dim=1)
+        out = head.decode_rows(flat, positions, all_keys, all_values, mask).view(num, k, -1)
+        for b in range(num):
+            self.fed[first_fed + b].outputs = out[b]
+        return list(out), list(range(first_fed, first_fed + num))
+
+    def _tree(self) -> TokenTree:
+        cands, budget = self.cands, self.budget
+        if self.sp.greedy:
+            order = sorted(range(len(cands)), key=lambda c: (-cands[c].score, cands[c].depth, c))
+            kept = [c for c in order[: budget.max_nodes] if cands[c].score >= self.min_score or cands[c].depth == 0]
+            kept_set = set(kept)
+            kept = [c for c in kept if cands[c].parent < 0 or cands[c].parent in kept_set]
+        else:
+            kept = list(range(min(len(cands), budget.max_nodes)))
+        chosen = sorted(kept, key=lambda c: (cands[c].depth, c))
+        index = {c: i for i, c in enumerate(chosen)}
+        tree = TokenTree(
+            np.asarray([cands[c].token for c in chosen], np.int64),
+            np.asarray([index[cands[c].parent] if cands[c].parent >= 0 else -1 for c in chosen], np.int64),
+            np.asarray([min(1.0, cands[c].prob) for c in chosen], np.float64),
+            (self.p.name,) * len(chosen),
+        )
+        if self.sp.greedy or not chosen:
+            return tree
+        dists = [cands[c].dist for c in chosen]
+        sizes = [len(ids) for ids, _ in dists]
+        return TokenTree(tree.tokens, tree.parents, tree.draft_probs, tree.sources,
+                         q_cu=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                         q_ids=np.concatenate([ids for ids, _ in dists]).astype(np.int64),
+                         q_probs=np.concatenate([vals for _, vals in dists]).astype(np.float64))
+
+
+# ---------------------------------------------------------------------------------------------------- factory
+def falcon_proposer(target_runner=None, draft_runner=None, **given: object) -> FalconProposer:
+    """Options: ``head`` (a trained head's directory; without one, an untrained head for the target, which
+    drafts valid but rarely accepted trees), ``k`` (untrained head only), ``branching``, ``expand``, ``samples``.
+    The head shares the target's embedding and LM head (``target_runner``; ``draft_runner`` stands in where a
+    host offers no target, e.g. the registry-wide tests, whose draft shares the target's vocabulary)."""
+    opts = proposer_options(given, ("head", "k", "branching", "expand", "samples"), "falcon")
+    runner = target_runner if target_runner is not None else draft_runner
+    if runner is None:
+        raise ValueError("the falcon proposer needs the target model (its embedding and LM head)")
+    tables: TargetTables = target_tables(runner)
+    if opts.get("head"):
+        if "k" in opts:
+            raise ValueError("falcon: k comes from the trained head (its config.json)")
+        head = load_head(str(opts["head"]), tables.to(torch.float32), device=tables.embed.device)
+    else:
+        head = random_head(tables.to(torch.float32), k=int(opts.get("k", 2)))
+    return FalconProposer(head, branching=int(opts.get("branching", 4)), expand=int(opts.get("expand", 4)),
+                          samples=int(opts.get("samples", 2)))

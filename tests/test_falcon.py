@@ -1,0 +1,297 @@
+"""The Falcon proposer: head save/load, target features from the runners and the verifier, per-session head
+state exact under rollbacks, greedy == AR (sequential and PEARL), lossless sampling through the Falcon tree,
+and `specmesh train-falcon` on a tiny model."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from spec_helpers import make_prompts, make_runner, naive_greedy, tiny_llama
+from test_sampling_distribution import E2E_PROMPT, E2E_SAMPLES, P_PASS, WARPS, chisquare_p, exact_pair_law
+
+from drafter_service.drafter import LocalDrafter
+from drafter_service.falcon import FalconProposer, FalconState, falcon_proposer
+from drafter_service.falcon_head import load_head, random_head, save_head, target_tables
+from orchestrator.drafter_link import only
+from orchestrator.engine import Engine
+from orchestrator.policy import StaticPolicy
+from specmesh.contract import Budget
+from specmesh.sampling import SamplingParams
+from verifier_service.verifier import LocalVerifier
+
+PROMPTS = make_prompts(8, seed=3)
+MAX_NEW = 20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: extra intra-op threads only spin against each other (as conftest's SINGLE_THREAD_MODULES)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=11)
+
+
+@pytest.fixture(scope="module")
+def runners(target):
+    return {backend: make_runner(target, backend) for backend in ("hf", "fast")}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+@torch.no_grad()
+def hf_features(model, ids: list[int]) -> torch.Tensor:
+    """The base model's last hidden state (after the final norm): what the LM head reads."""
+    return model.model(torch.tensor([ids])).last_hidden_state[0]
+
+
+# ------------------------------------------------------------------------------------------------- the head
+def test_head_save_load_and_target_check(tmp_path, runners):
+    tables = target_tables(runners["fast"]).to(torch.float32)
+    head = random_head(tables, k=3)
+    save_head(head, tmp_path / "h-falcon", dtype=torch.float32)
+    loaded = load_head(tmp_path / "h-falcon", tables)
+    assert loaded.config == head.config
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert all("embed" not in n and "lm_head" not in n for n in loaded.state_dict())  # only the head's own
+    other = target_tables(tiny_llama(seed=12)).to(torch.float32)
+    with pytest.raises(ValueError, match="another target"):
+        load_head(tmp_path / "h-falcon", other)
+    smaller = target_tables(tiny_llama(seed=12, hidden=32, intermediate=64)).to(torch.float32)
+    with pytest.raises(ValueError, match="hidden size 64"):
+        load_head(tmp_path / "h-falcon", smaller)
+    with pytest.raises(ValueError, match="not a Falcon head"):
+        load_head(tmp_path, tables)
+    with pytest.raises(ValueError, match="k comes from"):
+        falcon_proposer(target_runner=runners["fast"], head=str(tmp_path / "h-falcon"), k=2)
+
+
+# ----------------------------------------------------------------------------------------- target features
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_runner_features_are_the_final_norm_output(target, runners, backend):
+    runner, ids = runners[backend], PROMPTS[0]
+    cache = runner.new_cache()
+    logits, feats = runner.forward_batch([cache], ids, np.arange(len(ids)), [len(ids)], [None], None,
+                                         torch.arange(len(ids)))
+    torch.testing.assert_close(feats, hf_features(target, ids), rtol=1e-9, atol=1e-9)
+    plain = runner.forward_batch([runner.new_cache()], ids, np.arange(len(ids)), [len(ids)], [None])
+    torch.testing.assert_close(logits, plain)  # the features change nothing else
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_verifier_reports_features_of_committed_rows(target, runners, backend):
+    verifier = LocalVerifier(runners[backend], features=True)
+    prompt = PROMPTS[1]
+    expected = naive_greedy(target, prompt, 6)
+    first = verifier.prefill("s", prompt, greedy(6))
+    assert first.first_token == expected[0] and first.features.start == 0
+    full = prompt + expected
+    truth = hf_features(target, full)
+    torch.testing.assert_close(first.features.rows, truth[: len(prompt)], rtol=1e-7, atol=1e-7)
+    # a tree: the true next two tokens behind a decoy sibling
+    from specmesh.tree import TokenTree
+
+    tree = TokenTree(np.array([(expected[1] + 1) % 128, expected[1], expected[2]]), np.array([-1, -1, 1]),
+                     np.ones(3))
+    result = verifier.verify("s", tree)
+    assert result.tokens == tuple(expected[1:4])
+    assert result.features.start == len(prompt) and len(result.features) == 3  # pending + 2 accepted rows
+    torch.testing.assert_close(result.features.rows, truth[len(prompt) : len(prompt) + 3], rtol=1e-7, atol=1e-7)
+    assert LocalVerifier(runners[backend]).prefill("t", prompt, greedy(4)).features is None  # off by default
+
+
+# ------------------------------------------------------------------------------------- exact head state
+def _state_tensors(fs: FalconState) -> list[torch.Tensor]:
+    n = fs.length
+    out, _ = fs.final_block(n - 1)
+    h, c = fs.states[n - 1]
+    return [fs.outputs.view(n), fs.keys.view(n), fs.values.view(n), out, h, c]
+
+
+def test_head_state_is_exact_under_rollbacks_and_new_features(target, runners):
+    """Random edits (appends, rollbacks of a hypothesis, features arriving late) against a fresh state
+    computed once from the same context and features."""
+    head = random_head(target_tables(runners["fast"]).to(torch.float32), k=3)
+    rng = random.Random(0)
+    for trial in range(6):
+        seq = PROMPTS[trial % len(PROMPTS)] + naive_greedy(target, PROMPTS[trial % len(PROMPTS)], 30)
+        feats = hf_features(target, seq).float()
+        fs = FalconState(head)
+        committed, context = rng.randint(5, 12), None
+        known = 0
+        for _ in range(12):
+            # the overlapped loop's view: committed tokens + a hypothesis (right or wrong)
+            hypo = rng.randint(0, 4)
+            context = seq[:committed] + [rng.randrange(128) if rng.random() < 0.3 else t
+                                         for t in seq[committed : committed + hypo]]
+            fs.truncate_features(len(context))
+            if rng.random() < 0.7 and committed - 1 > known:  # features of committed positions arrive
+                fs.add_features(known, feats[known : committed - 1])
+                known = committed - 1
+            fs.sync(context)
+            fresh = FalconState(head)
+            if known:
+                fresh.add_features(0, feats[:known])
+            fresh.sync(context)
+            for a, b in zip(_state_tensors(fs), _state_tensors(fresh), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            committed = min(len(seq) - 5, committed + rng.randint(1, 4))
+
+
+# ------------------------------------------------------------------------------------------ greedy == AR
+def _engine(runner, proposer: FalconProposer, budget, overlap: bool, restart_depth=None) -> Engine:
+    policy = StaticPolicy(*budget, restart_depth=restart_depth) if overlap else StaticPolicy(*budget)
+    return Engine(LocalVerifier(runner, features=True), only(LocalDrafter(proposer), "falcon"), policy,
+                  overlap=overlap, strict=True)
+
+
+@pytest.fixture(scope="module")
+def trained_heads(tmp_path_factory, target, runners):
+    """Heads trained for a second on the tiny target's own greedy text (so that drafts get accepted)."""
+    from specmesh.app.train_falcon import FalconTrainConfig, train_falcon
+
+    runner = runners["fast"]
+    corpus = tmp_path_factory.mktemp("falcon-corpus")
+    ar = Engine(LocalVerifier(runner), (), None)
+    for i, prompt in enumerate(make_prompts(24, seed=7)):
+        ids = prompt + ar.generate(prompt, greedy(64)).token_ids
+        (corpus / f"s{i}.txt").write_text("".join(chr(256 + t) for t in ids))  # _CharTokenizer: ord % 128
+    heads = {}
+    for k in (1, 2, 4):
+        out = tmp_path_factory.mktemp("heads") / f"tiny-falcon-k{k}"
+        cfg = FalconTrainConfig(out, out, (corpus,), k=k, seq_len=24, num_seqs=60, heldout_seqs=4, epochs=4,
+                                batch_size=4, lr=3e-3, intermediate=64, checkpoint_every=0)
+        train_falcon(cfg, runner, _CharTokenizer(), progress=False)
+        heads[k] = out
+    return heads
+
+
+@pytest.mark.parametrize("overlap,restart_depth", [(False, None), (True, None), (True, 1)],
+                         ids=["sequential", "pearl", "pearl-preverify"])
+@pytest.mark.parametrize("budget", [(1, 1), (6, 4), (16, 6)], ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("backend,k", [("fast", 1), ("fast", 2), ("fast", 4), ("hf", 2)])
+def test_falcon_greedy_equals_ar(target, runners, trained_heads, backend, k, budget, overlap, restart_depth):
+    runner = runners[backend]
+    proposer = falcon_proposer(target_runner=runner, head=str(trained_heads[k]))
+    engine = _engine(runner, proposer, budget, overlap, restart_depth)
+    accepted = 0
+    for prompt in PROMPTS[:5]:
+        res = engine.generate(prompt, greedy(MAX_NEW))
+        assert res.token_ids == naive_greedy(target, prompt, MAX_NEW)
+        assert res.stats.num_draft_errors == 0
+        for s in res.stats.steps:
+            assert s.num_proposed <= budget[0] and s.tree_depth <= budget[1]
+        accepted += sum(s.num_accepted for s in res.stats.steps)
+    assert accepted > 0  # the trees were (partly) accepted: not vacuous
+
+
+def test_trees_honour_budgets_and_stop_rule(runners):
+    proposer = falcon_proposer(target_runner=runners["fast"], k=2)
+    drafter = LocalDrafter(proposer)
+    for sp in (greedy(8), SamplingParams(temperature=0.9, max_new_tokens=8, seed=3)):
+        drafter.open("s", PROMPTS[2], sp)
+        for nodes, depth in [(1, 1), (3, 5), (9, 3), (30, 7)]:
+            tree = drafter.propose("s", [], Budget(nodes, depth)).validate(128, nodes, depth)
+            assert tree.num_nodes >= 1
+            assert (tree.q_cu is None) == sp.greedy
+        tight = drafter.propose("s", [], Budget(30, 7, min_path_prob=0.5))
+        assert tight.num_nodes <= 30
+        drafter.close("s")
+
+
+# ------------------------------------------------------------------------------- lossless sampling
+@pytest.fixture(scope="module")
+def e2e():
+    target = tiny_llama(seed=5, vocab=8, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    return target, make_runner(target, "fast")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("warp", ["plain", "topk_topp"])
+def test_falcon_sampling_matches_target_distribution(e2e, warp, overlap):
+    model, runner = e2e
+    proposer = FalconProposer(random_head(target_tables(runner).to(torch.float32), k=2, seed=1), samples=2)
+    engine = _engine(runner, proposer, (6, 4), overlap, restart_depth=0 if overlap else None)
+    temperature, top_k, top_p = WARPS[warp]
+    counts, accepted = {}, 0
+    for i in range(E2E_SAMPLES):
+        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i, max_new_tokens=4,
+                            ignore_eos=True)
+        res = engine.generate(E2E_PROMPT, sp)
+        key = tuple(res.token_ids[1:3])
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(s.num_accepted for s in res.stats.steps)
+    from collections import Counter
+
+    assert chisquare_p(Counter(counts), exact_pair_law(model, E2E_PROMPT, WARPS[warp])) > P_PASS
+    # the tree's sampled nodes were accepted, not all rejected (PEARL with restart depth 0: only trees drafted
+    # ahead are verified, used when the sampled bonus token was guessed)
+    assert accepted > (0.005 if overlap else 0.05) * E2E_SAMPLES
+
+
+# ---------------------------------------------------------------------------------------------- training
+class _CharTokenizer:
+    """Text -> ids mod the tiny vocabulary (the trainer only needs ``tokenizer(text)["input_ids"]``)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(ch) % 128 for ch in text]}
+
+
+def test_train_falcon_tiny_head_loss_falls_and_loads(tmp_path, target, runners):
+    from specmesh.app.train_falcon import FalconTrainConfig, train_falcon
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "print", "(", ")", ":"]
+    for i in range(8):
+        (corpus / f"f{i}.py").write_text(" ".join(rng.choice(words) for _ in range(400)))
+    runner = runners["fast"]
+    for glancing, k in [(True, 2), (False, 2), (True, 1)]:
+        out = tmp_path / f"head-falcon-{k}-{glancing}"
+        cfg = FalconTrainConfig(tmp_path / "target", out, (corpus,), k=k, glancing=glancing, seq_len=32,
+                                num_seqs=24, heldout_seqs=4, epochs=3, batch_size=4, lr=3e-3, intermediate=64,
+                                checkpoint_every=5)
+        report = train_falcon(cfg, runner, _CharTokenizer(), progress=False)
+        assert report["after"]["heldout_loss"] < report["before"]["heldout_loss"], report
+        head = load_head(out, target_tables(runner).to(torch.float32))
+        assert head.config.k == k and head.config.glancing == glancing
+        proposer = falcon_proposer(target_runner=runner, head=str(out))
+        engine = _engine(runner, proposer, (8, 4), overlap=False)
+        assert engine.generate(PROMPTS[0], greedy(10)).token_ids == naive_greedy(target, PROMPTS[0], 10)
+    # a rerun resumes from the finished checkpoint: no more steps
+    again = train_falcon(cfg, runner, _CharTokenizer(), progress=False)
+    assert again["steps"] == report["steps"]
+
+
+def test_glancing_schedule_and_rows():
+    from specmesh.app.train_falcon import glance_lambda, glanced_rows
+
+    assert glance_lambda(0, 4) == pytest.approx(0.4) and glance_lambda(3, 4) == pytest.approx(0.1)
+    rows = glanced_rows([10, 0, 3], 20, 2, 0.4, random.Random(0))
+    assert [len(r) for r in rows] == [4, 0, 1]
+    assert all(r % 2 == 0 for r in rows[0])  # k=2: one row from each chosen block's start
+    rows = glanced_rows([12], 24, 4, 0.4, random.Random(1))[0]
+    assert len(rows) == 5 and all(r % 4 < 3 for r in rows)  # never a whole block
+    assert glanced_rows([50], 20, 1, 0.4, random.Random(0)) == [[]]  # k=1: nothing to glance
+
+
+def test_drafter_server_refuses_falcon():
+    import argparse
+
+    from drafter_service import server
+
+    args = argparse.Namespace(proposers=["falcon"], draft="none", command="drafter")
+    with pytest.raises(SystemExit, match="embedded only"):
+        server.build_servicer(args)
