@@ -220,18 +220,15 @@ class FalconProposer(Proposer):
     feedback_features: bool = True  # ask the verifier for the target's features
 
     def observe(self, state: DraftSessionState, feedback: DraftFeedback) -> None:
-        fs = self._state(state)
+        fs: FalconState = self.scratch(state)
         for features in feedback.features:
             fs.add_features(features.start, features.rows)
 
     def release(self, state: DraftSessionState) -> None:
         state.scratch.pop(self.name, None)
 
-    def _state(self, state: DraftSessionState) -> FalconState:
-        fs = state.scratch.get(self.name)
-        if fs is None:
-            fs = state.scratch[self.name] = FalconState(self.head)
-        return fs
+    def prepare(self, state: DraftSessionState) -> None:
+        state.scratch[self.name] = FalconState(self.head)
 
     @torch.inference_mode()
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
@@ -239,7 +236,7 @@ class FalconProposer(Proposer):
         n = len(state.tokens)
         if budget.is_zero or n < k:
             return TokenTree.empty()
-        fs = self._state(state)
+        fs: FalconState = self.scratch(state)
         fs.truncate_features(n)  # features of positions rolled back (never committed ones) are void
         fs.sync(state.tokens)
         out, _ = fs.final_block(n - 1)  # [k, H]
