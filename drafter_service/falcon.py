@@ -38,6 +38,8 @@ from specmesh.feedback import DraftFeedback
 from specmesh.tree import TokenTree
 from specmesh.warp import warp_probs
 
+TREE_MODES = ("dynamic", "static")
+DEFAULT_SHAPE = "1x4/4x2/4x2"  # a static shape when a head stores none
 TRUE = -1  # kind of a position whose input feature is the target's (else: the anchor its stand-in came from)
 
 
@@ -213,11 +215,29 @@ class _Fed:
 @dataclass
 class FalconProposer(Proposer):
     head: FalconHead
-    branching: int = 4  # greedy: children per token node (top-m)
-    expand: int = 4  # block ends expanded per forward pass
+    branching: int = 4  # greedy: children per token node (top-m; dynamic: at most this many)
+    expand: int = 4  # dynamic: block ends expanded per forward pass (at most)
     samples: int = 2  # sampling: children drawn (without replacement) in each block's first slot
+    tree: str = "dynamic"  # greedy tree: "dynamic" (confidence-driven) or "static" (``shape``)
+    shape: tuple[tuple[int, int], ...] = ()  # static: per forward pass (block ends expanded, children per node)
+    cover: float = 0.9  # dynamic: a token node's children are its top tokens until their q sums to this
     name: str = "falcon"
     feedback_features: bool = True  # ask the verifier for the target's features
+
+    def __post_init__(self) -> None:
+        if self.tree not in TREE_MODES:
+            raise ValueError(f"falcon: tree must be one of {', '.join(TREE_MODES)}, got {self.tree!r}")
+        if self.tree == "static" and (not self.shape or self.shape[0][0] != 1):
+            raise ValueError("falcon: a static tree needs a shape whose first pass expands the root alone (1xM/...)")
+        if not 0 < self.cover <= 1 or min(self.branching, self.expand, self.samples) < 1:
+            raise ValueError("falcon: cover must be in (0, 1]; branching, expand and samples at least 1")
+
+    def passes(self) -> list[tuple[int, int]]:
+        """(block ends expanded, children per token node) of each forward pass, the root's first; a dynamic
+        tree's are upper bounds (it runs until the budget, unlikely paths or the deadline stop it)."""
+        if self.tree == "static":
+            return list(self.shape)
+        return [(1, self.branching)] + [(self.expand, self.branching)] * 64
 
     def observe(self, state: DraftSessionState, feedback: DraftFeedback) -> None:
         fs: FalconState = self.scratch(state)
@@ -258,26 +278,29 @@ class _TreeBuilder:
         self.tree_values: list[torch.Tensor] = []
         self.tree_rows = 0
         self.min_score = math.log(budget.min_path_prob) if budget.min_path_prob > 0 else -math.inf
+        self.static = proposer.tree == "static"
 
     def build(self, root_out: torch.Tensor) -> TokenTree:
         budget = self.budget
         self.root_out = root_out
         probs = self._dists(root_out)  # [k, vocab]
-        leaves = self._expand(-1, -1, probs, 0.0, 0)
-        passes = 1
-        while leaves and not budget.expired() and (self.sp.greedy or len(self.cands) < budget.max_nodes):
+        passes = self.p.passes() if self.sp.greedy else [(1, 1)] + [(self.p.expand, 1)] * 64
+        leaves = self._expand(-1, -1, probs, 0.0, 0, passes[0][1])
+        for num_ends, width in passes[1:]:
+            if not leaves or budget.expired() or (not self.sp.greedy and len(self.cands) >= budget.max_nodes):
+                break
             leaves = [c for c in leaves if self.cands[c].depth + 1 < budget.max_depth
-                      and self.cands[c].score >= self.min_score]
-            leaves = sorted(leaves, key=lambda c: -self.cands[c].score)[: self.p.expand]
+                      and (self.static or self.cands[c].score >= self.min_score)]
+            leaves = sorted(leaves, key=lambda c: -self.cands[c].score)[:num_ends]
             if not leaves:
                 break
             outs, fed_ids = self._forward(leaves)
-            passes += 1
             nxt = []
             for leaf, out, fed in zip(leaves, outs, fed_ids, strict=True):
                 if not self.sp.greedy and len(self.cands) >= budget.max_nodes:
                     break
-                nxt += self._expand(leaf, fed, self._dists(out), self.cands[leaf].score, self.cands[leaf].depth + 1)
+                nxt += self._expand(leaf, fed, self._dists(out), self.cands[leaf].score, self.cands[leaf].depth + 1,
+                                    width)
             leaves = nxt
         return self._tree()
 
@@ -289,19 +312,23 @@ class _TreeBuilder:
             return torch.softmax(logits.double(), dim=-1)
         return warp_probs(logits, self.sp.temperature, self.sp.top_k, self.sp.top_p).double()
 
-    def _expand(self, anchor: int, src: int, probs: torch.Tensor, score: float, depth: int) -> list[int]:
-        """Children of ``anchor`` (-1 = root): a block of up to k slots drawn from ``probs`` [k, vocab]. Returns the
-        block ends (candidates at its last slot)."""
+    def _expand(self, anchor: int, src: int, probs: torch.Tensor, score: float, depth: int, width: int) -> list[int]:
+        """Children of ``anchor`` (-1 = root): a block of up to k slots drawn from ``probs`` [k, vocab], ``width``
+        children per token node under greedy (static: exactly, dynamic: the top tokens until their q reaches
+        ``cover``, at most ``width``). Returns the block ends (candidates at its last slot)."""
         budget = self.budget
         slots = min(self.k, budget.max_depth - depth)
         parents = [(anchor, score)]
         for slot in range(slots):
             made = []
             if self.sp.greedy:
-                top = torch.topk(probs[slot], min(self.p.branching, probs.shape[1]))
+                top = torch.topk(probs[slot], min(width, probs.shape[1]))
                 logs = torch.log(top.values).tolist()
+                if not self.static:  # confident slots get fewer children (one slot distribution per block)
+                    covered = torch.cumsum(top.values, 0) >= self.p.cover
+                    logs = logs[: int(torch.argmax(covered.int())) + 1 if bool(covered.any()) else len(logs)]
                 for parent, pscore in parents:
-                    for lq, tok in zip(logs, top.indices.tolist(), strict=True):
+                    for lq, tok in zip(logs, top.indices.tolist(), strict=False):
                         if lq == -math.inf:
                             break
                         made.append(_Cand(tok, parent, depth + slot, pscore + lq, math.exp(lq), src, slot))
@@ -390,7 +417,8 @@ class _TreeBuilder:
         cands, budget = self.cands, self.budget
         if self.sp.greedy:
             order = sorted(range(len(cands)), key=lambda c: (-cands[c].score, cands[c].depth, c))
-            kept = [c for c in order[: budget.max_nodes] if cands[c].score >= self.min_score or cands[c].depth == 0]
+            kept = [c for c in order[: budget.max_nodes]
+                    if self.static or cands[c].score >= self.min_score or cands[c].depth == 0]
             kept_set = set(kept)
             kept = [c for c in kept if cands[c].parent < 0 or cands[c].parent in kept_set]
         else:
@@ -419,7 +447,8 @@ def falcon_proposer(target_runner=None, draft_runner=None, **given: object) -> F
     drafts valid but rarely accepted trees), ``k`` (untrained head only), ``branching``, ``expand``, ``samples``.
     The head shares the target's embedding and LM head (``target_runner``; ``draft_runner`` stands in where a
     host offers no target, e.g. the registry-wide tests, whose draft shares the target's vocabulary)."""
-    opts = proposer_options(given, ("head", "k", "branching", "expand", "samples"), "falcon")
+    opts = proposer_options(given, ("head", "k", "branching", "expand", "samples", "tree", "shape", "cover"),
+                            "falcon")
     runner = target_runner if target_runner is not None else draft_runner
     if runner is None:
         raise ValueError("the falcon proposer needs the target model (its embedding and LM head)")
@@ -430,5 +459,30 @@ def falcon_proposer(target_runner=None, draft_runner=None, **given: object) -> F
         head = load_head(str(opts["head"]), tables.to(torch.float32), device=tables.embed.device)
     else:
         head = random_head(tables.to(torch.float32), k=int(opts.get("k", 2)))
-    return FalconProposer(head, branching=int(opts.get("branching", 4)), expand=int(opts.get("expand", 4)),
-                          samples=int(opts.get("samples", 2)))
+    measured = head_tree(opts["head"]) if opts.get("head") else {}  # the tree measured best for this head
+    tree = str(opts.get("tree", measured.get("tree", "dynamic")))
+    shape = parse_shape(str(opts.get("shape", measured.get("shape", DEFAULT_SHAPE))))
+    return FalconProposer(head, branching=int(opts.get("branching", measured.get("branching", 4))),
+                          expand=int(opts.get("expand", measured.get("expand", 4))),
+                          samples=int(opts.get("samples", 2)), tree=tree, shape=shape,
+                          cover=float(opts.get("cover", measured.get("cover", 0.9))))
+
+
+def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
+    """A static tree shape, ``NxM/NxM/...``: per forward pass, N block ends expanded (the first pass: 1, the
+    root) and M children per token node, e.g. ``1x4/4x2/2x2``."""
+    try:
+        shape = tuple((int(n), int(m)) for n, m in (part.lower().split("x") for part in text.split("/")))
+    except ValueError:
+        raise ValueError(f"falcon: shape {text!r} is not NxM/NxM/... (e.g. 1x4/4x2/2x2)") from None
+    if not shape or min(min(p) for p in shape) < 1:
+        raise ValueError(f"falcon: shape {text!r} needs counts of at least 1")
+    return shape
+
+
+def head_tree(head_dir: str) -> dict:
+    """The tree settings stored with a head (``config.json`` ``tree``: chosen by measuring, see the README)."""
+    import json
+    from pathlib import Path
+
+    return dict(json.loads((Path(head_dir) / "config.json").read_text()).get("tree", {}))

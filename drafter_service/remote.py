@@ -24,7 +24,9 @@ from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import (
     DRAFTER_SERVICE,
     budget_to_proto,
+    features_to_proto,
     feedback_to_proto,
+    newest_features,
     sampling_to_proto,
     tree_from_proto,
 )
@@ -43,10 +45,23 @@ class DrafterClient(rpc.ReplicaChannel):
     def __init__(self, address: str, security: rpc.Security, default_wait: float = 5.0) -> None:
         super().__init__(address, security, drafter_pb2_grpc.DrafterStub, [(DRAFTER_SERVICE, "Info")])
         self.default_wait = default_wait  # per proposal, when the budget carries no deadline
+        self.feature_proposers: frozenset[str] | None = None  # from its Info (None = not heard yet)
 
     def info(self, timeout: float, wait_for_ready: bool = False) -> drafter_pb2.DrafterInfo:
-        return self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout, metadata=self._metadata,
-                               wait_for_ready=wait_for_ready)
+        msg = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout, metadata=self._metadata,
+                              wait_for_ready=wait_for_ready)
+        self.feature_proposers = frozenset(msg.feature_proposers)
+        return msg
+
+    def wants_features(self, proposer: str | None, timeout: float = 1.0) -> bool:
+        """Whether this replica's ``proposer`` reads the target's features (``DrafterInfo.feature_proposers``,
+        asked once, on first need; an unreachable replica: no, and asked again next time). None: no."""
+        if self.feature_proposers is None:
+            try:
+                self.info(timeout)
+            except grpc.RpcError:
+                return False
+        return proposer is not None and proposer in self.feature_proposers
 
     def drafter(self, proposer: str | None = None, deadline: float | None = None) -> RemoteDrafter:
         return RemoteDrafter(self, proposer, deadline)
@@ -110,6 +125,8 @@ class _DraftStream:
         if feedback is not None:
             propose.committed_len = feedback.committed_len
             propose.feedback.extend(feedback_to_proto(v) for v in feedback.verified)
+            # float32 numpy rows (a remote verifier's), bf16 again on the way out: exact, they were bf16
+            propose.features.extend(features_to_proto(f) for f in newest_features(feedback.features))
         self._requests.put(drafter_pb2.DraftRequest(propose=propose))
         while True:
             try:

@@ -15,7 +15,9 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -26,6 +28,7 @@ from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
 from specmesh import metrics, models, serving, tracing
 from specmesh.contract import check_rollback, check_session_id
+from specmesh.feedback import DraftFeedback, TargetFeatures
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import (
     DRAFTER_SERVICE,
@@ -46,8 +49,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
         self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256,
         max_context: int = DEFAULT_MAX_CONTEXT, metrics_registry: CollectorRegistry | None = None,
+        feature_hidden: int = 0,
     ) -> None:
-        """``metrics_registry``: where to keep Prometheus metrics (``drafter_service/metrics.py``); None = none."""
+        """``metrics_registry``: where to keep Prometheus metrics (``drafter_service/metrics.py``); None = none.
+        ``feature_hidden``: the target's hidden size, the width of the target features its feature proposers read
+        (0 = not checked)."""
         if default_proposer not in proposers:
             raise ValueError(f"default proposer {default_proposer!r} is not among {sorted(proposers)}")
         self._drafters = {name: LocalDrafter(p) for name, p in proposers.items()}
@@ -55,6 +61,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.vocab_size = vocab_size  # 0 = unknown: token ids are only checked to be >= 0
         self.max_tree_nodes = max_tree_nodes
         self.max_context = max_context
+        self.feature_hidden = feature_hidden
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
         self.num_sessions = 0
         self.draining = False  # set when this replica is being stopped: new sessions go elsewhere
@@ -101,6 +108,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if len(gram) > MAX_NGRAM_LEN:
                     raise ValueError(f"feedback n-grams are at most {MAX_NGRAM_LEN} tokens")
                 self._check_tokens(list(gram))
+        rows = 0
+        for item in feedback.features:  # a session's features are bounded by its context
+            rows += len(item)
+            if item.start + len(item) > self.max_context or rows > self.max_context:
+                raise ValueError(f"target features past the context this drafter takes ({self.max_context} tokens)")
+            if len(item) and self.feature_hidden and item.rows.shape[1] != self.feature_hidden:
+                raise ValueError(f"target features have {item.rows.shape[1]} values per row; this drafter's target "
+                                 f"has hidden size {self.feature_hidden}")
 
     async def Session(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
@@ -145,10 +160,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     # INVALID_ARGUMENT rather than fail on the model thread
                     check_rollback(propose.rollback, drafter.context_length(session))
                     self._check_context(drafter.context_length(session) - propose.rollback + len(new_tokens))
-                    feedback = draft_feedback_from_proto(propose.feedback, propose.committed_len)
+                    feedback = draft_feedback_from_proto(propose.feedback, propose.committed_len, propose.features)
                     if feedback is not None:
                         length = drafter.context_length(session) - propose.rollback + len(new_tokens)
                         self._check_feedback(feedback, length)
+                        feedback = _features_for(drafter.proposer, feedback)
                     if budget.max_nodes > self.max_tree_nodes:  # a smaller tree fits any budget: clamp
                         budget = dataclasses.replace(budget, max_nodes=self.max_tree_nodes)
                 except ValueError as exc:
@@ -179,7 +195,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             default_proposer=self.default_proposer,
             vocab_size=self.vocab_size,
             num_sessions=self.num_sessions,
+            feature_proposers=sorted(n for n, d in self._drafters.items() if d.proposer.feedback_features),
         )
+
+
+def _features_for(proposer: Proposer, feedback: DraftFeedback) -> DraftFeedback:
+    """The feedback as ``proposer`` takes it: target features as torch tensors (sharing the decoded arrays) when
+    it reads them, else none."""
+    if not feedback.features:
+        return feedback
+    if not proposer.feedback_features:
+        return dataclasses.replace(feedback, features=())
+    import torch
+
+    return dataclasses.replace(feedback, features=tuple(TargetFeatures(f.start, torch.from_numpy(f.rows))
+                                                        for f in feedback.features))
 
 
 def _depth_or_none(tree) -> int:
@@ -202,6 +232,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft model directory for the draft_model proposers, or 'none' to serve model-free "
                         "proposers only (default: the bundled demo draft)")
     models.add_draft_dtype_argument(p, "else float32")
+    p.add_argument("--target", type=Path, default=None, metavar="DIR",
+                   help="the target model the verifiers serve (a local Hugging Face directory), for proposers that "
+                        "share its embedding and LM head (falcon); only those two tables are kept (default: none, "
+                        "and those proposers are not served)")
+    p.add_argument("--falcon", default=None, metavar="DIR",
+                   help="a trained Falcon head (`specmesh train-falcon`) of --target for the falcon proposer "
+                        "(default: an untrained head, whose trees are valid but rarely accepted)")
     models.add_runtime_arguments(p)
     p.add_argument("--listen", default="127.0.0.1:50051", help="address to serve on (default: 127.0.0.1:50051)")
     p.add_argument("--proposers", nargs="+", default=None, choices=proposer_names(), metavar="NAME",
@@ -234,38 +271,87 @@ def _draft_dir(args: argparse.Namespace) -> Path | None:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
 
 
+def _target_dir(args: argparse.Namespace) -> Path | None:
+    if args.target is None:
+        return None
+    try:
+        return models.model_dir(args.target)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: --target: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SharedTables:
+    """The target's input embedding and LM head modules alone, the rest of its model dropped: what proposers with
+    ``needs_target`` share (``falcon_head.target_tables`` reads them as from a Hugging Face causal LM)."""
+
+    embed: Any  # nn.Embedding [vocab, hidden]
+    lm_head: Any  # nn.Linear [vocab, hidden]
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @staticmethod
+    def load(path: Path, device) -> SharedTables:
+        """Loaded once per drafter, in the checkpoint's own dtype (proposers convert what they use)."""
+        model = models.load_model(path, "auto", device)
+        return SharedTables(model.get_input_embeddings(), model.get_output_embeddings())
+
+
 def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry | None = None) -> DrafterServicer:
-    draft_dir = _draft_dir(args)
-    draft_runner = None
-    if draft_dir is not None:
+    draft_dir, target_dir = _draft_dir(args), _target_dir(args)
+    needs_draft = {n for n in proposer_names() if proposer_spec(n).needs_draft_model}
+    needs_target = {n for n in proposer_names() if proposer_spec(n).needs_target}
+    names = args.proposers or [n for n in proposer_names() if (draft_dir is not None or n not in needs_draft)
+                               and (target_dir is not None or n not in needs_target)]
+    missing = [n for n in names if n in needs_draft and draft_dir is None]
+    if missing:
+        raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")
+    missing = [n for n in names if n in needs_target and target_dir is None]
+    if missing:  # a Falcon head shares the target's embedding and LM head, and reads the verifier's features of it
+        raise SystemExit(f"specmesh drafter: {', '.join(missing)} needs the target model it drafts for: --target DIR "
+                         "(the checkpoint the verifiers serve; its embedding and LM head are shared)")
+    if args.falcon and "falcon" not in names:
+        raise SystemExit("specmesh drafter: --falcon is for the falcon proposer (--proposers ... falcon)")
+    draft_runner = tables = None
+    if draft_dir is not None or (target_dir is not None and needs_target & set(names)):
         models.bound_kernel_caches()  # before the first product: a drafter's shapes would fill them (models.py)
         models.set_threads(args.threads)
         try:
             device = models.resolve_device(args.device)
         except ValueError as exc:
             raise SystemExit(f"specmesh {args.command}: {exc}") from None
-        draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
-                                          args.runner, device, args.attention)
-    needs_draft = {n for n in proposer_names() if proposer_spec(n).needs_draft_model}
-    needs_target = [n for n in (args.proposers or ()) if proposer_spec(n).needs_target]
-    if needs_target:  # a Falcon head shares the target's tables and reads its features: embedded mode only
-        raise SystemExit(f"specmesh drafter: {', '.join(needs_target)} needs the target model in its process; "
-                         "it runs embedded only (`specmesh generate/bench/serve --embedded`), not on a drafter server")
-    names = args.proposers or [n for n in proposer_names() if (draft_runner is not None or n not in needs_draft)
-                               and not proposer_spec(n).needs_target]
-    missing = [n for n in names if n in needs_draft and draft_runner is None]
-    if missing:
-        raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")
+        if draft_dir is not None:
+            draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
+                                              args.runner, device, args.attention)
+        if target_dir is not None and needs_target & set(names):
+            tables = SharedTables.load(target_dir, device)
+    elif target_dir is not None:
+        log.warning("--target is unused: no served proposer needs it (%s)", ", ".join(sorted(needs_target)))
+    vocab = draft_runner.info.vocab_size if draft_runner is not None else 0
+    hidden = 0
+    if tables is not None:
+        target_vocab, hidden = tables.lm_head.weight.shape[0], tables.embed.weight.shape[1]
+        if vocab and vocab != target_vocab:
+            raise SystemExit(f"specmesh drafter: the draft's vocabulary ({vocab}) differs from the target's "
+                             f"({target_vocab})")
+        vocab = target_vocab
+    if "falcon" in names and not args.falcon:
+        log.warning("falcon: no --falcon head given: an untrained head drafts (valid trees, rarely accepted)")
     default = args.default_proposer or (DEFAULT_PROPOSER if DEFAULT_PROPOSER in names else names[0])
+    options = {"fused": {"members": args.members} if args.members else {},
+               "falcon": {"head": args.falcon} if args.falcon else {}}
     try:
-        resources = dict(draft_runner=draft_runner, store=_open_store(args, draft_dir))
-        proposers = {n: make_proposer(n, **resources, **({"members": args.members} if n == "fused" and args.members
-                                                          else {})) for n in names}
+        resources = dict(draft_runner=draft_runner, target_runner=tables, store=_open_store(args, draft_dir))
+        proposers = {n: make_proposer(n, **resources, **options.get(n, {})) for n in names}
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
-    vocab = draft_runner.info.vocab_size if draft_runner is not None else 0
     try:
-        return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context, metrics_registry)
+        return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context, metrics_registry,
+                               feature_hidden=hidden)
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
 

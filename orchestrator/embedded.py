@@ -120,26 +120,24 @@ class EmbeddedStack:
             raise ValueError(f"--lookahead N must be at least {min_ngram} for {proposer}'s n-gram store "
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
         if shared:
-            verifier = self.shared_verifier(topk, lookahead, features)
+            verifier = self.shared_verifier(topk, lookahead)
             chosen = load_aware(chosen, verifier.costs, drafting_shares_cores=True)
         else:
             # one request at a time: a pool for two sessions at the full context, not the server's budget
             per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
             gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
-            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb,
-                                     features=features)
+            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb)
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         return Engine(verifier, only(drafter, proposer or ""), chosen, self.decode, overlap=overlap,
-                      ahead_from=ahead_from)
+                      ahead_from=ahead_from, features=features)
 
 
-    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None,
-                        features: bool = False) -> BatchingVerifier:
-        """The stack's batching verifier of that configuration (one KV pool each), created on first use."""
-        key = (feedback_topk, lookahead, features)
+    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None) -> BatchingVerifier:
+        """The stack's batching verifier of that configuration (one KV pool each), created on first use. Target
+        features are asked per session (``Engine(features=...)``): they need no verifier of their own."""
+        key = (feedback_topk, lookahead)
         if key not in self._shared:
-            local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb,
-                                  features=features)
+            local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb)
             self._shared[key] = BatchingVerifier(local, costs=local.profile_costs())
         return self._shared[key]
 

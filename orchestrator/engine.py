@@ -62,11 +62,14 @@ class Engine:
         overlap: bool = False,
         ahead_from: str = "path",
         strict: bool = False,
+        features: bool = False,
     ) -> None:
         """``drafters``: the drafter candidates in order of preference (``drafter_link.only(drafter)`` for
         one; none = plain decoding). ``policy``: how much to speculate per step (``policy.build_policy``),
         required with drafters. ``strict``: a drafter failure fails the request instead of failing over
-        (tests and proposer debugging: a drafter bug cannot hide behind plain decoding)."""
+        (tests and proposer debugging: a drafter bug cannot hide behind plain decoding). ``features``: ask the
+        verifier for the target's features of the request's committed tokens and hand them to the drafter
+        (a feature-based drafter: Falcon heads)."""
         if policy is None and drafters:
             raise ValueError("an engine with drafters needs a speculation policy (orchestrator.policy.build_policy)")
         self.verifier = verifier
@@ -78,6 +81,7 @@ class Engine:
         # "context" = nothing: a deeper tree from the committed context covers every outcome
         self.ahead_from = ahead_from
         self.strict = strict
+        self.features = features
 
     def stream(
         self, prompt: Sequence[int], sampling: SamplingParams, result: GenerationResult | None = None
@@ -101,7 +105,7 @@ class Engine:
                 req.link.open(prompt, sampling)
             with tracing.span(PREFILL_SPAN, {"specmesh.session.id": session,
                                              "specmesh.prefill.prompt_tokens": len(prompt)}):
-                prefill = self.verifier.prefill(req.session, prompt, sampling)
+                prefill = self.verifier.prefill(req.session, prompt, sampling, features=self.features)
             stats.prefill_seconds = prefill.seconds
             if prefill.features is not None:  # the prompt's target features, for feature-based drafters
                 req.link.add_features(prefill.features)

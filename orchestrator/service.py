@@ -160,14 +160,18 @@ class RemoteBackend:
 
     def attempts(self, plan: Plan, deadline: float | None) -> Iterator[Engine]:
         base = build_policy(plan.policy, plan.max_nodes, plan.max_depth, self.draft_timeout, plan.restart_depth)
+        drafting = plan.proposer is not None and plan.max_nodes > 0
+        # a feature-based proposer (Falcon heads): the verifier reports the target's features of the session and
+        # the engine forwards them to the drafter (DrafterInfo.feature_proposers)
+        features = drafting and any(c.wants_features(plan.proposer) for c in self.drafters)
         for verifier in least_loaded(self.verifiers, self._rng):
             candidates = []
-            if plan.proposer is not None and plan.max_nodes > 0:
+            if drafting:
                 candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
                               for c in least_loaded(self.drafters, self._rng)]
                 candidates.append(("local prompt_lookup", lambda: self._local))
             policy = load_aware(base, verifier.costs)  # trees sized for this replica's load
-            yield Engine(verifier.bind(deadline), candidates, policy, None, overlap=plan.overlap)
+            yield Engine(verifier.bind(deadline), candidates, policy, None, overlap=plan.overlap, features=features)
 
     def retryable(self, exc: Exception) -> bool:
         if isinstance(exc, rpc.UpstreamError) and exc.code in (grpc.StatusCode.UNAVAILABLE,

@@ -155,7 +155,12 @@ class VerifyCosts:
 class Verifier(Protocol):
     info: ModelInfo
 
-    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult: ...
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                features: bool = False) -> PrefillResult:
+        """Admit the session and run its prompt; the first token. ``features``: report the target's features
+        of this session (``PrefillResult.features``, then every ``VerifyResult.features``) for a feature-based
+        drafter (Falcon heads)."""
+        ...
 
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
         """One forward over the session's pending token and ``tree``; accepts a path, appends the bonus

@@ -48,10 +48,11 @@ class VerifyFeedback:
 class TargetFeatures:
     """The target's final-layer features (what its LM head reads) of consecutive committed positions, for
     feature-based drafters (Falcon heads): the prefill's prompt rows, a verification's pending + accepted rows.
-    Off unless the verifier is asked for them (``LocalVerifier(features=True)``)."""
+    Off unless a session asks for them (``Verifier.prefill(..., features=True)``; over gRPC
+    ``PrefillRequest.return_features``, the rows travelling as bf16, ``specmesh.wire.features_to_proto``)."""
 
     start: int  # absolute position (0-based) of the first row
-    rows: Any  # [n, hidden]: a torch tensor in process (float16/bfloat16/float32 numpy over the wire)
+    rows: Any  # [n, hidden]: a torch tensor in process, float32 numpy decoded from the wire
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from specmesh.contract import Budget
-from specmesh.feedback import DraftFeedback, VerifyFeedback
+from specmesh.feedback import DraftFeedback, TargetFeatures, VerifyFeedback
 from specmesh.sampling import DEFAULT_MJSD_THRESHOLD, SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import common_pb2, drafter_pb2, generate_pb2, verifier_pb2
@@ -137,9 +137,81 @@ def feedback_from_proto(msg: common_pb2.VerifyFeedback) -> VerifyFeedback:
     return VerifyFeedback(np.asarray(msg.inputs, np.int64), topk, tuple(grams))
 
 
-def draft_feedback_from_proto(msgs, committed_len: int) -> DraftFeedback | None:
-    """The feedback fields of a Propose; None when it carries none."""
+def draft_feedback_from_proto(msgs, committed_len: int, features=()) -> DraftFeedback | None:
+    """The feedback fields of a Propose (``features``: its TargetFeatures messages, decoded to float32 numpy
+    rows); None when it carries none."""
     verified = tuple(feedback_from_proto(m) for m in msgs)
-    if not verified and committed_len == 0:
+    decoded = tuple(features_from_proto(m) for m in features)
+    if not verified and not decoded and committed_len == 0:
         return None
-    return DraftFeedback(int(committed_len), verified)
+    return DraftFeedback(int(committed_len), verified, decoded)
+
+
+# ------------------------------------------------------------ target features
+# One message's share of target features: half of gRPC's message limit (specmesh.rpc.MAX_MESSAGE_BYTES, 16 MiB),
+# so the rest of a Prefill/Verify answer or a Propose always fits. Larger sets are cut to their newest rows
+# (``newest_features``): a Falcon head drafts on zeros where rows are missing, which costs acceptance only.
+MAX_FEATURE_BYTES = 8 * 1024 * 1024
+FEATURE_DTYPES = {"bf16": common_pb2.TargetFeatures.BF16, "fp16": common_pb2.TargetFeatures.FP16}
+_BYTES_PER_VALUE = 2  # both wire dtypes
+
+
+def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of float32 values, rounded to nearest even (as torch rounds); NaN stays NaN."""
+    values = np.ascontiguousarray(x, dtype=np.float32)
+    bits = values.view(np.uint32).astype(np.uint64)  # no overflow while rounding the largest values (to inf)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (uint16): exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def features_to_proto(features: TargetFeatures, dtype: str = "bf16") -> common_pb2.TargetFeatures:
+    """``features.rows``: a float numpy array [rows, hidden] (a torch tensor: ``.float().cpu().numpy()`` first);
+    sent as ``dtype`` ("bf16", the default, or "fp16": float16 overflows past 65504), little-endian."""
+    rows = np.asarray(features.rows, dtype=np.float32)
+    if rows.ndim != 2:
+        raise ValueError(f"target features must be [rows, hidden], got shape {rows.shape}")
+    if dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature dtype must be one of {', '.join(FEATURE_DTYPES)}, got {dtype!r}")
+    values = float32_to_bf16_bits(rows).astype("<u2") if dtype == "bf16" else rows.astype("<f2")
+    return common_pb2.TargetFeatures(start=features.start, rows=rows.shape[0], hidden=rows.shape[1],
+                                     dtype=FEATURE_DTYPES[dtype], data=values.tobytes())
+
+
+def features_from_proto(msg: common_pb2.TargetFeatures) -> TargetFeatures:
+    """TargetFeatures with float32 numpy rows [rows, hidden]; ValueError when the sizes do not add up."""
+    if msg.dtype not in FEATURE_DTYPES.values():
+        raise ValueError(f"unknown target feature dtype {msg.dtype}")
+    if msg.rows and msg.hidden < 1:
+        raise ValueError("target features need hidden >= 1")
+    if len(msg.data) != msg.rows * msg.hidden * _BYTES_PER_VALUE:
+        raise ValueError(f"target features of {msg.rows} x {msg.hidden} 2-byte values need "
+                         f"{msg.rows * msg.hidden * _BYTES_PER_VALUE} bytes, got {len(msg.data)}")
+    if msg.dtype == common_pb2.TargetFeatures.BF16:
+        values = bf16_bits_to_float32(np.frombuffer(msg.data, dtype="<u2"))
+    else:
+        values = np.frombuffer(msg.data, dtype="<f2").astype(np.float32)
+    return TargetFeatures(int(msg.start), values.reshape(msg.rows, msg.hidden))
+
+
+def newest_features(items, max_bytes: int = MAX_FEATURE_BYTES) -> list[TargetFeatures]:
+    """The newest rows of ``items`` (TargetFeatures in arrival order) whose wire size fits ``max_bytes``: older
+    items are dropped, and the oldest kept one loses its first rows."""
+    kept, budget = [], max_bytes
+    for item in reversed(list(items)):
+        if not len(item):
+            continue
+        hidden = item.rows.shape[1]
+        fit = min(len(item), budget // (hidden * _BYTES_PER_VALUE))
+        if fit <= 0:
+            break
+        cut = len(item) - fit
+        kept.append(item if cut == 0 else TargetFeatures(item.start + cut, item.rows[cut:]))
+        budget -= fit * hidden * _BYTES_PER_VALUE
+        if cut:
+            break
+    return kept[::-1]

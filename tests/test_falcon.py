@@ -210,6 +210,58 @@ def test_trees_honour_budgets_and_stop_rule(runners):
         drafter.close("s")
 
 
+def test_static_tree_has_its_shape_and_dynamic_follows_confidence(runners):
+    """A static tree is the same shape for every context (until the budget cuts it); a dynamic one gives a
+    token node only the children needed to cover ``cover`` of q (a tiny cover: one child each, a chain)."""
+    runner = runners["fast"]
+    static = LocalDrafter(falcon_proposer(target_runner=runner, k=2, tree="static", shape="1x3/2x2"))
+    for prompt in PROMPTS[:3]:
+        static.open("s", prompt, greedy(8))
+        tree = static.propose("s", [], Budget(64, 8)).validate(128, 64, 8)
+        # root block: 3 + 3*3; then 2 block ends, each 2 + 2*2
+        assert tree.num_nodes == 12 + 2 * 6
+        assert np.bincount(tree.depth).tolist() == [3, 9, 4, 8]
+        assert static.propose("s", [], Budget(10, 8)).num_nodes == 10  # the budget still holds
+        static.close("s")
+    chain = LocalDrafter(falcon_proposer(target_runner=runner, k=2, tree="dynamic", cover=1e-9))
+    chain.open("c", PROMPTS[0], greedy(8))
+    tree = chain.propose("c", [], Budget(64, 6))
+    assert tree.num_nodes == 6 and tree.parents.tolist() == [-1, 0, 1, 2, 3, 4]
+    chain.close("c")
+    with pytest.raises(ValueError, match="shape"):
+        falcon_proposer(target_runner=runner, k=2, tree="static", shape="4x2")
+    with pytest.raises(ValueError, match="NxM"):
+        falcon_proposer(target_runner=runner, k=2, tree="static", shape="1x2/two")
+    with pytest.raises(ValueError, match="tree must be"):
+        falcon_proposer(target_runner=runner, k=2, tree="bushy")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+@pytest.mark.parametrize("tree,shape", [("static", "1x4/4x2/2x2"), ("static", "1x1/1x1/1x1"), ("dynamic", None)])
+def test_falcon_tree_modes_greedy_equal_ar(target, runners, trained_heads, tree, shape, overlap):
+    runner = runners["fast"]
+    options = {"tree": tree} | ({"shape": shape} if shape else {"cover": 0.5})
+    proposer = falcon_proposer(target_runner=runner, head=str(trained_heads[2]), **options)
+    engine = _engine(runner, proposer, (16, 6), overlap)
+    for prompt in PROMPTS[:4]:
+        assert engine.generate(prompt, greedy(MAX_NEW)).token_ids == naive_greedy(target, prompt, MAX_NEW)
+
+
+def test_head_stores_its_measured_tree(tmp_path, runners, trained_heads):
+    """``config.json`` ``tree`` (written by measuring) is the proposer's default; options override it."""
+    import json
+    import shutil
+
+    head = tmp_path / "tiny-falcon"
+    shutil.copytree(trained_heads[2], head)
+    meta = json.loads((head / "config.json").read_text())
+    meta["tree"] = {"tree": "static", "shape": "1x2/2x2"}
+    (head / "config.json").write_text(json.dumps(meta))
+    proposer = falcon_proposer(target_runner=runners["fast"], head=str(head))
+    assert proposer.tree == "static" and proposer.shape == ((1, 2), (2, 2))
+    assert falcon_proposer(target_runner=runners["fast"], head=str(head), tree="dynamic").tree == "dynamic"
+
+
 # ------------------------------------------------------------------------------- lossless sampling
 @pytest.fixture(scope="module")
 def e2e():
@@ -279,6 +331,7 @@ def test_glancing_schedule_and_rows():
     from specmesh.app.train_falcon import glance_lambda, glanced_rows
 
     assert glance_lambda(0, 4) == pytest.approx(0.4) and glance_lambda(3, 4) == pytest.approx(0.1)
+    assert glance_lambda(0.5, 1) == pytest.approx(0.2) and glance_lambda(1, 1) == 0.0  # falls within an epoch
     rows = glanced_rows([10, 0, 3], 20, 2, 0.4, random.Random(0))
     assert [len(r) for r in rows] == [4, 0, 1]
     assert all(r % 2 == 0 for r in rows[0])  # k=2: one row from each chosen block's start
@@ -287,11 +340,12 @@ def test_glancing_schedule_and_rows():
     assert glanced_rows([50], 20, 1, 0.4, random.Random(0)) == [[]]  # k=1: nothing to glance
 
 
-def test_drafter_server_refuses_falcon():
+def test_drafter_server_refuses_falcon_without_its_target():
+    """Over gRPC (tests/test_falcon_grpc.py) the drafter shares a --target's tables; without one it refuses."""
     import argparse
 
     from drafter_service import server
 
-    args = argparse.Namespace(proposers=["falcon"], draft="none", command="drafter")
-    with pytest.raises(SystemExit, match="embedded only"):
+    args = argparse.Namespace(proposers=["falcon"], draft="none", target=None, falcon=None, command="drafter")
+    with pytest.raises(SystemExit, match="--target DIR"):
         server.build_servicer(args)

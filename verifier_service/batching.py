@@ -65,6 +65,7 @@ class _Prefill:
     prompt: list[int]
     sampling: SamplingParams
     future: Future
+    features: bool = False  # report the session's target features
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -135,8 +136,9 @@ class BatchingVerifier:
         self._thread.start()
 
     # --------------------------------------------------------------- protocol
-    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult:
-        return self.submit_prefill(session_id, prompt, sampling).result()
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                features: bool = False) -> PrefillResult:
+        return self.submit_prefill(session_id, prompt, sampling, features).result()
 
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
         return self.submit_verify(session_id, tree).result()
@@ -149,7 +151,9 @@ class BatchingVerifier:
         self.submit_release(session_id).result()
 
     # ------------------------------------------------------------ submission
-    def submit_prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Future:
+    def submit_prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                       features: bool = False) -> Future:
+        """``features``: report the session's target features (``LocalVerifier.admit``)."""
         future: Future = Future()
         prompt = list(prompt)
         try:  # a bad request is INVALID_ARGUMENT before any capacity answer (reads only fixed configuration)
@@ -171,7 +175,7 @@ class BatchingVerifier:
                     f"the verifier is full: {len(self._waiting)} requests already wait for KV blocks"))
             else:
                 self._sessions.add(session_id)
-                self._waiting.append(_Prefill(session_id, prompt, sampling, future))
+                self._waiting.append(_Prefill(session_id, prompt, sampling, future, features))
                 self._cond.notify()
         return future
 
@@ -307,7 +311,7 @@ class BatchingVerifier:
                 self._sessions.discard(head.session_id)
                 continue
             try:
-                self.verifier.admit(head.session_id, head.prompt, head.sampling)
+                self.verifier.admit(head.session_id, head.prompt, head.sampling, head.features)
             except Exception as exc:  # an invalid request
                 self._sessions.discard(head.session_id)
                 _settle(head.future, exc=exc)

@@ -14,10 +14,17 @@ import grpc
 
 from specmesh import rpc
 from specmesh.contract import ModelInfo, PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
+from specmesh.feedback import TargetFeatures
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.wire import VERIFIER_SERVICE, feedback_from_proto, sampling_to_proto, tree_to_proto
+from specmesh.wire import (
+    VERIFIER_SERVICE,
+    features_from_proto,
+    feedback_from_proto,
+    sampling_to_proto,
+    tree_to_proto,
+)
 
 log = logging.getLogger("specmesh.remote_verifier")
 RELEASE_TIMEOUT = 5.0  # Release runs even after the request's deadline passed
@@ -72,12 +79,14 @@ class RemoteVerifier:
             raise UnknownSessionError(details)
         raise rpc.UpstreamError(f"verifier {c.address}", code, details)
 
-    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult:
-        request = verifier_pb2.PrefillRequest(session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling))
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                features: bool = False) -> PrefillResult:
+        request = verifier_pb2.PrefillRequest(session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling),
+                                              return_features=features)
         self._open.add(session_id)
         self.client._add_sessions(1)
         msg = self._call(self.client._stub.Prefill, request)
-        return PrefillResult(msg.first_token, msg.seconds)
+        return PrefillResult(msg.first_token, msg.seconds, self._features(msg))
 
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
         request = verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
@@ -89,7 +98,18 @@ class RemoteVerifier:
             except ValueError as exc:  # feedback only helps drafting: drop it, keep the verification
                 log.warning("verifier %s sent malformed feedback (%s); ignored", self.client.address, exc)
         return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds, feedback,
-                            max(1, msg.batch_sessions))
+                            max(1, msg.batch_sessions), self._features(msg))
+
+    def _features(self, msg) -> TargetFeatures | None:
+        """The target features a Prefill / Verify answer carries (float32 numpy rows), None when it has none or
+        malformed ones (they only help drafting: dropped, the answer kept)."""
+        if not msg.HasField("features"):
+            return None
+        try:
+            return features_from_proto(msg.features)
+        except ValueError as exc:
+            log.warning("verifier %s sent malformed target features (%s); ignored", self.client.address, exc)
+            return None
 
     def release(self, session_id: str) -> None:
         """Best effort: the verifier also frees idle sessions by itself."""

@@ -21,9 +21,17 @@ import grpc
 
 from specmesh import metrics, models, rpc, serving, tracing
 from specmesh.contract import CapacityError, UnknownSessionError, check_session_id
+from specmesh.feedback import TargetFeatures
 from specmesh.tree import InvalidTreeError
-from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
-from specmesh.wire import VERIFIER_SERVICE, feedback_to_proto, sampling_from_proto, tree_from_proto
+from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specmesh.wire import (
+    VERIFIER_SERVICE,
+    features_to_proto,
+    feedback_to_proto,
+    newest_features,
+    sampling_from_proto,
+    tree_from_proto,
+)
 from verifier_service.arguments import add_batching_arguments, add_lookahead_argument
 
 if TYPE_CHECKING:
@@ -55,6 +63,14 @@ def _not_found(session_id: str) -> str:
     return f"no session {session_id!r} of this caller (never opened, released, or idle past --session-ttl)"
 
 
+def features_message(features: TargetFeatures) -> common_pb2.TargetFeatures:
+    """A session's target features as bf16 on the wire; a prompt too large for one message keeps its newest rows
+    (the drafter drafts on zeros for the rest: acceptance, never the output, suffers)."""
+    rows = features.rows.float().cpu().numpy()  # deliberate host copy: the features leave the process
+    kept = newest_features([TargetFeatures(features.start, rows)])
+    return features_to_proto(kept[0] if kept else TargetFeatures(features.start, rows[:0]))
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, verifier: BatchingVerifier, model_name: str = "", session_ttl: float = 600.0) -> None:
         self.verifier = verifier
@@ -77,7 +93,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             check_session_id(request.session_id)
             sampling = sampling_from_proto(request.sampling)
-            future = self.verifier.submit_prefill(key, list(request.prompt), sampling)
+            future = self.verifier.submit_prefill(key, list(request.prompt), sampling, request.return_features)
             result = await asyncio.wrap_future(future)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _as_caller_sees(str(exc), key))
@@ -93,7 +109,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             span.set_attributes({"specmesh.session.id": request.session_id,
                                  "specmesh.prefill.prompt_tokens": len(request.prompt),
                                  "specmesh.prefill.forward_ms": result.seconds * 1e3})
-        return verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
+        response = verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
+        if result.features is not None:
+            response.features.CopyFrom(features_message(result.features))
+        return response
 
     async def Verify(self, request, context):
         key = session_key(context, request.session_id)
@@ -118,6 +137,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
         if result.feedback is not None:
             response.feedback.CopyFrom(feedback_to_proto(result.feedback))
+        if result.features is not None:
+            response.features.CopyFrom(features_message(result.features))
         return response
 
     async def Release(self, request, context):

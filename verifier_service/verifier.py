@@ -104,7 +104,9 @@ class _Session:
     # each committed token (fills)
     window: Window | None = None
     successors: dict[int, int] = field(default_factory=dict)
-    # features=True only: the prompt's target features, chunk by chunk, until the prefill's result takes them
+    # report the target's features (the session asked: a Falcon head drafts for it); then the prompt's, chunk by
+    # chunk, until the prefill's result takes them
+    features: bool = False
     prompt_features: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -147,8 +149,9 @@ class LocalVerifier:
         features: bool = False,
     ) -> None:
         """``features``: report the target's final-layer features of the prompt (``PrefillResult.features``) and
-        of every verification's pending + accepted rows (``VerifyResult.features``), for Falcon heads; off by
-        default (the runner then computes none)."""
+        of every verification's pending + accepted rows (``VerifyResult.features``) for every session, as if each
+        had asked (``prefill``/``admit`` ``features=True``); off by default: only the sessions that ask get them,
+        and a step with none computes none."""
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
         if prefill_chunk < 1:
@@ -166,9 +169,10 @@ class LocalVerifier:
         self._sessions: dict[str, _Session] = {}
 
     # --------------------------------------------------------------- protocol
-    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult:
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                features: bool = False) -> PrefillResult:
         start = time.perf_counter()
-        self.admit(session_id, prompt, sampling)
+        self.admit(session_id, prompt, sampling, features)
         try:
             first = None
             while first is None:
@@ -193,9 +197,10 @@ class LocalVerifier:
             self._unreserve(session.cache, session.table)
 
     # ------------------------------------------------------------ scheduling
-    def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, features: bool = False) -> None:
         """Check the request and reserve its KV blocks (prompt + max_new_tokens + the largest tree + the
-        lookahead window); the prefill itself runs in ``step``. CapacityError when the pool cannot hold it."""
+        lookahead window); the prefill itself runs in ``step``. CapacityError when the pool cannot hold it.
+        ``features``: report the session's target features (see ``__init__``)."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
@@ -208,7 +213,8 @@ class LocalVerifier:
                 generator.manual_seed(sampling.seed)
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
-        self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt)
+        self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt,
+                                              features=features or self.features)
 
     def check_request(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """ValueError for a request this verifier can never serve (reads only its fixed configuration)."""
@@ -292,13 +298,15 @@ class LocalVerifier:
                 top = row.start + row.num_new - row.span  # the window's top level: the last span rows
                 wanted += [np.arange(row.start, verified), np.arange(top, top + row.span)]
         logit_index = torch.from_numpy(np.concatenate(wanted)) if wanted else torch.zeros(0, dtype=torch.long)
-        # features: every row of a prefill chunk and every verified row (pending + tree), picked after acceptance
-        hidden_index = None
-        if self.features:
-            spans = [(r.start, r.start + (r.num_new if r.tree is None else 1 + r.tree.num_nodes)) for r in rows]
+        # features of the sessions that asked: every row of a prefill chunk and every verified row (pending + tree),
+        # picked after acceptance; span_start: a row's first feature row
+        hidden_index, span_start = None, {}
+        asking = [r for r in rows if r.session.features]
+        if asking:
+            spans = [(r.start, r.start + (r.num_new if r.tree is None else 1 + r.tree.num_nodes)) for r in asking]
             hidden_index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans])).to(self.runner.device)
             cu = np.cumsum([0] + [b - a for a, b in spans])
-            span_start = {id(r): int(cu[i]) for i, r in enumerate(rows)}
+            span_start = {id(r): int(cu[i]) for i, r in enumerate(asking)}
         logits = self.runner.forward_batch(
             [row.session.cache for row in rows], np.concatenate(ids), np.concatenate(positions),
             [row.num_new for row in rows], attends, logit_index.to(self.runner.device), hidden_index,
@@ -315,7 +323,7 @@ class LocalVerifier:
         finishing: list[str] = []
         offset = 0
         for session_id, row in zip(prefills, rows, strict=False):
-            if features is not None:
+            if id(row) in span_start:
                 row.session.prompt_features.append(features[span_start[id(row)] :][: row.num_new])
             row.session.prefilled += row.num_new
             if row.session.prefilled == len(row.session.prompt):
@@ -336,7 +344,7 @@ class LocalVerifier:
             r = slice(first, first + row.num_out)
             results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed,
                                                  len(rows))
-            if features is not None:  # the pending row and the accepted path's rows, at their positions
+            if id(row) in span_start:  # the pending row and the accepted path's rows, at their positions
                 offset = span_start[id(row)]
                 keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes], device=features.device)
                 results[index] = dataclasses.replace(
@@ -344,7 +352,7 @@ class LocalVerifier:
         return firsts, results
 
     def take_prompt_features(self, session_id: str) -> TargetFeatures | None:
-        """The prompt's target features of a session whose prefill finished (once; None unless ``features``)."""
+        """The prompt's target features of a session whose prefill finished (once; None unless it asked)."""
         session = self._sessions.get(session_id)
         if session is None or not session.prompt_features:
             return None

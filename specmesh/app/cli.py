@@ -40,7 +40,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     add_members_argument(p)
     p.add_argument("--falcon", default=None, metavar="DIR",
                    help="a trained Falcon head (`specmesh train-falcon`) for the target: drafts with the falcon "
-                        "proposer and this head (embedded mode only)")
+                        "proposer and this head in this process (with --server the drafter replica holds the head: "
+                        "`specmesh drafter --target DIR --falcon DIR`; ask for --proposer falcon)")
     p.add_argument("--proposer", default=None, choices=proposer_names() + ["none"], metavar="NAME",
                    help="how drafts are made, with its default budget (nodes x depth): " + proposers_help() +
                         f"; 'none' = plain autoregressive decoding (default: {DEFAULT_PROPOSER}: "
@@ -111,8 +112,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
     proposer = args.proposer or ("falcon" if getattr(args, "falcon", None) else DEFAULT_PROPOSER)
-    if getattr(args, "falcon", None) and (proposer != "falcon" or args.server):
-        raise SystemExit("specmesh generate: --falcon is for --proposer falcon, in embedded mode (no --server)")
+    if getattr(args, "falcon", None) and proposer != "falcon":
+        raise SystemExit("specmesh generate: --falcon is for --proposer falcon")
+    if getattr(args, "falcon", None) and args.server:  # the head is loaded where it drafts
+        raise SystemExit("specmesh generate: with --server the drafter replica holds the Falcon head (`specmesh "
+                         "drafter --proposers falcon --target DIR --falcon DIR`): ask for it with --proposer falcon")
     if args.members and proposer != "fused":
         raise SystemExit("specmesh generate: --members is for --proposer fused")
     from orchestrator.acceptance import request_sampling

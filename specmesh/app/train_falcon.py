@@ -125,8 +125,10 @@ def dump_features(runner, seqs: np.ndarray, progress: bool = True) -> torch.Tens
 
 
 # ------------------------------------------------------------------------------------------- the loss
-def glance_lambda(epoch: int, epochs: int) -> float:
-    return GLANCE_START * (epochs - epoch) / epochs
+def glance_lambda(epoch: float, epochs: int) -> float:
+    """λ = 0.4 · (E − e) / E, with e the (fractional) epochs done: it falls step by step, so that a run of one
+    epoch, or one stopped by ``--minutes``, still anneals the glancing rate."""
+    return GLANCE_START * max(0.0, epochs - epoch) / epochs
 
 
 def glanced_rows(hamming: list[int], num_rows: int, k: int, lam: float, gen: random.Random) -> list[list[int]]:
@@ -284,11 +286,11 @@ def train_falcon(cfg: FalconTrainConfig, runner=None, tokenizer=None, progress: 
     stopped = False
     while state["epoch"] < cfg.epochs and not stopped:
         epoch = state["epoch"]
-        lam = glance_lambda(epoch, cfg.epochs)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         head.train()
         for b in range(state["step"] - epoch * steps_per_epoch, steps_per_epoch):
             pick = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+            lam = glance_lambda(state["step"] / steps_per_epoch, cfg.epochs)
             loss, stats = csgd_loss(head, data["train_feats"][pick], data["train_ids"][pick], lam, cfg.glancing, gen)
             optimizer.zero_grad()
             loss.backward()

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -132,3 +133,23 @@ class VerifyFeedback(_message.Message):
     ngram_tokens: _containers.RepeatedScalarFieldContainer[int]
     ngram_lengths: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, inputs: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., topk: _Optional[_Iterable[int]] = ..., ngram_tokens: _Optional[_Iterable[int]] = ..., ngram_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TargetFeatures(_message.Message):
+    __slots__ = ("start", "rows", "hidden", "dtype", "data")
+    class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        BF16: _ClassVar[TargetFeatures.Dtype]
+        FP16: _ClassVar[TargetFeatures.Dtype]
+    BF16: TargetFeatures.Dtype
+    FP16: TargetFeatures.Dtype
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    hidden: int
+    dtype: TargetFeatures.Dtype
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., hidden: _Optional[int] = ..., dtype: _Optional[_Union[TargetFeatures.Dtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...

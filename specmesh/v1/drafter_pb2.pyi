@@ -12,16 +12,18 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("proposers", "default_proposer", "vocab_size", "num_sessions")
+    __slots__ = ("proposers", "default_proposer", "vocab_size", "num_sessions", "feature_proposers")
     PROPOSERS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_PROPOSER_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_PROPOSERS_FIELD_NUMBER: _ClassVar[int]
     proposers: _containers.RepeatedScalarFieldContainer[str]
     default_proposer: str
     vocab_size: int
     num_sessions: int
-    def __init__(self, proposers: _Optional[_Iterable[str]] = ..., default_proposer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+    feature_proposers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, proposers: _Optional[_Iterable[str]] = ..., default_proposer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_sessions: _Optional[int] = ..., feature_proposers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("session_id", "prompt", "sampling", "proposer")
@@ -36,20 +38,22 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., proposer: _Optional[str] = ...) -> None: ...
 
 class Propose(_message.Message):
-    __slots__ = ("step", "new_tokens", "budget", "rollback", "feedback", "committed_len")
+    __slots__ = ("step", "new_tokens", "budget", "rollback", "feedback", "committed_len", "features")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     budget: _common_pb2.Budget
     rollback: int
     feedback: _containers.RepeatedCompositeFieldContainer[_common_pb2.VerifyFeedback]
     committed_len: int
-    def __init__(self, step: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., rollback: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[_common_pb2.VerifyFeedback, _Mapping]]] = ..., committed_len: _Optional[int] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[_common_pb2.TargetFeatures]
+    def __init__(self, step: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., rollback: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[_common_pb2.VerifyFeedback, _Mapping]]] = ..., committed_len: _Optional[int] = ..., features: _Optional[_Iterable[_Union[_common_pb2.TargetFeatures, _Mapping]]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "propose")

@@ -8,22 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "sampling")
+    __slots__ = ("session_id", "prompt", "sampling", "return_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "seconds")
+    __slots__ = ("first_token", "seconds", "features")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     seconds: float
-    def __init__(self, first_token: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    features: _common_pb2.TargetFeatures
+    def __init__(self, first_token: _Optional[int] = ..., seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree")
@@ -34,18 +38,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "tokens", "seconds", "feedback", "batch_sessions")
+    __slots__ = ("accepted_nodes", "tokens", "seconds", "feedback", "batch_sessions", "features")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     seconds: float
     feedback: _common_pb2.VerifyFeedback
     batch_sessions: int
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., feedback: _Optional[_Union[_common_pb2.VerifyFeedback, _Mapping]] = ..., batch_sessions: _Optional[int] = ...) -> None: ...
+    features: _common_pb2.TargetFeatures
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., feedback: _Optional[_Union[_common_pb2.VerifyFeedback, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
