@@ -13,14 +13,20 @@ its keys/values; plus the target features received (``DraftFeedback.features``).
   dropped, and the rest is fed again (a rollback is a cut; new features turn stand-ins into true inputs).
 
 Drafting, the custom tree: the final-block forward at the context's end gives k distributions (the next k
-tokens). Expanding a node makes its block of k tokens: under greedy, each token node gets its top-``branching``
-tokens of the next distribution (point masses, so any pruning stays lossless), the best ``max_nodes`` by
-cumulative log q are kept; under sampling, ``samples`` children of the block's first slot drawn without
-replacement (each ships the distribution it was drawn from, conditioned on its earlier siblings) and one
-sampled child per later slot, with every node count fixed before the draw (a node's existence never depends
-on its own value), so the verifier's rejection sampling stays lossless. Each further forward pass expands the
-best ``expand`` block ends at once (their k tokens fed as blocks under the relaxed mask: a block's rows see the
-context, their ancestor blocks and their whole own block), until ``max_depth`` or the budget's deadline.
+tokens). Expanding a node makes its block of k tokens; each further forward pass feeds the chosen block ends at
+once (their k tokens as blocks under the relaxed mask: a block's rows see the context, their ancestor blocks and
+their whole own block), with one LM-head call per pass, until ``max_depth``, the budget or its deadline.
+Under greedy every child is a point mass of its slot's distribution (so any pruning stays lossless) and the
+tree is the best ``max_nodes`` by cumulative log q; its shape is ``tree``:
+- ``static``: ``shape`` = per pass (N block ends expanded, M children per token node), the first pass the root
+  alone (``1xM``): the same tree for every context, the Falcon paper's custom tree;
+- ``dynamic``: a token node's children are its slot's top tokens until their q sums to ``cover`` (at most
+  ``branching``); each pass expands the ``expand`` best block ends above ``min_path_prob``.
+A head's ``config.json`` may hold the tree measured best for it (``head_tree``); options override it.
+Under sampling: ``samples`` children of the block's first slot drawn without replacement (each ships the
+distribution it was drawn from, conditioned on its earlier siblings) and one sampled child per later slot,
+with every node count fixed before the draw (a node's existence never depends on its own value), so the
+verifier's rejection sampling stays lossless.
 """
 
 from __future__ import annotations
@@ -295,21 +301,22 @@ class _TreeBuilder:
             if not leaves:
                 break
             outs, fed_ids = self._forward(leaves)
+            dists = self._dists(torch.cat(outs)).view(len(outs), self.k, -1)  # one LM-head call per pass
             nxt = []
-            for leaf, out, fed in zip(leaves, outs, fed_ids, strict=True):
+            for leaf, dist, fed in zip(leaves, dists, fed_ids, strict=True):
                 if not self.sp.greedy and len(self.cands) >= budget.max_nodes:
                     break
-                nxt += self._expand(leaf, fed, self._dists(out), self.cands[leaf].score, self.cands[leaf].depth + 1,
-                                    width)
+                nxt += self._expand(leaf, fed, dist, self.cands[leaf].score, self.cands[leaf].depth + 1, width)
             leaves = nxt
         return self._tree()
 
     # -------------------------------------------------------------------- pieces
     def _dists(self, out: torch.Tensor) -> torch.Tensor:
-        """[k, H] outputs -> [k, vocab] draft distributions (float64; warped like the target's when sampling)."""
+        """[rows, H] outputs -> [rows, vocab] draft distributions: greedy, log q (float32: only the top few are
+        read); sampling, q (float64, warped like the target's)."""
         logits = self.head.logits(out).cpu()
         if self.sp.greedy:
-            return torch.softmax(logits.double(), dim=-1)
+            return torch.log_softmax(logits, dim=-1)
         return warp_probs(logits, self.sp.temperature, self.sp.top_k, self.sp.top_p).double()
 
     def _expand(self, anchor: int, src: int, probs: torch.Tensor, score: float, depth: int, width: int) -> list[int]:
@@ -322,10 +329,10 @@ class _TreeBuilder:
         for slot in range(slots):
             made = []
             if self.sp.greedy:
-                top = torch.topk(probs[slot], min(width, probs.shape[1]))
-                logs = torch.log(top.values).tolist()
+                top = torch.topk(probs[slot], min(width, probs.shape[1]))  # greedy: probs holds log q
+                logs = top.values.double().tolist()
                 if not self.static:  # confident slots get fewer children (one slot distribution per block)
-                    covered = torch.cumsum(top.values, 0) >= self.p.cover
+                    covered = torch.cumsum(top.values.double().exp(), 0) >= self.p.cover
                     logs = logs[: int(torch.argmax(covered.int())) + 1 if bool(covered.any()) else len(logs)]
                 for parent, pscore in parents:
                     for lq, tok in zip(logs, top.indices.tolist(), strict=False):
@@ -388,7 +395,7 @@ class _TreeBuilder:
             c0.append(c)
         ids = torch.tensor([[self.cands[i].token for i in chain] for chain in chains])
         x = head.inputs(torch.stack(feats), ids)  # [N, k, 2H]
-        s, hs, cs = head.lstm_steps(x, torch.stack(h0, dim=1), torch.stack(c0, dim=1))
+        s, (h_end, c_end) = head.lstm(x, (torch.stack(h0, dim=1), torch.stack(c0, dim=1)))  # only block ends' states
         num = len(chains)
         positions = torch.tensor([self.n + self.cands[i].depth for chain in chains for i in chain])
         flat = s.reshape(num * k, -1)
@@ -403,7 +410,7 @@ class _TreeBuilder:
         for b, src in enumerate(srcs):
             ancestors = (self.fed[src].ancestors if src >= 0 else []) + [first_fed + b]
             cols = list(range(base + b * k, base + (b + 1) * k))
-            self.fed.append(_Fed(cols, ancestors, None, hs[-1][:, b], cs[-1][:, b]))
+            self.fed.append(_Fed(cols, ancestors, None, h_end[:, b], c_end[:, b]))
             for a in ancestors:
                 mask[b * k : (b + 1) * k, [self.n + col for col in self.fed[a].cols]] = True
         all_keys = torch.cat([fs.keys.view(self.n).transpose(0, 1), *self.tree_keys], dim=1)

@@ -318,7 +318,8 @@ def test_train_falcon_tiny_head_loss_falls_and_loads(tmp_path, target, runners):
         report = train_falcon(cfg, runner, _CharTokenizer(), progress=False)
         assert report["after"]["heldout_loss"] < report["before"]["heldout_loss"], report
         head = load_head(out, target_tables(runner).to(torch.float32))
-        assert head.config.k == k and head.config.glancing == glancing
+        # glancing has nothing to replace inside a one-token block: a k=1 head is recorded as plain
+        assert head.config.k == k and head.config.glancing == (glancing and k > 1)
         proposer = falcon_proposer(target_runner=runner, head=str(out))
         engine = _engine(runner, proposer, (8, 4), overlap=False)
         assert engine.generate(PROMPTS[0], greedy(10)).token_ids == naive_greedy(target, PROMPTS[0], 10)
