@@ -132,13 +132,9 @@ class FalconState:
         start, n = self.length, len(ids)
         x = self.head.inputs(prev_features, torch.tensor(ids, device=prev_features.device))[None]  # [1, n, 2H]
         h0, c0 = self.state_before(start)
-        if per_step:
-            s, hs, cs = self.head.lstm_steps(x, h0, c0)  # hs/cs: [n, layers, 1, H]
-            for i in range(n):
-                self.states[start + i] = (hs[i, :, 0], cs[i, :, 0])
-        else:
-            s, (h, c) = self.head.lstm(x, (h0, c0))
-            self.states[start + n - 1] = (h[:, 0], c[:, 0])
+        s, hs, cs = self.head.lstm_steps(x, h0, c0)  # hs/cs: [n, layers, 1, H]
+        for i in range(n) if per_step else (n - 1,):
+            self.states[start + i] = (hs[i, :, 0], cs[i, :, 0])
         positions = torch.arange(start, start + n, device=x.device)
         keys, values = self.head.project_kv(s[0], positions)
         self.outputs.put(start, s[0])
@@ -395,7 +391,8 @@ class _TreeBuilder:
             c0.append(c)
         ids = torch.tensor([[self.cands[i].token for i in chain] for chain in chains])
         x = head.inputs(torch.stack(feats), ids)  # [N, k, 2H]
-        s, (h_end, c_end) = head.lstm(x, (torch.stack(h0, dim=1), torch.stack(c0, dim=1)))  # only block ends' states
+        s, hs, cs = head.lstm_steps(x, torch.stack(h0, dim=1), torch.stack(c0, dim=1))
+        h_end, c_end = hs[-1], cs[-1]  # [layers, N, H]: the states after the blocks' ends
         num = len(chains)
         positions = torch.tensor([self.n + self.cands[i].depth for chain in chains for i in chain])
         flat = s.reshape(num * k, -1)

@@ -119,6 +119,24 @@ def _state_tensors(fs: FalconState) -> list[torch.Tensor]:
     return [fs.outputs.view(n), fs.keys.view(n), fs.values.view(n), out, h, c]
 
 
+def test_stepwise_lstm_is_the_trained_lstm(runners):
+    """Drafting runs the LSTM step by step, training runs nn.LSTM: same outputs and states (float64)."""
+    head = random_head(target_tables(runners["fast"]).to(torch.float32), k=2).double()
+    gen = torch.Generator().manual_seed(0)
+    hidden, layers = head.config.hidden_size, head.config.lstm_layers
+    x = torch.randn(3, 5, 2 * hidden, generator=gen, dtype=torch.float64)
+    h0, c0 = (torch.randn(layers, 3, hidden, generator=gen, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        want, (h_want, c_want) = head.lstm(x, (h0, c0))
+        got, hs, cs = head.lstm_steps(x, h0, c0)
+        _, (h_mid, c_mid) = head.lstm(x[:, :3], (h0, c0))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(hs[-1], h_want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(cs[-1], c_want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(hs[2], h_mid, rtol=1e-10, atol=1e-12)  # the state after every step is kept
+    torch.testing.assert_close(cs[2], c_mid, rtol=1e-10, atol=1e-12)
+
+
 def test_head_state_is_exact_under_rollbacks_and_new_features(target, runners):
     """Random edits (appends, rollbacks of a hypothesis, features arriving late) against a fresh state
     computed once from the same context and features."""
