@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from drafter_service.falcon_head import FalconHead, TargetTables, load_head, random_head, target_tables
+from drafter_service.falcon_head import (
+    FalconHead,
+    TargetTables,
+    head_tree,
+    load_head,
+    random_head,
+    target_tables,
+)
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
@@ -46,6 +53,7 @@ from specmesh.warp import warp_probs
 
 TREE_MODES = ("dynamic", "static")
 DEFAULT_SHAPE = "1x4/4x2/4x2"  # a static shape when a head stores none
+_SETTINGS = {"tree": str, "branching": int, "expand": int, "samples": int, "cover": float}  # option -> type
 TRUE = -1  # kind of a position whose input feature is the target's (else: the anchor its stand-in came from)
 
 
@@ -461,15 +469,12 @@ def falcon_proposer(target_runner=None, draft_runner=None, **given: object) -> F
         if "k" in opts:
             raise ValueError("falcon: k comes from the trained head (its config.json)")
         head = load_head(str(opts["head"]), tables.to(torch.float32), device=tables.embed.device)
+        measured = head_tree(str(opts["head"]))  # the tree measured best for this head
     else:
-        head = random_head(tables.to(torch.float32), k=int(opts.get("k", 2)))
-    measured = head_tree(opts["head"]) if opts.get("head") else {}  # the tree measured best for this head
-    tree = str(opts.get("tree", measured.get("tree", "dynamic")))
-    shape = parse_shape(str(opts.get("shape", measured.get("shape", DEFAULT_SHAPE))))
-    return FalconProposer(head, branching=int(opts.get("branching", measured.get("branching", 4))),
-                          expand=int(opts.get("expand", measured.get("expand", 4))),
-                          samples=int(opts.get("samples", 2)), tree=tree, shape=shape,
-                          cover=float(opts.get("cover", measured.get("cover", 0.9))))
+        head, measured = random_head(tables.to(torch.float32), k=int(opts.get("k", 2))), {}
+    chosen = {**measured, **opts}  # options override it; what neither sets keeps FalconProposer's default
+    settings = {key: cast(chosen[key]) for key, cast in _SETTINGS.items() if key in chosen}
+    return FalconProposer(head, shape=parse_shape(str(chosen.get("shape", DEFAULT_SHAPE))), **settings)
 
 
 def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
@@ -482,11 +487,3 @@ def parse_shape(text: str) -> tuple[tuple[int, int], ...]:
     if not shape or min(min(p) for p in shape) < 1:
         raise ValueError(f"falcon: shape {text!r} needs counts of at least 1")
     return shape
-
-
-def head_tree(head_dir: str) -> dict:
-    """The tree settings stored with a head (``config.json`` ``tree``: chosen by measuring, see the README)."""
-    import json
-    from pathlib import Path
-
-    return dict(json.loads((Path(head_dir) / "config.json").read_text()).get("tree", {}))

@@ -315,6 +315,12 @@ def load_head(path: str | Path, tables: TargetTables | None = None, dtype: torch
     return head
 
 
+def head_tree(path: str | Path) -> dict:
+    """The decoding-tree settings stored with a head (``config.json`` ``"tree"``, chosen by measuring; see
+    ``drafter_service/falcon.py``), {} when it stores none."""
+    return dict(json.loads((Path(path) / CONFIG_FILE).read_text()).get("tree", {}))
+
+
 def random_head(tables: TargetTables, k: int = 2, seed: int = 0, **sizes) -> FalconHead:
     """An untrained head for ``tables`` (tests and the registry-wide checks: drafts are valid, rarely right)."""
     torch.manual_seed(seed)

@@ -261,23 +261,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serving.add_server_arguments(p)
 
 
+def _model_dir(args: argparse.Namespace, flag: str, path) -> Path | None:
+    """The model directory ``path`` given with ``flag`` (None stays None), or a clear exit."""
+    if path is None:
+        return None
+    try:
+        return models.model_dir(path)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {flag}: {exc}") from None
+
+
 def _draft_dir(args: argparse.Namespace) -> Path | None:
-    """The draft model directory, or None with --draft none."""
+    """The draft model directory (default: the demo draft), or None with --draft none."""
     if args.draft is not None and str(args.draft).lower() == "none":
         return None
-    try:
-        return models.model_dir(args.draft or models.demo_model("draft"))
-    except ValueError as exc:
-        raise SystemExit(f"specmesh {args.command}: {exc}") from None
-
-
-def _target_dir(args: argparse.Namespace) -> Path | None:
-    if args.target is None:
-        return None
-    try:
-        return models.model_dir(args.target)
-    except ValueError as exc:
-        raise SystemExit(f"specmesh {args.command}: --target: {exc}") from None
+    return _model_dir(args, "--draft", args.draft or models.demo_model("draft"))
 
 
 @dataclass(frozen=True)
@@ -302,7 +300,7 @@ class SharedTables:
 
 
 def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry | None = None) -> DrafterServicer:
-    draft_dir, target_dir = _draft_dir(args), _target_dir(args)
+    draft_dir, target_dir = _draft_dir(args), _model_dir(args, "--target", args.target)
     needs_draft = {n for n in proposer_names() if proposer_spec(n).needs_draft_model}
     needs_target = {n for n in proposer_names() if proposer_spec(n).needs_target}
     names = args.proposers or [n for n in proposer_names() if (draft_dir is not None or n not in needs_draft)
@@ -317,7 +315,8 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
     if args.falcon and "falcon" not in names:
         raise SystemExit("specmesh drafter: --falcon is for the falcon proposer (--proposers ... falcon)")
     draft_runner = tables = None
-    if draft_dir is not None or (target_dir is not None and needs_target & set(names)):
+    shares_target = target_dir is not None and bool(needs_target & set(names))  # load its tables
+    if draft_dir is not None or shares_target:
         models.bound_kernel_caches()  # before the first product: a drafter's shapes would fill them (models.py)
         models.set_threads(args.threads)
         try:
@@ -327,7 +326,7 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
         if draft_dir is not None:
             draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
                                               args.runner, device, args.attention)
-        if target_dir is not None and needs_target & set(names):
+        if shares_target:
             tables = SharedTables.load(target_dir, device)
     elif target_dir is not None:
         log.warning("--target is unused: no served proposer needs it (%s)", ", ".join(sorted(needs_target)))

@@ -42,7 +42,7 @@ SINGLE_THREAD_MODULES = {
     "test_draft_model", "test_engine_faults", "test_greedy_equivalence", "test_kv_cache", "test_prompt_lookup",
     "test_sampling_distribution", "test_stats", "test_stopping", "test_tree", "test_grpc_services",
     "test_grpc_faults", "test_grpc_fuzz", "test_grpc_security", "test_drafter_link", "test_batched_verification",
-    "test_verifier_feedback",
+    "test_verifier_feedback", "test_falcon", "test_falcon_grpc",
 }
 
 

@@ -26,15 +26,6 @@ PROMPTS = make_prompts(8, seed=3)
 MAX_NEW = 20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: extra intra-op threads only spin against each other (as conftest's SINGLE_THREAD_MODULES)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(seed=11)

@@ -71,15 +71,6 @@ from specmesh.wire import (  # noqa: E402
 from verifier_service.remote import VerifierClient  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: extra intra-op threads only spin against each other (as conftest's SINGLE_THREAD_MODULES)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ------------------------------------------------------------------------------------------------ the wire
 @pytest.mark.parametrize("dtype,rel", [("bf16", 2.0**-8), ("fp16", 2.0**-11)])
 @pytest.mark.parametrize("rows", [0, 1, 7])

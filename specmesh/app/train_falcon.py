@@ -77,6 +77,11 @@ class FalconTrainConfig:
     work_dir: Path | None = None  # features cache and checkpoint (default: OUT's sibling OUT-work)
 
     @property
+    def glances(self) -> bool:
+        """CSGD's glancing runs: asked for, and k > 1 (a block of one keeps its one row to predict)."""
+        return self.glancing and self.k > 1
+
+    @property
     def work(self) -> Path:
         return self.work_dir if self.work_dir is not None else self.out_dir.with_name(self.out_dir.name + "-work")
 
@@ -257,8 +262,7 @@ def train_falcon(cfg: FalconTrainConfig, runner=None, tokenizer=None, progress: 
     tables: TargetTables = target_tables(runner).to(torch.float32)
     data = _features(cfg, runner, tokenizer)
     torch.manual_seed(cfg.seed)
-    glancing = cfg.glancing and cfg.k > 1  # a block of one keeps its one row to predict: nothing to glance at
-    head_cfg = FalconConfig.for_target(tables, cfg.k, glancing=glancing,
+    head_cfg = FalconConfig.for_target(tables, cfg.k, glancing=cfg.glances,
                                        intermediate_size=cfg.intermediate or _intermediate(runner))
     head = FalconHead(head_cfg).attach(tables)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
@@ -283,7 +287,7 @@ def train_falcon(cfg: FalconTrainConfig, runner=None, tokenizer=None, progress: 
     started = time.perf_counter() - state["seconds"]
     deadline = None if cfg.minutes is None else started + 60 * cfg.minutes
     bar = tqdm(total=total, initial=state["step"], desc=f"[train-falcon] k={cfg.k} "
-               f"{'CSGD' if glancing else 'plain SAR'}", unit="step", disable=not progress)
+               f"{'CSGD' if cfg.glances else 'plain SAR'}", unit="step", disable=not progress)
     stopped = False
     while state["epoch"] < cfg.epochs and not stopped:
         epoch = state["epoch"]
@@ -292,7 +296,7 @@ def train_falcon(cfg: FalconTrainConfig, runner=None, tokenizer=None, progress: 
         for b in range(state["step"] - epoch * steps_per_epoch, steps_per_epoch):
             pick = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
             lam = glance_lambda(state["step"] / steps_per_epoch, cfg.epochs)
-            loss, stats = csgd_loss(head, data["train_feats"][pick], data["train_ids"][pick], lam, glancing, gen)
+            loss, stats = csgd_loss(head, data["train_feats"][pick], data["train_ids"][pick], lam, cfg.glances, gen)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -381,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError, KeyError) as exc:
         raise SystemExit(f"specmesh train-falcon: {exc}") from None
     b, a = report["before"], report["after"]
-    print(f"Falcon head (k={cfg.k}, {'CSGD' if cfg.glancing and cfg.k > 1 else 'plain SAR'}) for {cfg.target} -> {cfg.out_dir} "
+    print(f"Falcon head (k={cfg.k}, {'CSGD' if cfg.glances else 'plain SAR'}) for {cfg.target} -> {cfg.out_dir} "
           f"({report['steps']} steps, {report['train_minutes']} min)")
     print(f"held-out loss {b['heldout_loss']:.3f} -> {a['heldout_loss']:.3f}; agreement with the target's argmax "
           f"per slot {[round(x, 3) for x in a['agree_per_slot']]}")
