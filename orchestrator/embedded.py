@@ -18,6 +18,7 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.ngram_store import tokenizer_fingerprint
 from drafter_service.proposer import make_proposer, proposer_spec
 from orchestrator.arguments import resolve_models
+from orchestrator.core import CoreEngine, EngineCore, Method
 from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
@@ -25,7 +26,6 @@ from specmesh import models
 from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_model, load_tokenizer
-from verifier_service.batching import BatchingVerifier
 from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
 
@@ -94,10 +94,29 @@ class EmbeddedStack:
         """An engine with ``proposer`` (None or "none" = plain autoregressive decoding).
         ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
         ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
-        has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH). ``shared``: verify on the stack's
-        batching verifier, so the requests of all threads using such engines share forwards (an engine is
-        safe to use from many threads at once)."""
+        has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH). ``shared``: run on the stack's
+        engine core (``orchestrator/core.py``), so the requests of all threads using such engines share one step
+        loop and its forwards (a ``CoreEngine``, safe to use from many threads at once; its steps draft, then
+        verify: ``overlap``, ``ahead_from`` and restart trees apply to the per-request engine only)."""
         proposer = None if proposer in (None, "none", "ar") else proposer
+        drafter, policy_chosen, topk, lookahead, features = self._speculation(
+            proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
+        if shared:
+            core = self.shared_verifier(topk, lookahead)
+            method = Method(only(drafter, proposer or ""), load_aware(policy_chosen, core.costs, drafting_shares_cores=True),
+                            features)
+            return CoreEngine(core, method)
+        # one request at a time: a pool for two sessions at the full context, not the server's budget
+        per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
+        gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
+        verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb)
+        overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
+        return Engine(verifier, only(drafter, proposer or ""), policy_chosen, self.decode, overlap=overlap,
+                      ahead_from=ahead_from, features=features)
+
+    def _speculation(self, proposer: str | None, max_nodes: int | None, max_depth: int | None, policy: str | None,
+                     restart_depth: int | None, proposer_opts: dict):
+        """(drafter or None, policy, the verifier's top-k feedback, its lookahead window, features) of a method."""
         drafter, topk, min_ngram, wanted_window, features = None, 0, 0, None, False
         if proposer is not None:
             if proposer_spec(proposer).needs_draft_model and self.draft_runner is None:
@@ -119,34 +138,24 @@ class EmbeddedStack:
         if lookahead is not None and lookahead.ngram < min_ngram:
             raise ValueError(f"--lookahead N must be at least {min_ngram} for {proposer}'s n-gram store "
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
-        if shared:
-            verifier = self.shared_verifier(topk, lookahead)
-            chosen = load_aware(chosen, verifier.costs, drafting_shares_cores=True)
-        else:
-            # one request at a time: a pool for two sessions at the full context, not the server's budget
-            per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
-            gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
-            verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb)
-        overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
-        return Engine(verifier, only(drafter, proposer or ""), chosen, self.decode, overlap=overlap,
-                      ahead_from=ahead_from, features=features)
+        return drafter, chosen, topk, lookahead, features
 
-
-    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None) -> BatchingVerifier:
-        """The stack's batching verifier of that configuration (one KV pool each), created on first use. Target
-        features are asked per session (``Engine(features=...)``): they need no verifier of their own."""
+    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None) -> EngineCore:
+        """The stack's engine core of that verifier configuration (one KV pool each), created on first use: every
+        shared engine of that configuration submits its requests to it, and one thread steps them all. Target
+        features are asked per request (``Method.features``): they need no verifier of their own."""
         key = (feedback_topk, lookahead)
         if key not in self._shared:
             local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb)
-            self._shared[key] = BatchingVerifier(local, costs=local.profile_costs())
+            self._shared[key] = EngineCore(local, self.decode, costs=local.profile_costs())
         return self._shared[key]
 
-    def shared_verifiers(self) -> list[BatchingVerifier]:
-        """The batching verifiers created so far (one per feedback configuration)."""
+    def shared_verifiers(self) -> list[EngineCore]:
+        """The engine cores created so far (one per feedback configuration)."""
         return list(self._shared.values())
 
     def close(self) -> None:
-        """Stop the shared verifiers' schedulers."""
+        """Stop the engine cores."""
         for verifier in self._shared.values():
             verifier.close()
         self._shared.clear()

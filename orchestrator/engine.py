@@ -41,6 +41,7 @@ from specmesh.tree import InvalidTreeError, TokenTree
 class StepEvent:
     tokens: tuple[int, ...]  # tokens to emit to the client now
     step: StepStats | None  # None for the prefill's first token
+    text_limit: int | None = None  # a stop string matched: cut the decoded text here
 
 
 @dataclass

@@ -1,0 +1,444 @@
+"""The engine core: one loop on one thread owns every request of an in-process verifier.
+
+Requests are data, not threads (vLLM V1's EngineCore, SGLang's scheduler). A front end
+``submit``s a request with a ``RequestOutput`` (where its events go: a thread-safe queue for
+a blocking consumer, ``call_soon_threadsafe`` into an asyncio queue for a server) and may
+``cancel`` it by id; the core thread does everything else:
+
+    loop:  take submissions and cancels -> admit while the KV pool can reserve -> step()
+
+``EngineCore.step`` is the whole of one engine step, top to bottom: the scheduled batch
+(prompt chunks of prefilling requests within the token budget, every running request),
+every running request's tree, one target forward over all of them with acceptance for the
+whole batch (``LocalVerifier.step``), then commit, stream and stop checks per request.
+
+A request's drafter is its ``DrafterLink`` (drafter_link.py) run inline on this thread: the
+same context edits, tree checks, feedback hand-over and failover as the per-request engine
+(engine.py), so a request's tokens are the same whether it runs alone or in a batch, and
+greedy output equals plain decoding. Plain decoding is a request without a drafter: an empty
+tree every step, sharing every line with speculation.
+
+Not here (yet): PEARL overlap inside the step (drafting step t+1 while step t's forward runs);
+the per-request engine keeps it for remote verifiers. See docs/ARCHITECTURE.md, "Engine core".
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from orchestrator.drafter_link import DrafterCandidate, DrafterLink
+from orchestrator.engine import GenerationResult, StepEvent
+from orchestrator.policy import SpeculationPolicy, StaticPolicy
+from orchestrator.stats import RequestStats, StepStats
+from orchestrator.stopping import StopChecker
+from specmesh.contract import CapacityError, VerifyCosts, VerifyResult
+from specmesh.sampling import SamplingParams
+from specmesh.tree import InvalidTreeError, TokenTree
+from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
+from verifier_service.batching import BatchStats
+from verifier_service.verifier import LocalVerifier
+
+log = logging.getLogger("specmesh.core")
+
+
+class Status(Enum):
+    WAITING = "waiting"  # submitted, not admitted (no KV blocks yet)
+    PREFILLING = "prefilling"  # admitted; prompt chunks still to run
+    RUNNING = "running"  # decoding: one tree per step
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a request speculates: its drafter candidates in order of preference (none = plain decoding), the
+    policy that sizes each step's tree, whether its drafter needs the target's features (Falcon heads), and
+    ``strict``: a drafter failure fails the request instead of failing over (tests, proposer debugging)."""
+
+    drafters: Sequence[DrafterCandidate] = ()
+    policy: SpeculationPolicy = field(default_factory=lambda: StaticPolicy(0, 0))
+    features: bool = False
+    strict: bool = False
+
+
+class RequestOutput(Protocol):
+    """Where a request's events go. Called on the core thread: must not block."""
+
+    def event(self, event: StepEvent) -> None:
+        """Tokens committed (and emitted: stop conditions applied) by the prefill or one step."""
+
+    def finish(self, result: GenerationResult, error: BaseException | None) -> None:
+        """The request ended: its result (finish reason "aborted" when cancelled), or the error that ended it."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the core holds it."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    method: Method
+    output: RequestOutput
+    stopper: StopChecker
+    result: GenerationResult
+    link: DrafterLink
+    committed: list[int]  # every token committed after the prompt (the link reads it)
+    status: Status = Status.WAITING
+    submitted: float = field(default_factory=time.perf_counter)
+    retry_empty: bool = False  # the verifier refused the last tree: verify the pending token alone once
+    draft_cpu_counted: float = 0.0
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.result.stats
+
+
+class EngineCore:
+    """Every request of one in-process verifier, stepped by one thread (see module doc). Thread-safe:
+    ``submit`` / ``cancel`` / ``close`` from any thread."""
+
+    def __init__(self, verifier: LocalVerifier, decode: Callable[[list[int]], str] | None = None,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_waiting: int = DEFAULT_MAX_WAITING,
+                 costs: VerifyCosts | None = None, name: str = "engine-core") -> None:
+        """``decode``: token ids -> text, for stop strings; ``max_batch_tokens``: rows of one forward (prompt
+        chunks fill what the running requests leave); ``max_waiting``: requests waiting for KV blocks before
+        the next is refused; ``costs``: the forward's measured costs, for load-aware policies."""
+        if max_batch_tokens < 1 or max_waiting < 0:
+            raise ValueError(f"max_batch_tokens must be >= 1 and max_waiting >= 0, got {max_batch_tokens}, "
+                             f"{max_waiting}")
+        self.verifier = verifier
+        self.info = verifier.info
+        self.decode = decode
+        self.costs = costs
+        self.max_batch_tokens, self.max_waiting = max_batch_tokens, max_waiting
+        self.stats = BatchStats()  # what /metrics and benchmarks read (VerifierMetrics)
+        self._cond = threading.Condition()
+        self._inbox: list[Request] = []  # submitted, not yet seen by the core thread
+        self._cancels: list[str] = []
+        self._closed = False
+        # owned by the core thread
+        self._waiting: deque[Request] = deque()
+        self._prefilling: dict[str, Request] = {}
+        self._running: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # every unfinished request: waiting, prefilling, running
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------- front end
+    def submit(self, prompt: Sequence[int], sampling: SamplingParams, method: Method, output: RequestOutput,
+               request_id: str | None = None) -> str:
+        """Queue a request; its events go to ``output``. Returns its id (for ``cancel``). A request that can
+        never run raises here: ValueError (bad input), CapacityError (larger than the whole KV pool, or too many
+        waiting)."""
+        prompt = [int(t) for t in prompt]
+        self.verifier.check_request(prompt, sampling)  # reads only fixed configuration: safe off the core thread
+        need = self.verifier.allocator.blocks_for(self.verifier.reservation(len(prompt), sampling))
+        if need > self.verifier.allocator.num_blocks:
+            raise CapacityError(f"the request needs {need} KV blocks (prompt + max_new_tokens + the largest tree), "
+                                f"more than the whole pool has ({self.verifier.allocator.num_blocks}); raise "
+                                "--kv-cache-gb")
+        request_id = request_id or uuid.uuid4().hex
+        committed: list[int] = []
+        link = DrafterLink(method.drafters, request_id, self.info.vocab_size, committed, background=False,
+                           strict=method.strict)
+        stats = RequestStats(prompt_tokens=len(prompt), acceptance=sampling.acceptance)
+        request = Request(request_id, prompt, sampling, method, output,
+                          StopChecker(sampling, self.info.eos_token_ids, self.decode),
+                          GenerationResult([], "", stats), link, committed)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine core is closed")
+            if len(self._waiting) + len(self._inbox) >= self.max_waiting and self._waiting:
+                raise CapacityError(f"the engine is full: {len(self._waiting)} requests already wait for KV blocks")
+            self._inbox.append(request)
+            self._cond.notify()
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """End a request at the next step (its output gets ``finish`` with reason "aborted"); no-op if unknown."""
+        with self._cond:
+            self._cancels.append(request_id)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop the core; unfinished requests end with RuntimeError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_sessions(self) -> int:
+        """Unfinished requests (waiting included), as a verifier's sessions for /metrics."""
+        return len(self._requests) + len(self._inbox)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._inbox)
+
+    # --------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        try:
+            while self._next_round():
+                try:
+                    self.step()
+                except Exception as exc:  # a model failure: the step's requests end with it, the core goes on
+                    log.exception("engine step failed")
+                    for request in [*self._prefilling.values(), *self._running.values()]:
+                        self._finish(request, exc)
+        finally:
+            closed = RuntimeError("the engine core is closed")
+            with self._cond:
+                self._closed = True
+                left, self._inbox = self._inbox, []
+            for request in [*left, *self._requests.values()]:
+                self._finish(request, closed)
+
+    def _next_round(self) -> bool:
+        """Wait for work, take submissions and cancels, admit; False once closed."""
+        with self._cond:
+            while not (self._closed or self._inbox or self._cancels or self._prefilling or self._running
+                       or (self._waiting and self._admissible(self._waiting[0]))):
+                self._cond.wait()
+            if self._closed:
+                return False
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        for request in inbox:
+            self._requests[request.request_id] = request
+            self._waiting.append(request)
+        for request_id in cancels:
+            request = self._requests.get(request_id)
+            if request is not None:
+                request.stopper.finish_reason = request.stopper.finish_reason or "aborted"
+                self._finish(request)
+        self._admit()
+        return True
+
+    def _admissible(self, request: Request) -> bool:
+        return self.verifier.can_admit(len(request.prompt), request.sampling)
+
+    def _admit(self) -> None:
+        """Admit waiting requests in arrival order while the KV pool can reserve them."""
+        while self._waiting and self._admissible(self._waiting[0]):
+            request = self._waiting.popleft()
+            try:
+                self.verifier.admit(request.request_id, request.prompt, request.sampling, request.method.features)
+                request.status = Status.PREFILLING
+                self._prefilling[request.request_id] = request
+                request.link.open(request.prompt, request.sampling)  # inline: the proposer's prepare runs here
+                request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)
+            except Exception as exc:
+                self._finish(request, exc)
+
+    # --------------------------------------------------------------- the step
+    def step(self) -> None:
+        """One engine step for every scheduled request: trees -> one forward + acceptance -> commit."""
+        started = time.perf_counter()
+        running, drafts = self._draft_all()  # every running request and its (tree, budget, draft seconds)
+        rows = sum(tree.num_nodes + 1 for tree, _, _ in drafts)
+        prefills = self._schedule_prefills(self.max_batch_tokens - rows)
+        chunk_tokens = sum(self.verifier.next_chunk(r.request_id) for r in prefills)
+        verify_started = time.perf_counter()
+        firsts, results = self.verifier.step([r.request_id for r in prefills],
+                                             [(r.request_id, tree) for r, (tree, _, _) in zip(running, drafts, strict=True)])
+        verify_seconds = time.perf_counter() - verify_started
+        self.stats.record(verify_seconds, len(running), rows, len(prefills), chunk_tokens, len(firsts))
+        for request in prefills:
+            if request.request_id in firsts:
+                self._start_decoding(request, firsts[request.request_id], time.perf_counter() - request.submitted)
+        for request, (tree, budget, draft_seconds), result in zip(running, drafts, results, strict=True):
+            self._commit(request, tree, budget, result, started, draft_seconds)
+
+    def _schedule_prefills(self, token_budget: int) -> list[Request]:
+        """Prefilling requests whose next chunk fits the step's token budget (at least one if nothing else)."""
+        chosen: list[Request] = []
+        for request in self._prefilling.values():
+            chunk = self.verifier.next_chunk(request.request_id)
+            if (chosen or self._running) and chunk > token_budget:
+                break
+            chosen.append(request)
+            token_budget -= chunk
+        return chosen
+
+    def _draft_all(self) -> tuple[list[Request], list[tuple[TokenTree, object, float]]]:
+        """Every running request's tree (in-process drafters, inline). A drafter failure fails over inside the
+        link; a strict request's failure ends that request alone."""
+        running, drafts = [], []
+        for request in list(self._running.values()):
+            try:
+                drafts.append(self._draft(request))
+            except Exception as exc:
+                self._finish(request, exc)
+                continue
+            running.append(request)
+        return running, drafts
+
+    def _draft(self, request: Request) -> tuple[TokenTree, object, float]:
+        """The request's tree for this step: its policy's budget, drafted by its drafter (inline)."""
+        budget = request.method.policy.next_budget(request.stats, request.stopper.remaining, "sequential")
+        if request.retry_empty or not request.link.active or budget.is_zero:
+            request.retry_empty = False
+            return TokenTree.empty(), budget, 0.0
+        t0 = time.perf_counter()
+        tree, _ = request.link.draft(budget)
+        return tree, budget, time.perf_counter() - t0
+
+    def _start_decoding(self, request: Request, first: int, seconds: float) -> None:
+        """The prefill finished: commit the first token and hand the prompt's features to the drafter."""
+        del self._prefilling[request.request_id]
+        request.status = Status.RUNNING
+        self._running[request.request_id] = request
+        request.stats.prefill_seconds = seconds
+        features = self.verifier.take_prompt_features(request.request_id)
+        if features is not None:
+            request.link.add_features(features)
+        request.committed.append(first)
+        emitted = request.stopper.push([first])
+        request.output.event(StepEvent(tuple(emitted), None, request.stopper.text_limit))
+        if request.stopper.done:
+            self._finish(request)
+
+    def _commit(self, request: Request, tree: TokenTree, budget, result: VerifyResult | Exception,
+                step_started: float, draft_seconds: float) -> None:
+        """A verification's outcome: commit its tokens, hand feedback to the drafter, stream, check stops."""
+        if isinstance(result, InvalidTreeError):  # the verifier refused the drafter's tree: fail it over
+            try:
+                request.link.fail(InvalidTreeError(str(result)))
+            except Exception as exc:  # strict: the request fails with it
+                self._finish(request, exc)
+                return
+            request.retry_empty = True  # the pending token alone next step, as the per-request engine does
+            return
+        if isinstance(result, Exception):
+            self._finish(request, result)
+            return
+        request.committed += result.tokens
+        if result.feedback is not None:
+            request.link.add_feedback(result.feedback)
+        if result.features is not None:
+            request.link.add_features(result.features)
+        cpu = request.link.worker.cpu_seconds
+        cpu, request.draft_cpu_counted = cpu - request.draft_cpu_counted, cpu
+        step = StepStats(
+            num_proposed=tree.num_nodes, tree_depth=tree.max_depth, num_accepted=result.num_accepted,
+            accepted_sources=tuple(tree.sources[i] for i in result.accepted_nodes) if tree.sources else (),
+            proposed_sources=tree.sources, draft_seconds=draft_seconds, verify_seconds=result.seconds,
+            draft_error=request.link.take_errors(), budget=(budget.max_nodes, budget.max_depth),
+            step_seconds=time.perf_counter() - step_started, wait_seconds=draft_seconds,
+            drafter_busy_seconds=draft_seconds, batch_sessions=result.batch_sessions, draft_cpu_seconds=cpu,
+        )
+        request.stats.steps.append(step)
+        emitted = request.stopper.push(result.tokens)
+        request.result.text_limit = request.stopper.text_limit
+        request.output.event(StepEvent(tuple(emitted), step, request.stopper.text_limit))
+        if request.stopper.done:
+            self._finish(request)
+
+    def _finish(self, request: Request, error: BaseException | None = None) -> None:
+        """End a request: free its KV, close its drafter, tell its output (once)."""
+        if request.status is Status.FINISHED:
+            return
+        was_waiting = request.status is Status.WAITING
+        request.status = Status.FINISHED
+        self._requests.pop(request.request_id, None)
+        self._prefilling.pop(request.request_id, None)
+        self._running.pop(request.request_id, None)
+        if was_waiting and request in self._waiting:
+            self._waiting.remove(request)
+        if not was_waiting:
+            self.verifier.release(request.request_id)
+        try:
+            request.link.close(len(request.stopper.generated))
+        except Exception:  # closing is best effort (a strict link may raise on its sync)
+            log.debug("closing the drafter of %s failed", request.request_id, exc_info=True)
+        stats, stopper = request.stats, request.stopper
+        stats.total_seconds = time.perf_counter() - request.submitted
+        stats.num_generated = len(stopper.generated)
+        request.result.token_ids = list(stopper.generated)
+        request.result.finish_reason = stopper.finish_reason or ("error" if error is not None else "aborted")
+        request.result.text_limit = stopper.text_limit
+        try:
+            request.output.finish(request.result, error)
+        except Exception:  # a consumer's bug must not stop the core
+            log.exception("request output of %s failed", request.request_id)
+
+
+# ------------------------------------------------------------------ outputs
+_END = object()
+
+
+class QueueOutput:
+    """A blocking consumer's output: ``events()`` yields the request's StepEvents on the consumer's thread
+    and raises the error that ended it, if any."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+
+    def event(self, event: StepEvent) -> None:
+        self._queue.put(event)
+
+    def finish(self, result: GenerationResult, error: BaseException | None) -> None:
+        self.result, self.error = result, error
+        self._queue.put(_END)
+
+    def events(self) -> Iterator[StepEvent]:
+        while (item := self._queue.get()) is not _END:
+            yield item
+        if self.error is not None:
+            raise self.error
+
+
+class CoreEngine:
+    """The per-request engine's ``stream``/``generate`` over an EngineCore: for callers that consume one request
+    on their own thread (``specmesh generate``, bench, tests). Many threads may use one at once."""
+
+    _ids = itertools.count()
+
+    def __init__(self, core: EngineCore, method: Method) -> None:
+        self.core, self.method = core, method
+        self.verifier = core  # what bench reads its batch statistics from (``.stats``)
+
+    def stream(self, prompt: Sequence[int], sampling: SamplingParams,
+               result: GenerationResult | None = None) -> Iterator[StepEvent]:
+        """Yield the request's events; ``result`` is filled in as the stream ends. Closing the iterator early
+        cancels the request."""
+        output = QueueOutput()
+        request_id = self.core.submit(prompt, sampling, self.method, output)
+        done = False
+        try:
+            for event in output.events():
+                if result is not None:
+                    result.text_limit = event.text_limit  # known before the event goes out, as the engine's
+                yield event
+            done = True
+        finally:
+            if not done:  # closed early: cancel, and wait for the core to end it (at most one step)
+                self.core.cancel(request_id)
+                for _ in output.events():
+                    pass
+            if result is not None and output.result is not None:
+                result.token_ids, result.finish_reason = output.result.token_ids, output.result.finish_reason
+                result.stats, result.text_limit = output.result.stats, output.result.text_limit
+
+    def generate(self, prompt: Sequence[int], sampling: SamplingParams) -> GenerationResult:
+        result = GenerationResult([], "", RequestStats())
+        for event in self.stream(prompt, sampling, result):
+            result.events.append(event)
+        return result

@@ -1,0 +1,268 @@
+"""The engine core (orchestrator/core.py): one thread steps every request.
+
+- Requests submitted at staggered times, each with its own drafter session, produce the AR greedy output of
+  their prompt, for every proposer and both runners, sharing forwards (a step verifies several at once).
+- A seeded sampled request draws the same tokens alone or in a batch.
+- Cancelling a request frees its KV and ends it "aborted"; the others are unaffected.
+- A full pool makes a request wait (never fail) and one larger than the pool is refused at submit.
+- A drafter that raises is failed over to plain decoding (the output is unchanged) or, strict, fails only its
+  own request.
+- ``CoreEngine`` (the per-request engine's stream/generate over the core) from many threads at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+import time
+
+import pytest
+from spec_helpers import MAX_POSITIONS, greedy, make_prompts, window_for
+
+from drafter_service.drafter import LocalDrafter
+from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
+from orchestrator.core import CoreEngine, EngineCore, Method, QueueOutput
+from orchestrator.drafter_link import only
+from orchestrator.policy import StaticPolicy
+from specmesh.contract import CapacityError
+from specmesh.sampling import SamplingParams
+from verifier_service.verifier import LocalVerifier
+
+PROMPTS = make_prompts(8, seed=17, max_len=40)
+MAX_NEW = 20
+
+
+class Collect:
+    """A RequestOutput that keeps what the core sends and signals the end."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.events = 0
+        self.result = self.error = None
+        self.done = threading.Event()
+
+    def event(self, event) -> None:
+        self.tokens += event.tokens
+        self.events += 1
+
+    def finish(self, result, error) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+def method_of(proposer: str | None, draft_runner=None, strict: bool = True, nodes: int = 8) -> tuple[Method, int, object]:
+    """(method, the verifier's top-k feedback, its lookahead window) for a registered proposer."""
+    if proposer is None:
+        return Method(), 0, None
+    prop = make_proposer(proposer, draft_runner=draft_runner)
+    method = Method(only(LocalDrafter(prop), proposer), StaticPolicy(nodes, nodes), prop.feedback_features, strict)
+    return method, prop.feedback_topk, window_for(prop)
+
+
+def run_all(core: EngineCore, method: Method, prompts, sampling: SamplingParams, stagger: float = 0.03,
+            seed: int = 0) -> list[Collect]:
+    """Submit every prompt (at random times within ``stagger`` seconds) and wait for all."""
+    rng = random.Random(seed)
+    outputs = [Collect() for _ in prompts]
+    for prompt, out in zip(prompts, outputs, strict=True):
+        core.submit(prompt, sampling, method, out)
+        time.sleep(rng.random() * stagger / len(prompts))
+    for out in outputs:
+        assert out.done.wait(120), "a request never finished"
+        assert out.error is None, out.error
+    return outputs
+
+
+def assert_idle(core: EngineCore) -> None:
+    allocator = core.verifier.allocator
+    deadline = time.monotonic() + 5
+    while core.num_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.num_sessions == 0 and core.verifier.num_sessions == 0
+    assert allocator.num_free == allocator.num_blocks, "KV blocks leaked"
+
+
+# every proposer on the fast runner; the generic (Hugging Face) runner with a few
+@pytest.mark.parametrize(("proposer", "backend"), [(p, "fast") for p in (None, *proposer_names())]
+                         + [(p, "hf") for p in (None, "prompt_lookup_tree", "draft_model_tree", "fused")])
+def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend):
+    kind = "random" if proposer and proposer_spec(proposer).needs_draft_model else "cyclic"
+    ms = model_sets(kind)
+    runner = ms.runner("target", backend)
+    method, topk, window = method_of(proposer, ms.runner("near", backend))
+    core = EngineCore(LocalVerifier(runner, feedback_topk=topk, lookahead=window))
+    try:
+        outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out.tokens == ar_reference(kind, backend, prompt, MAX_NEW), proposer
+            assert out.result.finish_reason == "length" and out.result.token_ids == out.tokens
+        assert core.stats.max_batch > 1, "no two requests were ever verified in one forward"
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+def test_chunked_prefills_beside_decoding_equal_ar(model_sets, ar_reference):
+    runner = model_sets("cyclic").runner("target", "fast")
+    prompts = make_prompts(6, seed=11, min_len=60, max_len=200)
+    method, _, _ = method_of("prompt_lookup_tree")
+    core = EngineCore(LocalVerifier(runner, prefill_chunk=16), max_batch_tokens=48)
+    try:
+        outputs = run_all(core, method, prompts, greedy(MAX_NEW))
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        assert core.stats.prefill_chunks > len(prompts)  # prompts took several chunks
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("proposer", [None, "prompt_lookup_tree", "draft_model_tree"])
+def test_a_seeded_sampled_request_is_the_same_alone_or_batched(model_sets, proposer):
+    ms = model_sets("random")
+    runner = ms.runner("target", "fast")
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=MAX_NEW, seed=123, ignore_eos=True)
+    others = dataclasses.replace(sampling, seed=None)
+    core = EngineCore(LocalVerifier(runner))
+    try:
+        method, _, _ = method_of(proposer, ms.runner("near", "fast"))
+        alone = run_all(core, method, [PROMPTS[0]], sampling)[0].tokens
+        method, _, _ = method_of(proposer, ms.runner("near", "fast"))  # a fresh drafter: same state as alone
+        batch = [Collect() for _ in PROMPTS]
+        for i, (prompt, out) in enumerate(zip(PROMPTS, batch, strict=True)):
+            core.submit(prompt, sampling if i == 3 else others, method, out)
+        for out in batch:
+            assert out.done.wait(60) and out.error is None
+        assert core.stats.max_batch > 1
+        seeded = run_all(core, method_of(proposer, ms.runner("near", "fast"))[0], [PROMPTS[0]], sampling)[0].tokens
+        assert alone == seeded  # reproducible
+        batched = [c.tokens for i, c in enumerate(batch) if i == 3][0]
+        alone_3 = run_all(core, method_of(proposer, ms.runner("near", "fast"))[0], [PROMPTS[3]], sampling)[0].tokens
+        assert batched == alone_3
+    finally:
+        core.close()
+
+
+def test_cancel_ends_a_request_and_frees_its_blocks(model_sets, ar_reference):
+    runner = model_sets("cyclic").runner("target", "fast")
+    core = EngineCore(LocalVerifier(runner))
+    try:
+        long = Collect()
+        long_id = core.submit(PROMPTS[0], greedy(400), Method(), long)
+        short = run_all(core, Method(), [PROMPTS[1]], greedy(MAX_NEW))[0]
+        assert short.tokens == ar_reference("cyclic", "fast", PROMPTS[1], MAX_NEW)
+        core.cancel(long_id)
+        assert long.done.wait(10) and long.error is None
+        assert long.result.finish_reason == "aborted" and 0 < len(long.tokens) < 400
+        core.cancel("no-such-request")  # unknown ids are ignored
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+def test_a_full_pool_makes_requests_wait_and_refuses_what_never_fits(model_sets, ar_reference):
+    runner = model_sets("cyclic").runner("target", "fast")
+    prompt = PROMPTS[2]
+    per_request = len(prompt) + MAX_NEW + 1 + 8  # what admission reserves (max_tree_nodes=8)
+    local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=2 * per_request * runner.kv_bytes_per_token / 2**30,
+                          block_size=1)
+    core = EngineCore(local, max_waiting=2)
+    try:
+        with pytest.raises(CapacityError, match="the whole pool"):
+            core.submit(list(range(3)) * per_request, greedy(MAX_NEW), Method(), Collect())
+        outputs = run_all(core, Method(), [prompt] * 5, greedy(MAX_NEW), stagger=0)  # two fit at a time
+        assert all(o.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW) for o in outputs)
+        assert core.stats.max_batch <= 2
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+class Exploding(Proposer):
+    """Drafts a correct chain twice, then raises."""
+
+    name = "exploding"
+
+    def __init__(self) -> None:
+        self.inner, self.calls = make_proposer("prompt_lookup"), 0
+
+    def propose(self, state, budget):
+        self.calls += 1
+        if self.calls > 2:
+            raise RuntimeError("drafter crashed")
+        return self.inner.propose(state, budget)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failing_drafter_falls_back_or_fails_only_its_request(model_sets, ar_reference, strict):
+    runner = model_sets("cyclic").runner("target", "fast")
+    core = EngineCore(LocalVerifier(runner))
+    try:
+        bad = Method(only(LocalDrafter(Exploding()), "exploding"), StaticPolicy(8, 8), strict=strict)
+        good, _, _ = method_of("prompt_lookup_tree")
+        failing, healthy = Collect(), Collect()
+        core.submit(PROMPTS[0], greedy(MAX_NEW), bad, failing)
+        core.submit(PROMPTS[1], greedy(MAX_NEW), good, healthy)
+        assert failing.done.wait(60) and healthy.done.wait(60)
+        assert healthy.error is None and healthy.tokens == ar_reference("cyclic", "fast", PROMPTS[1], MAX_NEW)
+        if strict:
+            assert isinstance(failing.error, RuntimeError) and failing.result.finish_reason == "error"
+        else:
+            assert failing.error is None and failing.tokens == ar_reference("cyclic", "fast", PROMPTS[0], MAX_NEW)
+            errors = [s.draft_error for s in failing.result.stats.steps if s.draft_error]
+            assert errors and "drafter crashed" in errors[0]
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+def test_stop_tokens_end_a_request_where_plain_decoding_would(model_sets, ar_reference):
+    runner = model_sets("cyclic").runner("target", "fast")
+    reference = ar_reference("cyclic", "fast", PROMPTS[4], MAX_NEW)
+    stop = reference[7]
+    method, _, _ = method_of("prompt_lookup_tree")
+    core = EngineCore(LocalVerifier(runner))
+    try:
+        out = run_all(core, method, [PROMPTS[4]], greedy(MAX_NEW, stop_token_ids=(stop,)))[0]
+        assert out.tokens == reference[: reference.index(stop) + 1] and out.result.finish_reason == "stop"
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+def test_core_engine_streams_from_many_threads_and_closing_cancels(model_sets, ar_reference):
+    runner = model_sets("cyclic").runner("target", "fast")
+    core = EngineCore(LocalVerifier(runner))
+    try:
+        method, _, _ = method_of("prompt_lookup_tree")
+        engine = CoreEngine(core, method)
+        results: dict[int, list[int]] = {}
+
+        def work(i: int) -> None:
+            results[i] = engine.generate(PROMPTS[i], greedy(MAX_NEW)).token_ids
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(results[i] == ar_reference("cyclic", "fast", p, MAX_NEW) for i, p in enumerate(PROMPTS))
+        stream = engine.stream(PROMPTS[0], greedy(MAX_POSITIONS - len(PROMPTS[0])))
+        next(stream)
+        stream.close()  # the consumer went away: the request is cancelled and its blocks come back
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+def test_a_closed_core_refuses_and_ends_what_it_held(model_sets):
+    runner = model_sets("cyclic").runner("target", "fast")
+    core = EngineCore(LocalVerifier(runner))
+    out = QueueOutput()
+    core.submit(PROMPTS[0], greedy(400), Method(), out)
+    core.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        list(out.events())
+    with pytest.raises(RuntimeError, match="closed"):
+        core.submit(PROMPTS[0], greedy(4), Method(), Collect())
