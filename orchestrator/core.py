@@ -41,6 +41,8 @@ from orchestrator.engine import GenerationResult, StepEvent
 from orchestrator.policy import SpeculationPolicy, StaticPolicy
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
+from orchestrator.tracing_steps import STEP_SPAN, step_attributes, step_start_attributes
+from specmesh import tracing
 from specmesh.contract import CapacityError, VerifyCosts, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
@@ -97,6 +99,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     retry_empty: bool = False  # the verifier refused the last tree: verify the pending token alone once
     draft_cpu_counted: float = 0.0
+    trace: object | None = None  # the request's span (tracing.start_request_span): each step adds a child
 
     @property
     def stats(self) -> RequestStats:
@@ -136,10 +139,10 @@ class EngineCore:
 
     # --------------------------------------------------------------- front end
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, method: Method, output: RequestOutput,
-               request_id: str | None = None) -> str:
+               request_id: str | None = None, trace=None) -> str:
         """Queue a request; its events go to ``output``. Returns its id (for ``cancel``). A request that can
         never run raises here: ValueError (bad input), CapacityError (larger than the whole KV pool, or too many
-        waiting)."""
+        waiting). ``trace``: the request's span; every step of it is recorded as a child span."""
         prompt = [int(t) for t in prompt]
         self.verifier.check_request(prompt, sampling)  # reads only fixed configuration: safe off the core thread
         need = self.verifier.allocator.blocks_for(self.verifier.reservation(len(prompt), sampling))
@@ -154,7 +157,7 @@ class EngineCore:
         stats = RequestStats(prompt_tokens=len(prompt), acceptance=sampling.acceptance)
         request = Request(request_id, prompt, sampling, method, output,
                           StopChecker(sampling, self.info.eos_token_ids, self.decode),
-                          GenerationResult([], "", stats), link, committed)
+                          GenerationResult([], "", stats), link, committed, trace=trace)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine core is closed")
@@ -248,7 +251,7 @@ class EngineCore:
     # --------------------------------------------------------------- the step
     def step(self) -> None:
         """One engine step for every scheduled request: trees -> one forward + acceptance -> commit."""
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         running, drafts = self._draft_all()  # every running request and its (tree, budget, draft seconds)
         rows = sum(tree.num_nodes + 1 for tree, _, _ in drafts)
         prefills = self._schedule_prefills(self.max_batch_tokens - rows)
@@ -262,7 +265,7 @@ class EngineCore:
             if request.request_id in firsts:
                 self._start_decoding(request, firsts[request.request_id], time.perf_counter() - request.submitted)
         for request, (tree, budget, draft_seconds), result in zip(running, drafts, results, strict=True):
-            self._commit(request, tree, budget, result, started, draft_seconds)
+            self._commit(request, tree, budget, result, started, draft_seconds, started_ns)
 
     def _schedule_prefills(self, token_budget: int) -> list[Request]:
         """Prefilling requests whose next chunk fits the step's token budget (at least one if nothing else)."""
@@ -314,7 +317,7 @@ class EngineCore:
             self._finish(request)
 
     def _commit(self, request: Request, tree: TokenTree, budget, result: VerifyResult | Exception,
-                step_started: float, draft_seconds: float) -> None:
+                step_started: float, draft_seconds: float, started_ns: int) -> None:
         """A verification's outcome: commit its tokens, hand feedback to the drafter, stream, check stops."""
         if isinstance(result, InvalidTreeError):  # the verifier refused the drafter's tree: fail it over
             try:
@@ -342,6 +345,9 @@ class EngineCore:
             step_seconds=time.perf_counter() - step_started, wait_seconds=draft_seconds,
             drafter_busy_seconds=draft_seconds, batch_sessions=result.batch_sessions, draft_cpu_seconds=cpu,
         )
+        if request.trace is not None:  # the step as the request's child span (nothing while tracing is off)
+            attrs = step_start_attributes(len(request.stats.steps), request.link.drafter_name)
+            tracing.child_span(request.trace, STEP_SPAN, started_ns, time.time_ns(), attrs | step_attributes(step))
         request.stats.steps.append(step)
         emitted = request.stopper.push(result.tokens)
         request.result.text_limit = request.stopper.text_limit

@@ -7,7 +7,7 @@ deployments build the same Engine from remote Drafter/Verifier implementations.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,7 +18,7 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.ngram_store import tokenizer_fingerprint
 from drafter_service.proposer import make_proposer, proposer_spec
 from orchestrator.arguments import resolve_models
-from orchestrator.core import CoreEngine, EngineCore, Method
+from orchestrator.core import CoreEngine, EngineCore, Method, RequestOutput
 from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
@@ -162,8 +162,9 @@ class EmbeddedStack:
 
 
 class EmbeddedBackend:
-    """`specmesh serve --embedded`: every request's engine verifies on the stack's batching verifier (requests
-    share its forwards) with a drafter of its own in this process (orchestrator.service.Backend)."""
+    """`specmesh serve --embedded`: every request runs on the stack's engine core (one thread steps them all, one
+    forward per step) with a drafter of its own in this process (orchestrator.service.Backend; ``submit``: the
+    service consumes the request's events on its event loop, no thread per request)."""
 
     def __init__(self, stack: EmbeddedStack, draft_timeout: float = 1.0) -> None:
         self.stack = stack
@@ -173,8 +174,18 @@ class EmbeddedBackend:
         self.model = str(stack.target_dir or "")
 
     def attempts(self, plan, deadline: float | None) -> Iterator[Engine]:
-        yield self.stack.engine(plan.proposer, plan.max_nodes, plan.max_depth, overlap=plan.overlap,
-                                policy=plan.policy, restart_depth=plan.restart_depth, shared=True)
+        yield self._engine(plan)
+
+    def submit(self, plan, output: RequestOutput, trace=None) -> Callable[[], None]:
+        """Queue the request on the stack's engine core (its events go to ``output``, on the core thread; ``trace``:
+        its span); returns its cancel. ValueError / CapacityError for a request the core cannot take."""
+        engine = self._engine(plan)
+        request_id = engine.core.submit(plan.prompt, plan.sampling, engine.method, output, trace=trace)
+        return lambda: engine.core.cancel(request_id)
+
+    def _engine(self, plan) -> CoreEngine:
+        return self.stack.engine(plan.proposer, plan.max_nodes, plan.max_depth, overlap=plan.overlap,
+                                 policy=plan.policy, restart_depth=plan.restart_depth, shared=True)
 
     def retryable(self, exc: Exception) -> bool:
         return False  # one verifier: nowhere else to go

@@ -188,6 +188,19 @@ class RemoteBackend:
         """Nothing to add: the verifiers' and drafters' metrics are served by their own processes."""
 
 
+class _LoopOutput:
+    """An engine core's RequestOutput for a consumer on an asyncio loop: events go into ``queue`` on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, queue
+
+    def event(self, event: StepEvent) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def finish(self, result: GenerationResult, error: BaseException | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (result, error))
+
+
 class GenerationService:
     """Admission, request checks and the worker threads that run engines; one per server process."""
 
@@ -277,6 +290,14 @@ class GenerationService:
         the verifier session and the drafter."""
         if self.num_requests >= self.max_requests:
             raise Overloaded(f"{self.num_requests} requests in flight or queued; try again later")
+        if getattr(self.backend, "submit", None) is not None:  # an engine core steps it: no thread of its own
+            self.num_requests += 1
+            try:
+                async for item in self._stream_on_core(plan):
+                    yield item
+            finally:
+                self.num_requests -= 1
+            return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -303,6 +324,47 @@ class GenerationService:
             cancelled.set()  # the client went away, or we are done: the engine stops at its next step
             if not future.done():  # abandoned: its outcome (an abort) needs no one, but is not left unread
                 future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _stream_on_core(self, plan: Plan) -> AsyncIterator[Chunk | Final]:
+        """A request on an engine core (``backend.submit``): its events arrive on this event loop through
+        ``call_soon_threadsafe``; leaving early cancels it. The request span is not made current anywhere (no
+        thread runs the request): the core records each step as its child."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        metrics = self.metrics.request()
+        span = tracing.start_request_span(plan.operation, self.model_name, plan.sampling, len(plan.prompt))
+        text = TextStream(self.decode, plan.sampling.stop)
+        result = GenerationResult([], "error", RequestStats(prompt_tokens=len(plan.prompt)))
+        cancel, finished = None, False
+        metrics.started()
+        try:
+            # building the request's proposer may open a store: off the event loop
+            cancel = await loop.run_in_executor(None, self.backend.submit, plan, _LoopOutput(loop, queue), span)
+            while True:
+                item = await queue.get()
+                if isinstance(item, StepEvent):
+                    if item.step is not None:
+                        metrics.step(item.step)
+                    metrics.emitted(len(item.tokens))
+                    yield Chunk(item.tokens, text.push(item.tokens, item.text_limit), item.step)
+                    continue
+                result, error = item
+                finished = True
+                if error is not None:
+                    raise error
+                tracing.record_request_result(span, result.finish_reason, result.stats.num_generated,
+                                              result.stats.summary())
+                yield Final(result, text.flush(result.text_limit))
+                return
+        except Exception as exc:
+            tracing.record_error(span, exc)
+            raise
+        finally:
+            if cancel is not None and not finished:
+                cancel()  # the client went away: the core ends the request at its next step
+                result = GenerationResult([], "aborted", result.stats)
+            metrics.finished(result.finish_reason, len(plan.prompt), result.stats.num_generated)
+            span.end()
 
     def _work(self, plan: Plan, deadline, cancelled: threading.Event, emit: Callable[[Chunk], None],
               metrics) -> Final:

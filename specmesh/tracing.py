@@ -211,12 +211,8 @@ def attributes(prefix: str, values: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
-@contextmanager
-def request_span(operation: str, model: str, sampling, prompt_tokens: int) -> Iterator[trace.Span]:
-    """The span of one generation request, named ``"{operation} {model}"`` after the GenAI semantic
-    conventions (``operation``: ``text_completion`` or ``chat``; ``sampling``: its SamplingParams), current
-    inside the block: open it on the thread that runs the engine, around ``Engine.stream``, and end the
-    request with ``record_request_result``. Yields a non-recording span while tracing is off."""
+def request_attributes(model: str, operation: str, sampling, prompt_tokens: int) -> dict[str, object]:
+    """A generation request's span attributes (GenAI semantic conventions; ``sampling``: its SamplingParams)."""
     attrs: dict[str, object] = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": PROVIDER,
@@ -233,8 +229,44 @@ def request_span(operation: str, model: str, sampling, prompt_tokens: int) -> It
         attrs["gen_ai.request.seed"] = sampling.seed
     if sampling.stop:
         attrs["gen_ai.request.stop_sequences"] = list(sampling.stop)
-    with span(f"{operation} {model}", attrs) as request:
+    return attrs
+
+
+@contextmanager
+def request_span(operation: str, model: str, sampling, prompt_tokens: int) -> Iterator[trace.Span]:
+    """The span of one generation request, named ``"{operation} {model}"`` after the GenAI semantic
+    conventions (``operation``: ``text_completion`` or ``chat``; ``sampling``: its SamplingParams), current
+    inside the block: open it on the thread that runs the engine, around ``Engine.stream``, and end the
+    request with ``record_request_result``. Yields a non-recording span while tracing is off."""
+    with span(f"{operation} {model}", request_attributes(model, operation, sampling, prompt_tokens)) as request:
         yield request
+
+
+def start_request_span(operation: str, model: str, sampling, prompt_tokens: int) -> trace.Span:
+    """``request_span`` for a request that no thread runs (an engine core steps it): a child of the current span,
+    not made current; end it with ``.end()``. Non-recording while tracing is off."""
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return trace.INVALID_SPAN
+    return tracer().start_span(f"{operation} {model}", attributes=request_attributes(model, operation, sampling,
+                                                                                      prompt_tokens))
+
+
+def record_error(span: trace.Span, exc: BaseException) -> None:
+    """What ``span``'s context manager does with an exception, for a span ended by hand."""
+    if span.is_recording():
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+def child_span(parent: trace.Span, name: str, start_ns: int, end_ns: int, attributes: Mapping[str, object]) -> None:
+    """A finished span under ``parent`` (not current anywhere) from ``start_ns`` to ``end_ns``
+    (``time.time_ns()``): a step an engine core ran for the parent's request. Nothing while ``parent`` does not
+    record."""
+    if not parent.is_recording():
+        return
+    child = tracer().start_span(name, context=trace.set_span_in_context(parent), attributes=attributes,
+                                start_time=start_ns)
+    child.end(end_time=end_ns)
 
 
 def record_request_result(span: trace.Span, finish_reason: str, output_tokens: int, stats_summary: Mapping) -> None:

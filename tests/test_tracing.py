@@ -257,6 +257,46 @@ def test_engine_spans_one_per_step_under_the_request(memory_spans, model_sets, o
         assert all(thread.startswith("draft-worker") for _, thread in asked)  # the shared pool's threads
 
 
+def test_core_requests_trace_each_step_under_their_own_span(memory_spans, model_sets):
+    """On the engine core no thread runs a request: the request span is started (not made current) and every step
+    the core runs for it becomes its child, with the step's attributes; concurrent requests do not mix."""
+    from drafter_service.drafter import LocalDrafter
+    from orchestrator.core import EngineCore, Method, QueueOutput
+    from orchestrator.drafter_link import only
+    from orchestrator.policy import StaticPolicy
+    from verifier_service.verifier import LocalVerifier
+
+    ms = model_sets("cyclic")
+    core = EngineCore(LocalVerifier(ms.runner("target", "fast")))
+    prompts = make_prompts(3, seed=9)
+    try:
+        runs = []
+        for i, prompt in enumerate(prompts):
+            span = tracing.start_request_span("text_completion", f"tiny-{i}", greedy(24), len(prompt))
+            output = QueueOutput()
+            method = Method(only(LocalDrafter(make_proposer("prompt_lookup_tree")), "prompt_lookup_tree"),
+                            StaticPolicy(8, 4))
+            core.submit(prompt, greedy(24), method, output, trace=span)
+            runs.append((span, output))
+        for span, output in runs:
+            list(output.events())
+            span.end()
+    finally:
+        core.close()
+    finished = memory_spans.get_finished_spans()
+    for i, (_, output) in enumerate(runs):
+        (req,) = [s for s in finished if s.name == f"text_completion tiny-{i}"]
+        steps = sorted((s for s in finished if s.name == STEP_SPAN and s.parent.span_id == req.context.span_id),
+                       key=lambda s: s.attributes["specmesh.step.index"])
+        stats = output.result.stats
+        assert [s.attributes["specmesh.step.index"] for s in steps] == list(range(stats.num_steps))
+        for span, step in zip(steps, stats.steps, strict=True):
+            want = _attributes(step_attributes(step))
+            assert {k: v for k, v in _attributes(span.attributes).items() if k in want} == want
+            assert span.context.trace_id == req.context.trace_id and span.start_time <= span.end_time
+    assert sum(1 for s in finished if s.name == STEP_SPAN) == sum(o.result.stats.num_steps for _, o in runs)
+
+
 def test_a_failing_step_records_its_error(memory_spans, model_sets):
     """An exception inside a step (the verifier failing) ends its span with the error, and the request's."""
     ms = model_sets("cyclic")
