@@ -18,8 +18,11 @@ same context edits, tree checks, feedback hand-over and failover as the per-requ
 greedy output equals plain decoding. Plain decoding is a request without a drafter: an empty
 tree every step, sharing every line with speculation.
 
-Not here (yet): PEARL overlap inside the step (drafting step t+1 while step t's forward runs);
-the per-request engine keeps it for remote verifiers. See docs/ARCHITECTURE.md, "Engine core".
+PEARL is scheduling (``Method.overlap``): while a step's forward runs, the core's drafting thread
+drafts every overlapping request's next tree on the assumption that this step's main line is
+accepted; the part of it below what was committed is the next step's tree, and a request whose
+pre-draft did not hold verifies its pending token alone (restart depth 0) while drafting ahead
+again. See docs/ARCHITECTURE.md, "The engine core".
 """
 
 from __future__ import annotations
@@ -32,18 +35,20 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from orchestrator.drafter_link import DrafterCandidate, DrafterLink
+from orchestrator.drafter_link import DrafterCandidate, DrafterLink, PendingDraft
 from orchestrator.engine import GenerationResult, StepEvent
+from orchestrator.overlap import predraft_budget, reusable_subtree
 from orchestrator.policy import SpeculationPolicy, StaticPolicy
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
 from orchestrator.tracing_steps import STEP_SPAN, step_attributes, step_start_attributes
 from specmesh import tracing
-from specmesh.contract import CapacityError, VerifyCosts, VerifyResult
+from specmesh.contract import Budget, CapacityError, VerifyCosts, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
@@ -51,6 +56,7 @@ from verifier_service.batching import BatchStats
 from verifier_service.verifier import LocalVerifier
 
 log = logging.getLogger("specmesh.core")
+EMPTY_TREE = TokenTree.empty()  # every plain step's tree: one shared instance (its derived arrays computed once)
 
 
 class Status(Enum):
@@ -70,6 +76,7 @@ class Method:
     policy: SpeculationPolicy = field(default_factory=lambda: StaticPolicy(0, 0))
     features: bool = False
     strict: bool = False
+    overlap: bool = False  # PEARL: draft the next tree while this step's forward runs (see EngineCore.step)
 
 
 class RequestOutput(Protocol):
@@ -100,10 +107,24 @@ class Request:
     retry_empty: bool = False  # the verifier refused the last tree: verify the pending token alone once
     draft_cpu_counted: float = 0.0
     trace: object | None = None  # the request's span (tracing.start_request_span): each step adds a child
+    ahead: Predraft | None = None  # overlap: what is being drafted ahead during this step's forward
+    ready: tuple[TokenTree, Budget, float] | None = None  # overlap: next step's tree, drafted ahead (+ seconds)
+    predrafted: bool = False  # this step's tree was drafted ahead
 
     @property
     def stats(self) -> RequestStats:
         return self.result.stats
+
+
+@dataclass(eq=False)
+class Predraft:
+    """A tree drafted ahead from the committed tokens + ``hypothesis`` (this step's tree's main line) while the
+    step's forward runs."""
+
+    hypothesis: list[int]
+    budget: Budget  # the next tree's budget (the pre-draft itself is one level deeper: predraft_budget)
+    stop: threading.Event
+    pending: PendingDraft | None = None  # set on the drafting thread
 
 
 class EngineCore:
@@ -134,6 +155,7 @@ class EngineCore:
         self._prefilling: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}  # every unfinished request: waiting, prefilling, running
+        self._drafting: ThreadPoolExecutor | None = None  # overlap: drafts ahead while a forward runs
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -204,6 +226,8 @@ class EngineCore:
                     for request in [*self._prefilling.values(), *self._running.values()]:
                         self._finish(request, exc)
         finally:
+            if self._drafting is not None:
+                self._drafting.shutdown(wait=True)
             closed = RuntimeError("the engine core is closed")
             with self._cond:
                 self._closed = True
@@ -250,15 +274,20 @@ class EngineCore:
 
     # --------------------------------------------------------------- the step
     def step(self) -> None:
-        """One engine step for every scheduled request: trees -> one forward + acceptance -> commit."""
+        """One engine step for every scheduled request: trees -> one forward + acceptance -> commit. Requests with
+        ``Method.overlap`` draft their next tree on the drafting thread while the forward runs (PEARL)."""
         started, started_ns = time.perf_counter(), time.time_ns()
         running, drafts = self._draft_all()  # every running request and its (tree, budget, draft seconds)
         rows = sum(tree.num_nodes + 1 for tree, _, _ in drafts)
         prefills = self._schedule_prefills(self.max_batch_tokens - rows)
         chunk_tokens = sum(self.verifier.next_chunk(r.request_id) for r in prefills)
+        ahead = self._start_predrafts(running, drafts)  # drafting thread: next trees, on this step's main lines
         verify_started = time.perf_counter()
-        firsts, results = self.verifier.step([r.request_id for r in prefills],
-                                             [(r.request_id, tree) for r, (tree, _, _) in zip(running, drafts, strict=True)])
+        try:
+            firsts, results = self.verifier.step([r.request_id for r in prefills],
+                                                 [(r.request_id, t) for r, (t, _, _) in zip(running, drafts, strict=True)])
+        finally:
+            self._join_predrafts(ahead)
         verify_seconds = time.perf_counter() - verify_started
         self.stats.record(verify_seconds, len(running), rows, len(prefills), chunk_tokens, len(firsts))
         for request in prefills:
@@ -278,7 +307,7 @@ class EngineCore:
             token_budget -= chunk
         return chosen
 
-    def _draft_all(self) -> tuple[list[Request], list[tuple[TokenTree, object, float]]]:
+    def _draft_all(self) -> tuple[list[Request], list[tuple[TokenTree, Budget, float]]]:
         """Every running request's tree (in-process drafters, inline). A drafter failure fails over inside the
         link; a strict request's failure ends that request alone."""
         running, drafts = [], []
@@ -291,16 +320,76 @@ class EngineCore:
             running.append(request)
         return running, drafts
 
-    def _draft(self, request: Request) -> tuple[TokenTree, object, float]:
-        """The request's tree for this step: its policy's budget, drafted by its drafter (inline)."""
-        budget = request.method.policy.next_budget(request.stats, request.stopper.remaining, "sequential")
+    def _draft(self, request: Request) -> tuple[TokenTree, Budget, float]:
+        """The request's tree for this step: the one drafted ahead during the last step if it is usable (overlap),
+        else one its policy's budget asks for now ("restart": with restart depth 0, none: the pending token is
+        verified alone while the next tree is drafted ahead)."""
+        request.predrafted = request.ready is not None
+        if request.ready is not None:
+            ready, request.ready = request.ready, None
+            return ready
+        phase = "restart" if request.method.overlap else "sequential"
+        budget = request.method.policy.next_budget(request.stats, request.stopper.remaining, phase)
         if request.retry_empty or not request.link.active or budget.is_zero:
             request.retry_empty = False
-            return TokenTree.empty(), budget, 0.0
+            return EMPTY_TREE, budget, 0.0
         t0 = time.perf_counter()
         tree, _ = request.link.draft(budget)
         return tree, budget, time.perf_counter() - t0
 
+    # ------------------------------------------------------------ PEARL overlap
+    def _start_predrafts(self, running: list[Request], drafts) -> Future | None:
+        """Start drafting, on the drafting thread, the next tree of every overlapping request, from its committed
+        tokens + this step's tree's main line (one call for all of them; the links run inline there). Only that
+        thread touches those requests' links until ``_join_predrafts``."""
+        jobs = []
+        for request, (tree, _, _) in zip(running, drafts, strict=True):
+            if not (request.method.overlap and request.link.active):
+                continue
+            path = tree.main_path()
+            budget = request.method.policy.next_budget(request.stats, request.stopper.remaining - len(path) - 1,
+                                                       "predraft")
+            if budget.is_zero:
+                continue
+            hypothesis = tree.tokens[path].tolist()
+            request.ahead = Predraft(hypothesis, budget, threading.Event())
+            jobs.append(request)
+        if not jobs:
+            return None
+        if self._drafting is None:
+            self._drafting = ThreadPoolExecutor(1, thread_name_prefix="core-drafting")
+        return self._drafting.submit(_draft_ahead, jobs)
+
+    def _join_predrafts(self, ahead: Future | None) -> None:
+        """The forward is over: a greedy request's pre-draft stops where it is (its contents never change greedy
+        output); a sampled one runs to its budget (a seed then reproduces). Waits for the drafting thread."""
+        if ahead is None:
+            return
+        for request in self._running.values():
+            if request.ahead is not None and request.sampling.greedy:
+                request.ahead.stop.set()
+        ahead.result()
+
+    def _take_predraft(self, request: Request, verified: VerifyResult) -> dict:
+        """Collect the request's pre-draft: the part that drafts past what this step committed becomes its next
+        tree. Returns the step's pre-draft statistics."""
+        predraft, request.ahead = request.ahead, None
+        if predraft is None:
+            return {}
+        tree, seconds = request.link.collect(predraft.pending) if predraft.pending is not None else (None, 0.0)
+        ready = None
+        if tree is not None:
+            ready = reusable_subtree(tree, predraft.hypothesis, verified.tokens, predraft.budget.max_nodes)
+        if ready is not None:
+            request.ready = (ready, predraft.budget, seconds)
+        n = len(predraft.hypothesis)
+        return dict(predraft_nodes=tree.num_nodes if tree is not None else 0,
+                    predraft_used=ready.num_nodes if ready is not None else 0,
+                    predraft_levels=tree.max_depth if tree is not None else 0, predraft_seconds=seconds,
+                    ahead_confirmed=tree is not None and len(verified.tokens) > n
+                    and list(verified.tokens[:n]) == predraft.hypothesis)
+
+    # ------------------------------------------------------------ commit
     def _start_decoding(self, request: Request, first: int, seconds: float) -> None:
         """The prefill finished: commit the first token and hand the prompt's features to the drafter."""
         del self._prefilling[request.request_id]
@@ -316,34 +405,38 @@ class EngineCore:
         if request.stopper.done:
             self._finish(request)
 
-    def _commit(self, request: Request, tree: TokenTree, budget, result: VerifyResult | Exception,
+    def _commit(self, request: Request, tree: TokenTree, budget: Budget, result: VerifyResult | Exception,
                 step_started: float, draft_seconds: float, started_ns: int) -> None:
-        """A verification's outcome: commit its tokens, hand feedback to the drafter, stream, check stops."""
-        if isinstance(result, InvalidTreeError):  # the verifier refused the drafter's tree: fail it over
-            try:
+        """A verification's outcome: commit its tokens, hand feedback to the drafter, take the tree drafted ahead,
+        stream, check stops."""
+        try:
+            if isinstance(result, InvalidTreeError):  # the verifier refused the drafter's tree: fail it over
+                request.ahead = None  # drafted on that tree's main line
                 request.link.fail(InvalidTreeError(str(result)))
-            except Exception as exc:  # strict: the request fails with it
-                self._finish(request, exc)
+                request.retry_empty = True  # the pending token alone next step, as the per-request engine does
                 return
-            request.retry_empty = True  # the pending token alone next step, as the per-request engine does
+            if isinstance(result, Exception):
+                raise result
+            request.committed += result.tokens
+            if result.feedback is not None:
+                request.link.add_feedback(result.feedback)
+            if result.features is not None:
+                request.link.add_features(result.features)
+            ahead = self._take_predraft(request, result)
+        except Exception as exc:  # the verifier failed the request, or a strict drafter failed
+            self._finish(request, exc)
             return
-        if isinstance(result, Exception):
-            self._finish(request, result)
-            return
-        request.committed += result.tokens
-        if result.feedback is not None:
-            request.link.add_feedback(result.feedback)
-        if result.features is not None:
-            request.link.add_features(result.features)
         cpu = request.link.worker.cpu_seconds
         cpu, request.draft_cpu_counted = cpu - request.draft_cpu_counted, cpu
+        busy = draft_seconds + ahead.get("predraft_seconds", 0.0)
         step = StepStats(
             num_proposed=tree.num_nodes, tree_depth=tree.max_depth, num_accepted=result.num_accepted,
             accepted_sources=tuple(tree.sources[i] for i in result.accepted_nodes) if tree.sources else (),
             proposed_sources=tree.sources, draft_seconds=draft_seconds, verify_seconds=result.seconds,
             draft_error=request.link.take_errors(), budget=(budget.max_nodes, budget.max_depth),
-            step_seconds=time.perf_counter() - step_started, wait_seconds=draft_seconds,
-            drafter_busy_seconds=draft_seconds, batch_sessions=result.batch_sessions, draft_cpu_seconds=cpu,
+            step_seconds=time.perf_counter() - step_started,
+            wait_seconds=0.0 if request.predrafted else draft_seconds, drafter_busy_seconds=busy,
+            batch_sessions=result.batch_sessions, draft_cpu_seconds=cpu, predrafted=request.predrafted, **ahead,
         )
         if request.trace is not None:  # the step as the request's child span (nothing while tracing is off)
             attrs = step_start_attributes(len(request.stats.steps), request.link.drafter_name)
@@ -382,6 +475,15 @@ class EngineCore:
             request.output.finish(request.result, error)
         except Exception:  # a consumer's bug must not stop the core
             log.exception("request output of %s failed", request.request_id)
+
+
+def _draft_ahead(requests: list[Request]) -> None:
+    """The drafting thread's job for one step: each request's pre-draft, one after the other (inline links). A
+    greedy request's budget stops when the forward ends (``Predraft.stop``)."""
+    for request in requests:
+        predraft = request.ahead
+        budget = predraft_budget(predraft.budget, predraft.stop, 1)  # one level more: the bonus token is unknown
+        predraft.pending = request.link.start(budget, predraft.hypothesis, predraft.stop)
 
 
 # ------------------------------------------------------------------ outputs

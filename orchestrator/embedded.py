@@ -96,21 +96,20 @@ class EmbeddedStack:
         ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
         has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH). ``shared``: run on the stack's
         engine core (``orchestrator/core.py``), so the requests of all threads using such engines share one step
-        loop and its forwards (a ``CoreEngine``, safe to use from many threads at once; its steps draft, then
-        verify: ``overlap``, ``ahead_from`` and restart trees apply to the per-request engine only)."""
+        loop and its forwards (a ``CoreEngine``, safe to use from many threads at once; ``overlap`` drafts
+        ahead on the core's drafting thread; ``ahead_from`` applies to the per-request engine only)."""
         proposer = None if proposer in (None, "none", "ar") else proposer
         drafter, policy_chosen, topk, lookahead, features = self._speculation(
             proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
+        overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         if shared:
             core = self.shared_verifier(topk, lookahead)
-            method = Method(only(drafter, proposer or ""), load_aware(policy_chosen, core.costs, drafting_shares_cores=True),
-                            features)
-            return CoreEngine(core, method)
+            policy_chosen = load_aware(policy_chosen, core.costs, drafting_shares_cores=True)
+            return CoreEngine(core, Method(only(drafter, proposer or ""), policy_chosen, features, overlap=overlap))
         # one request at a time: a pool for two sessions at the full context, not the server's budget
         per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
         gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
         verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb)
-        overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         return Engine(verifier, only(drafter, proposer or ""), policy_chosen, self.decode, overlap=overlap,
                       ahead_from=ahead_from, features=features)
 

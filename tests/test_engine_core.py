@@ -51,12 +51,15 @@ class Collect:
         self.done.set()
 
 
-def method_of(proposer: str | None, draft_runner=None, strict: bool = True, nodes: int = 8) -> tuple[Method, int, object]:
-    """(method, the verifier's top-k feedback, its lookahead window) for a registered proposer."""
+def method_of(proposer: str | None, draft_runner=None, strict: bool = True, nodes: int = 8,
+              overlap: bool = False) -> tuple[Method, int, object]:
+    """(method, the verifier's top-k feedback, its lookahead window) for a registered proposer; ``overlap``:
+    PEARL with restart depth 0 (the serving default)."""
     if proposer is None:
         return Method(), 0, None
     prop = make_proposer(proposer, draft_runner=draft_runner)
-    method = Method(only(LocalDrafter(prop), proposer), StaticPolicy(nodes, nodes), prop.feedback_features, strict)
+    policy = StaticPolicy(nodes, nodes, restart_depth=0 if overlap else None)
+    method = Method(only(LocalDrafter(prop), proposer), policy, prop.feedback_features, strict, overlap)
     return method, prop.feedback_topk, window_for(prop)
 
 
@@ -83,14 +86,16 @@ def assert_idle(core: EngineCore) -> None:
     assert allocator.num_free == allocator.num_blocks, "KV blocks leaked"
 
 
-# every proposer on the fast runner; the generic (Hugging Face) runner with a few
-@pytest.mark.parametrize(("proposer", "backend"), [(p, "fast") for p in (None, *proposer_names())]
-                         + [(p, "hf") for p in (None, "prompt_lookup_tree", "draft_model_tree", "fused")])
-def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend):
+# every proposer on the fast runner, drafting then verifying and overlapped (PEARL); the generic (Hugging Face)
+# runner with a few
+@pytest.mark.parametrize(("proposer", "backend", "overlap"),
+                         [(p, "fast", o) for p in (None, *proposer_names()) for o in (False, True)]
+                         + [(p, "hf", False) for p in (None, "prompt_lookup_tree", "draft_model_tree", "fused")])
+def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend, overlap):
     kind = "random" if proposer and proposer_spec(proposer).needs_draft_model else "cyclic"
     ms = model_sets(kind)
     runner = ms.runner("target", backend)
-    method, topk, window = method_of(proposer, ms.runner("near", backend))
+    method, topk, window = method_of(proposer, ms.runner("near", backend), overlap=overlap)
     core = EngineCore(LocalVerifier(runner, feedback_topk=topk, lookahead=window))
     try:
         outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
@@ -98,6 +103,9 @@ def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend):
             assert out.tokens == ar_reference(kind, backend, prompt, MAX_NEW), proposer
             assert out.result.finish_reason == "length" and out.result.token_ids == out.tokens
         assert core.stats.max_batch > 1, "no two requests were ever verified in one forward"
+        if overlap and proposer in ("prompt_lookup_tree", "copy"):  # cheap drafts, ready before the forward ends
+            assert any(s.predrafted and s.num_accepted for o in outputs for s in o.result.stats.steps), \
+                "no tree drafted ahead was ever used"
         assert_idle(core)
     finally:
         core.close()
@@ -118,27 +126,30 @@ def test_chunked_prefills_beside_decoding_equal_ar(model_sets, ar_reference):
         core.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("proposer", [None, "prompt_lookup_tree", "draft_model_tree"])
-def test_a_seeded_sampled_request_is_the_same_alone_or_batched(model_sets, proposer):
+def test_a_seeded_sampled_request_is_the_same_alone_or_batched(model_sets, proposer, overlap):
     ms = model_sets("random")
     runner = ms.runner("target", "fast")
     sampling = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=MAX_NEW, seed=123, ignore_eos=True)
     others = dataclasses.replace(sampling, seed=None)
     core = EngineCore(LocalVerifier(runner))
     try:
-        method, _, _ = method_of(proposer, ms.runner("near", "fast"))
-        alone = run_all(core, method, [PROMPTS[0]], sampling)[0].tokens
-        method, _, _ = method_of(proposer, ms.runner("near", "fast"))  # a fresh drafter: same state as alone
+        def fresh() -> Method:  # a fresh drafter: the same state as when alone
+            return method_of(proposer, ms.runner("near", "fast"), overlap=overlap)[0]
+
+        alone = run_all(core, fresh(), [PROMPTS[0]], sampling)[0].tokens
+        method = fresh()
         batch = [Collect() for _ in PROMPTS]
         for i, (prompt, out) in enumerate(zip(PROMPTS, batch, strict=True)):
             core.submit(prompt, sampling if i == 3 else others, method, out)
         for out in batch:
             assert out.done.wait(60) and out.error is None
         assert core.stats.max_batch > 1
-        seeded = run_all(core, method_of(proposer, ms.runner("near", "fast"))[0], [PROMPTS[0]], sampling)[0].tokens
+        seeded = run_all(core, fresh(), [PROMPTS[0]], sampling)[0].tokens
         assert alone == seeded  # reproducible
         batched = [c.tokens for i, c in enumerate(batch) if i == 3][0]
-        alone_3 = run_all(core, method_of(proposer, ms.runner("near", "fast"))[0], [PROMPTS[3]], sampling)[0].tokens
+        alone_3 = run_all(core, fresh(), [PROMPTS[3]], sampling)[0].tokens
         assert batched == alone_3
     finally:
         core.close()

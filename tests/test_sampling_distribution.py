@@ -437,6 +437,55 @@ def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int
     return counts, accepted / max(steps, 1)
 
 
+def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, seed0: int, overlap: bool,
+                         in_flight: int = 16) -> tuple[Counter, float]:
+    """``sample_pairs`` on the engine core: the ``n`` requests run ``in_flight`` at a time (batched forwards, one
+    drafter serving them all); acceptance = draft tokens accepted per step."""
+    from spec_helpers import window_for
+
+    from drafter_service.drafter import LocalDrafter
+    from drafter_service.proposer import make_proposer
+    from orchestrator.core import EngineCore, Method, QueueOutput
+    from orchestrator.drafter_link import only
+
+    temperature, top_k, top_p = warp
+    prop = make_proposer(proposer, draft_runner=draft_runner)
+    core = EngineCore(LocalVerifier(target_runner, feedback_topk=prop.feedback_topk, lookahead=window_for(prop)))
+    method = Method(only(LocalDrafter(prop), proposer), StaticPolicy(4, 2, restart_depth=0 if overlap else None),
+                    strict=True, overlap=overlap)
+    counts: Counter = Counter()
+    accepted = steps = 0
+    try:
+        for start in range(0, n, in_flight):
+            outputs = []
+            for i in range(start, min(n, start + in_flight)):
+                sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + i,
+                                    max_new_tokens=4, ignore_eos=True)
+                outputs.append(QueueOutput())
+                core.submit(E2E_PROMPT, sp, method, outputs[-1])
+            for output in outputs:
+                tokens = [t for event in output.events() for t in event.tokens]
+                assert len(tokens) == 4
+                counts[tuple(tokens[1:3])] += 1
+                accepted += sum(s.num_accepted for s in output.result.stats.steps)
+                steps += output.result.stats.num_steps
+        assert core.stats.max_batch > 1
+    finally:
+        core.close()
+    return counts, accepted / max(steps, 1)
+
+
+@pytest.mark.parametrize("proposer,warp,overlap", [("draft_model", "plain", False), ("draft_model_tree", "topk_topp", True),
+                                                   ("fused", "topk_topp", True)])
+def test_core_sampling_matches_the_exact_law(e2e_models, proposer, warp, overlap):
+    """Batched on the engine core (and overlapped): still the target's distribution."""
+    model, target_runner, draft_runner = e2e_models
+    counts, acceptance = sample_pairs_on_core(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES,
+                                              seed0=0, overlap=overlap)
+    assert acceptance > 0.02
+    assert chisquare_p(counts, exact_pair_law(model, E2E_PROMPT, WARPS[warp])) > P_PASS
+
+
 @pytest.fixture(scope="module")
 def ar_pairs(e2e_models):
     """warp name -> autoregressive samples, drawn on first use (inside a test, single-threaded)."""
