@@ -27,6 +27,7 @@ point masses for lossless sampling.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +55,71 @@ def sync_draft_cache(runner: ModelRunner, dc: DraftCache, committed: list[int]) 
     logits = runner.forward(dc.cache, committed[common:], range(common, len(committed)), last_only=True)[-1].cpu()
     dc.cached = list(committed)
     return logits
+
+
+def sync_draft_caches(runner: ModelRunner, caches: Sequence[DraftCache], contexts: Sequence[list[int]]) -> torch.Tensor:
+    """``sync_draft_cache`` for many sessions in one forward; the logits after each context's last token,
+    [len(caches), vocab] on the host."""
+    ids, positions, num_new = [], [], []
+    for dc, committed in zip(caches, contexts, strict=True):
+        common = common_prefix_len(dc.cached, committed, limit=len(committed) - 1)
+        dc.cache.truncate(common)
+        ids += committed[common:]
+        positions += range(common, len(committed))
+        num_new.append(len(committed) - common)
+        dc.cached = list(committed)
+    last = torch.as_tensor(np.cumsum(num_new) - 1)
+    return runner.forward_batch([dc.cache for dc in caches], ids, positions, num_new, [None] * len(caches),
+                                last.to(runner.device)).cpu()
+
+
+@dataclass
+class _Chain:
+    """One session's chain as ``propose_batch`` drafts it: the same choices as ``DraftModelProposer._chain``."""
+
+    state: DraftSessionState
+    budget: Budget
+    dc: DraftCache
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    dists: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    path_prob: float = 1.0
+
+    def pick(self, logits: torch.Tensor, min_confidence: float) -> bool:
+        """Choose the next token from ``logits`` [vocab] (greedy: the draft's argmax; sampling: a draw from the
+        warped q, whose sparse distribution ships with the tree); whether the chain goes on (another forward).
+        It stops at the budget's length, after a token the draft itself doubts (``min_confidence``: likely the
+        last one accepted), once the whole path's chance of acceptance is below ``min_path_prob`` (SpecDec++) or
+        when the budget expires."""
+        sp = self.state.sampling
+        if sp.greedy:
+            x = int(logits.argmax())  # host sync
+            self.probs.append(float(torch.softmax(logits.double(), -1)[x]))
+        else:
+            q = warp_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+            x = int(torch.multinomial(q, 1, generator=self.state.generator))
+            ids = torch.nonzero(q).flatten()
+            self.dists.append((ids.numpy(), q[ids].numpy()))
+            self.probs.append(float(q[x]))
+        self.tokens.append(x)
+        self.path_prob *= self.probs[-1]
+        length = min(self.budget.max_nodes, self.budget.max_depth)
+        return not (len(self.tokens) == length or self.probs[-1] < min_confidence
+                    or self.path_prob < self.budget.min_path_prob or self.budget.expired())
+
+    def tree(self, name: str) -> TokenTree:
+        """The drafted chain; when sampling, the sparse q of every node ships with it."""
+        tree = TokenTree.chain(self.tokens, self.probs, name)
+        if not self.dists:
+            return tree
+        ids, vals = zip(*self.dists, strict=True)
+        sizes = [len(i) for i in ids]
+        return TokenTree(
+            tree.tokens, tree.parents, tree.draft_probs, tree.sources,
+            q_cu=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            q_ids=np.concatenate(ids).astype(np.int64),
+            q_probs=np.concatenate(vals).astype(np.float64),
+        )
 
 
 def _log_q(logits: torch.Tensor, state: DraftSessionState) -> torch.Tensor:
@@ -84,6 +150,44 @@ class DraftModelProposer(Proposer):
             return self._tree(dc, logits, state, budget)
         return self._chain(dc, logits, state, budget)
 
+    def propose_batch(self, states: Sequence[DraftSessionState], budgets: Sequence[Budget]) -> list[TokenTree]:
+        """Chains for many sessions with one draft forward per level for all of them (``forward_batch``: the
+        catch-up tokens of every session in the first, one row per still-drafting session after), the same
+        chains as ``propose`` one by one; trees are drafted one session at a time."""
+        if self.tree:
+            return super().propose_batch(states, budgets)
+        out = [TokenTree.empty()] * len(states)
+        live = [i for i, (state, budget) in enumerate(zip(states, budgets, strict=True))
+                if not (budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions)]
+        if not live:
+            return out
+        caches = []
+        for i in live:
+            dc = states[i].scratch.get(self.name)
+            if dc is None:
+                dc = states[i].scratch[self.name] = DraftCache(self.runner.new_cache())
+            caches.append(dc)
+        logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live])  # [len(live), vocab]
+        chains = [_Chain(states[i], budgets[i], caches[k]) for k, i in enumerate(live)]
+        drafting = list(range(len(chains)))  # chains still drafting; row r of logits is chains[drafting[r]]
+        while drafting:
+            extending = []
+            for row, c in enumerate(drafting):
+                if chains[c].pick(logits[row], self.min_confidence):
+                    extending.append(c)
+            if not extending:
+                break
+            fed = [chains[c] for c in extending]
+            logits = self.runner.forward_batch(
+                [ch.dc.cache for ch in fed], [ch.tokens[-1] for ch in fed], [len(ch.dc.cached) for ch in fed],
+                [1] * len(fed), [None] * len(fed)).cpu()  # host sync: one per level for every session
+            for ch in fed:
+                ch.dc.cached.append(ch.tokens[-1])
+            drafting = extending
+        for c, i in enumerate(live):
+            out[i] = chains[c].tree(self.name)
+        return out
+
     def prepare(self, state: DraftSessionState) -> None:
         """Prefill the prompt (all but its last token, which the first proposal feeds)."""
         if 1 < len(state.tokens) <= self.runner.info.max_positions:
@@ -96,44 +200,12 @@ class DraftModelProposer(Proposer):
 
     # ----------------------------------------------------------------- chain
     def _chain(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
-        sp = state.sampling
-        length = min(budget.max_nodes, budget.max_depth)
-        tokens: list[int] = []
-        probs: list[float] = []
-        dists: list[tuple[np.ndarray, np.ndarray]] = []
-        path_prob = 1.0
-        for step in range(length):
-            if sp.greedy:
-                x = int(logits.argmax())  # host sync
-                probs.append(float(torch.softmax(logits.double(), -1)[x]))
-            else:
-                q = warp_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-                x = int(torch.multinomial(q, 1, generator=state.generator))
-                ids = torch.nonzero(q).flatten()
-                dists.append((ids.numpy(), q[ids].numpy()))
-                probs.append(float(q[x]))
-            tokens.append(x)
-            path_prob *= probs[-1]
-            # a token the draft itself doubts is likely the last one accepted: drafting on wastes
-            # draft forwards and widens the target's verification (SpecDec++: stop once the
-            # whole path's chance of acceptance is below the policy's threshold)
-            if (step == length - 1 or probs[-1] < self.min_confidence or path_prob < budget.min_path_prob
-                    or budget.expired()):
-                break
-            pos = len(dc.cached)
-            logits = self.runner.forward(dc.cache, [x], [pos])[-1].cpu()
+        chain = _Chain(state, budget, dc)
+        while chain.pick(logits, self.min_confidence):
+            x = chain.tokens[-1]
+            logits = self.runner.forward(dc.cache, [x], [len(dc.cached)])[-1].cpu()  # host sync
             dc.cached.append(x)
-        tree = TokenTree.chain(tokens, probs, self.name)
-        if dists:
-            ids, vals = zip(*dists, strict=True)
-            sizes = [len(i) for i in ids]
-            tree = TokenTree(
-                tree.tokens, tree.parents, tree.draft_probs, tree.sources,
-                q_cu=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-                q_ids=np.concatenate(ids).astype(np.int64),
-                q_probs=np.concatenate(vals).astype(np.float64),
-            )
-        return tree
+        return chain.tree(self.name)
 
     # ------------------------------------------------------------------ tree
     def _tree(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:

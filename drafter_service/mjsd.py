@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from drafter_service.draft_model import DraftCache, DraftModelProposer, sync_draft_cache
-from drafter_service.proposer import DraftSessionState, proposer_options
+from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
 from specmesh.contract import Budget
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.tree import TokenTree, ancestor_mask
@@ -77,6 +77,9 @@ class MJSDProposer(DraftModelProposer):
     beam_width: int = DEFAULT_BEAM_WIDTH
     draft_length: int | None = None  # gamma; None = the budget's depth
     name: str = "mjsd"
+
+    # beams are searched one session at a time (the draft model's batched chains are not MJSD's beams)
+    propose_batch = Proposer.propose_batch
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         length = min(budget.max_nodes, budget.max_depth, self.draft_length or budget.max_depth)

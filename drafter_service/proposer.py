@@ -9,7 +9,7 @@ every session and the drafter shell owns session lifetimes.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,11 @@ class Proposer:
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         """A candidate tree for ``state.tokens`` within ``budget``."""
         raise NotImplementedError
+
+    def propose_batch(self, states: Sequence[DraftSessionState], budgets: Sequence[Budget]) -> list[TokenTree]:
+        """``propose`` for many sessions at once (an engine step's): the same trees as one call each. A proposer
+        whose work batches (a draft model: one forward per level for every session) overrides it."""
+        return [self.propose(state, budget) for state, budget in zip(states, budgets, strict=True)]
 
     def scratch(self, state: DraftSessionState) -> Any:
         """This proposer's per-session state, made by ``prepare`` first if the session has none yet."""

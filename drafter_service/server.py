@@ -27,8 +27,9 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
 from specmesh import metrics, models, serving, tracing
-from specmesh.contract import check_rollback, check_session_id
+from specmesh.contract import DraftCall, check_rollback, check_session_id
 from specmesh.feedback import DraftFeedback, TargetFeatures
+from specmesh.tree import TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import (
     DRAFTER_SERVICE,
@@ -43,6 +44,54 @@ MAX_FEEDBACK_ITEMS = 64  # verifications' feedback per Propose
 MAX_FEEDBACK_NGRAMS = 1024  # harvested n-grams per verification
 MAX_NGRAM_LEN = 64
 DEFAULT_MAX_CONTEXT = 65536  # tokens a session's context may hold (prompt + committed + drafted-ahead)
+
+
+class ProposeBatcher:
+    """Every session's Propose, run on the one model thread: the calls that arrive while it is busy go together
+    when it is free, one ``LocalDrafter.propose_many`` per drafter (a draft model runs one forward per level for all
+    of them). Nothing waits for stragglers: a batch starts as soon as the thread is free."""
+
+    def __init__(self, executor: ThreadPoolExecutor) -> None:
+        self._executor = executor
+        self._pending: list[tuple[LocalDrafter, DraftCall, asyncio.Future]] = []
+        self._draining = False
+
+    async def propose(self, drafter: LocalDrafter, call: DraftCall) -> TokenTree:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((drafter, call, future))
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                groups: dict[int, tuple[LocalDrafter, list]] = {}
+                for drafter, call, future in batch:
+                    groups.setdefault(id(drafter), (drafter, []))[1].append((call, future))
+                jobs = [(drafter, [call for call, _ in members]) for drafter, members in groups.values()]
+                try:
+                    outcomes = await loop.run_in_executor(self._executor, _propose_groups, jobs)
+                except Exception as exc:  # noqa: BLE001 - every call of the batch gets it
+                    outcomes = [[exc] * len(calls) for _, calls in jobs]
+                for (_, members), results in zip(groups.values(), outcomes, strict=True):
+                    for (_, future), result in zip(members, results, strict=True):
+                        if future.done():  # its stream went away
+                            continue
+                        if isinstance(result, Exception):
+                            future.set_exception(result)
+                        else:
+                            future.set_result(result)
+        finally:
+            self._draining = False
+
+
+def _propose_groups(jobs: list[tuple[LocalDrafter, list[DraftCall]]]) -> list[list]:
+    """The model thread's part of a batch: one ``propose_many`` per drafter."""
+    return [drafter.propose_many(calls) for drafter, calls in jobs]
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -63,6 +112,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.max_context = max_context
         self.feature_hidden = feature_hidden
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
+        self._batcher = ProposeBatcher(self._executor)
         self.num_sessions = 0
         self.draining = False  # set when this replica is being stopped: new sessions go elsewhere
         self.drafts, self.draft_seconds = 0, 0.0  # proposals answered and their total time (autoscaling reads them)
@@ -171,7 +221,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 start = time.perf_counter()
                 with tracing.span("draft", _draft_attributes(propose, budget)) as span:
-                    tree = await self._run(drafter.propose, session, new_tokens, budget, propose.rollback, feedback)
+                    tree = await self._batcher.propose(drafter, DraftCall(session, new_tokens, budget, propose.rollback,
+                                                                          feedback))
                     if span.is_recording():  # a proposer's tree is checked by the orchestrator, not here: depth may fail
                         span.set_attributes({"specmesh.draft.nodes": tree.num_nodes,
                                              "specmesh.draft.depth": _depth_or_none(tree)})

@@ -308,34 +308,40 @@ class EngineCore:
         return chosen
 
     def _draft_all(self) -> tuple[list[Request], list[tuple[TokenTree, Budget, float]]]:
-        """Every running request's tree (in-process drafters, inline). A drafter failure fails over inside the
-        link; a strict request's failure ends that request alone."""
-        running, drafts = [], []
+        """Every running request's tree: the one drafted ahead last step if usable (overlap), else what its
+        policy's budget asks of its drafter now ("restart" with overlap: with restart depth 0, nothing: the pending
+        token is verified alone while the next tree is drafted ahead). Requests on one in-process drafter are
+        drafted in one call (``draft_batch``). A drafter failure fails over inside the link; a strict request's
+        failure ends that request alone."""
+        running, drafts, asking = [], [], []
         for request in list(self._running.values()):
-            try:
-                drafts.append(self._draft(request))
-            except Exception as exc:
-                self._finish(request, exc)
-                continue
+            request.predrafted = request.ready is not None
+            if request.ready is not None:
+                drafts.append(request.ready)
+                request.ready = None
+            else:
+                phase = "restart" if request.method.overlap else "sequential"
+                budget = request.method.policy.next_budget(request.stats, request.stopper.remaining, phase)
+                drafts.append((EMPTY_TREE, budget, 0.0))
+                if request.retry_empty or not request.link.active or budget.is_zero:
+                    request.retry_empty = False
+                else:
+                    asking.append((len(running), request, budget))
             running.append(request)
+        pendings = draft_batch([(request, budget, [], None) for _, request, budget in asking])
+        failed = set()
+        for (index, request, budget), pending in zip(asking, pendings, strict=True):
+            try:
+                tree, seconds = request.link.collect(pending)
+            except Exception as exc:  # strict: the drafter's failure ends its request
+                self._finish(request, exc)
+                failed.add(index)
+                continue
+            drafts[index] = (tree if tree is not None else EMPTY_TREE, budget, seconds)
+        if failed:
+            keep = [i for i in range(len(running)) if i not in failed]
+            running, drafts = [running[i] for i in keep], [drafts[i] for i in keep]
         return running, drafts
-
-    def _draft(self, request: Request) -> tuple[TokenTree, Budget, float]:
-        """The request's tree for this step: the one drafted ahead during the last step if it is usable (overlap),
-        else one its policy's budget asks for now ("restart": with restart depth 0, none: the pending token is
-        verified alone while the next tree is drafted ahead)."""
-        request.predrafted = request.ready is not None
-        if request.ready is not None:
-            ready, request.ready = request.ready, None
-            return ready
-        phase = "restart" if request.method.overlap else "sequential"
-        budget = request.method.policy.next_budget(request.stats, request.stopper.remaining, phase)
-        if request.retry_empty or not request.link.active or budget.is_zero:
-            request.retry_empty = False
-            return EMPTY_TREE, budget, 0.0
-        t0 = time.perf_counter()
-        tree, _ = request.link.draft(budget)
-        return tree, budget, time.perf_counter() - t0
 
     # ------------------------------------------------------------ PEARL overlap
     def _start_predrafts(self, running: list[Request], drafts) -> Future | None:
@@ -477,13 +483,34 @@ class EngineCore:
             log.exception("request output of %s failed", request.request_id)
 
 
+def draft_batch(items: Sequence[tuple[Request, Budget, list[int], threading.Event | None]]) -> list[PendingDraft | None]:
+    """Ask each (request, budget, hypothesis, stop)'s drafter for a tree from its committed tokens + hypothesis:
+    the calls to one drafter that takes many at once (``LocalDrafter.propose_many``: a draft model runs one
+    forward per level for all of them) in one call, others one by one (inline links). Each item's PendingDraft
+    for ``DrafterLink.collect`` (None: no drafter)."""
+    pendings: list[PendingDraft | None] = [None] * len(items)
+    groups: dict[int, tuple[object, list]] = {}
+    for i, (request, budget, hypothesis, stop) in enumerate(items):
+        drafter = request.link.drafter
+        if drafter is not None and hasattr(drafter, "propose_many"):
+            groups.setdefault(id(drafter), (drafter, []))[1].append((i, request.link.prepare(budget, hypothesis, stop)))
+        else:
+            pendings[i] = request.link.start(budget, hypothesis, stop)
+    for drafter, members in groups.values():
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outcomes = drafter.propose_many([call for _, (call, _) in members])
+        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        for (i, (call, asked)), outcome in zip(members, outcomes, strict=True):
+            pendings[i] = items[i][0].link.answered(asked, call.budget, outcome, seconds, cpu / len(members))
+    return pendings
+
+
 def _draft_ahead(requests: list[Request]) -> None:
-    """The drafting thread's job for one step: each request's pre-draft, one after the other (inline links). A
-    greedy request's budget stops when the forward ends (``Predraft.stop``)."""
-    for request in requests:
-        predraft = request.ahead
-        budget = predraft_budget(predraft.budget, predraft.stop, 1)  # one level more: the bonus token is unknown
-        predraft.pending = request.link.start(budget, predraft.hypothesis, predraft.stop)
+    """The drafting thread's job for one step: every request's pre-draft (one level deeper than the next tree: the
+    bonus token is unknown); a greedy one's budget stops when the forward ends (``Predraft.stop``)."""
+    items = [(r, predraft_budget(r.ahead.budget, r.ahead.stop, 1), r.ahead.hypothesis, r.ahead.stop) for r in requests]
+    for request, pending in zip(requests, draft_batch(items), strict=True):
+        request.ahead.pending = pending
 
 
 # ------------------------------------------------------------------ outputs

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specmesh.contract import Budget, Drafter, common_prefix_len
+from specmesh.contract import Budget, DraftCall, Drafter, common_prefix_len
 from specmesh.feedback import DraftFeedback, TargetFeatures, VerifyFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -252,12 +252,41 @@ class DrafterLink:
               ) -> PendingDraft | None:
         """Ask for a tree drafted from the committed tokens + ``hypothesis``; None without a drafter.
         ``stop``: the event that ends a pre-draft early (set by ``collect`` for greedy requests)."""
+        prepared = self.prepare(budget, hypothesis, stop)
+        if prepared is None:
+            return None
+        call, asked = prepared
+        future = self.worker.propose(asked.drafter, call.session_id, call.new_tokens, budget, call.rollback,
+                                     call.feedback)
+        return PendingDraft(future, budget, asked)
+
+    def prepare(self, budget: Budget, hypothesis: Sequence[int] = (), stop: threading.Event | None = None
+                ) -> tuple[DraftCall, _InUse] | None:
+        """``start``'s call as data, not sent: for a host that sends the calls of many requests to one drafter
+        at once (``LocalDrafter.propose_many``) and hands each answer back with ``answered``. None without a
+        drafter. The context edit is recorded as sent."""
         if self._in_use is None:
             return None
         rollback, new = self.view.edit(self.committed, hypothesis)
         self._stop = stop
-        future = self.worker.propose(self._in_use.drafter, self.session_id, new, budget, rollback, self._feedback())
-        return PendingDraft(future, budget, self._in_use)
+        return DraftCall(self.session_id, new, budget, rollback, self._feedback()), self._in_use
+
+    def answered(self, asked: _InUse, budget: Budget, outcome: TokenTree | Exception, seconds: float,
+                 cpu_seconds: float = 0.0) -> PendingDraft:
+        """A prepared call's answer, as the PendingDraft ``collect`` takes (``cpu_seconds``: this request's share
+        of the drafting CPU time)."""
+        future: Future = Future()
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result((outcome, seconds))
+        self.worker.cpu_seconds += cpu_seconds
+        return PendingDraft(future, budget, asked)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The drafter in use (None: none)."""
+        return self._in_use.drafter if self._in_use is not None else None
 
     def collect(self, pending: PendingDraft | None) -> tuple[TokenTree | None, float]:
         """(tree, drafter seconds) of a draft asked with ``start``; (None, ...) when there is none or it

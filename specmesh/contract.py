@@ -69,6 +69,17 @@ class Drafter(Protocol):
     def close(self, session_id: str) -> None: ...
 
 
+@dataclass(frozen=True)
+class DraftCall:
+    """One ``Drafter.propose`` call as data (for drafters that take many at once: ``propose_many``)."""
+
+    session_id: str
+    new_tokens: Sequence[int]
+    budget: Budget
+    rollback: int = 0
+    feedback: DraftFeedback | None = None
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
     """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
     n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)

@@ -277,3 +277,54 @@ def test_a_closed_core_refuses_and_ends_what_it_held(model_sets):
         list(out.events())
     with pytest.raises(RuntimeError, match="closed"):
         core.submit(PROMPTS[0], greedy(4), Method(), Collect())
+
+
+def test_propose_many_isolates_a_bad_call_and_equals_one_call_each(model_sets):
+    """``LocalDrafter.propose_many``: every call's context edit applies; an unknown session fails alone; the trees
+    equal one ``propose`` per session."""
+    from specmesh.contract import Budget, DraftCall
+
+    runner = model_sets("random").runner("near", "fast")
+    batched, single = LocalDrafter(make_proposer("draft_model", draft_runner=runner)), \
+        LocalDrafter(make_proposer("draft_model", draft_runner=runner))
+    for drafter in (batched, single):
+        for i, prompt in enumerate(PROMPTS[:3]):
+            drafter.open(f"s{i}", prompt, greedy(8))
+    calls = [DraftCall("s0", [5, 6], Budget(4, 4)), DraftCall("nope", [1], Budget(4, 4)),
+             DraftCall("s1", [], Budget(0, 0)), DraftCall("s2", [7], Budget(3, 3))]
+    got = batched.propose_many(calls)
+    assert isinstance(got[1], KeyError) and got[2].num_nodes == 0
+    for call, tree in zip(calls, got, strict=True):
+        if call.session_id != "nope":
+            want = single.propose(call.session_id, call.new_tokens, call.budget, call.rollback)
+            assert tree.tokens.tolist() == want.tokens.tolist()
+            assert batched.context_length(call.session_id) == single.context_length(call.session_id)
+
+
+@pytest.mark.parametrize("proposer", [p for p in proposer_names() if p != "falcon"])  # falcon drafts on features
+def test_every_proposers_batch_equals_one_session_at_a_time(model_sets, proposer):
+    """``Proposer.propose_batch`` (what the engine core and the drafter server call) drafts exactly the trees of one
+    ``propose`` per session, for every registered proposer (a subclass must not inherit a batched path that drafts
+    differently: MJSD's beams are not the draft model's chains)."""
+    from drafter_service.proposer import DraftSessionState
+    from specmesh.contract import Budget
+
+    runner = model_sets("random").runner("near", "fast")
+    one, many = make_proposer(proposer, draft_runner=runner), make_proposer(proposer, draft_runner=runner)
+    prompts = make_prompts(4, seed=31, min_len=8, max_len=40)
+    alone = [DraftSessionState(f"s{i}", list(p) * 2, greedy(8)) for i, p in enumerate(prompts)]
+    together = [DraftSessionState(f"s{i}", list(p) * 2, greedy(8)) for i, p in enumerate(prompts)]
+    for state in alone:
+        one.prepare(state)
+    for state in together:
+        many.prepare(state)
+    budgets = [Budget(8, 4), Budget(4, 4), Budget(6, 3), Budget(2, 2)]
+    for _ in range(2):
+        want = [one.propose(s, b) for s, b in zip(alone, budgets, strict=True)]
+        got = many.propose_batch(together, budgets)
+        for w, g in zip(want, got, strict=True):
+            assert g.tokens.tolist() == w.tokens.tolist() and g.parents.tolist() == w.parents.tolist(), proposer
+        for a, b, tree in zip(alone, together, want, strict=True):
+            step = tree.tokens[:1].tolist() + [7]
+            a.tokens += step
+            b.tokens += step
