@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.models import ATTENTION_BACKENDS
+from specmesh.padded_attention import PAD_LIMIT, PAD_MAX_NEW, padded_layout, padded_sdpa
 
 ATTENTION_ENV = "SPECMESH_ATTENTION"  # what ``auto`` means when set (e.g. triton, to force the kernel in tests)
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2"}
@@ -144,36 +145,90 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
 
 # ---------------------------------------------------------------------------------- attention
 class _SdpaAttention:
-    """Attention per session: write its new keys/values, then SDPA over its span under a dense [n, end] mask."""
+    """PyTorch SDPA. Sessions in one paged pool write their new keys/values with one scatter per layer; of those,
+    the ones with short contexts and few new rows attend in one padded SDPA call (``padded_attention``), the
+    rest in one call per session over their own span under a dense [n, end] mask (a view of the pool when
+    their blocks are contiguous). Index tensors are built once per forward, on the host, and copied once."""
 
     def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
-        self.runner, self.caches, self.spans = runner, caches, []  # spans: (packed rows, start, end, mask)
+        self.runner, self.spans, self.padded = runner, [], None  # spans: (cache, packed rows, start, end, mask)
+        # one scatter for the new rows of several sessions of one pool; a single session writes its own slice
+        pool = getattr(caches[0], "pool", None) if len(caches) > 1 else None
+        if pool is not None and not all(getattr(c, "pool", None) is pool for c in caches):
+            pool = None
+        self.pool = pool
+        starts = [c.length for c in caches]
+        ends = [a + n for a, n in zip(starts, num_new, strict=True)]
+        padded = [False] * len(caches)
+        if pool is not None:  # short contexts with few new rows: one padded call (padded_attention.py)
+            padded = [end * runner.kv_size <= PAD_LIMIT and n <= PAD_MAX_NEW for end, n in zip(ends, num_new, strict=True)]
+            if sum(padded) < 2:
+                padded = [False] * len(caches)
         row = 0
-        for cache, n, attend in zip(caches, num_new, attends, strict=True):
-            start, end = cache.length, cache.length + n
+        for cache, n, attend, start, end, pad in zip(caches, num_new, attends, starts, ends, padded, strict=True):
             if attend is not None:
                 assert attend.shape == (n, end), (attend.shape, start, n)
-                mask = attend.dense(runner.device) if isinstance(attend, TreeMask) else attend.to(runner.device)
-            elif n > 1:
-                mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
-            else:
-                mask = None  # one new token sees everything
-            self.spans.append((slice(row, row + n), start, end, mask))
+            if not pad:
+                if attend is not None:
+                    mask = attend.dense(runner.device) if isinstance(attend, TreeMask) else attend.to(runner.device)
+                elif n > 1:
+                    mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
+                else:
+                    mask = None  # one new token sees everything
+                self.spans.append((cache, slice(row, row + n), start, end, mask))
             row += n
+        if pool is not None:
+            self._index(caches, np.asarray(starts), np.asarray(num_new), attends, np.asarray(padded), row)
+
+    def _index(self, caches, starts: np.ndarray, num_new: np.ndarray, attends, padded: np.ndarray, total: int) -> None:
+        """The device indices of the batched write and the padded call, built on the host and copied at once."""
+        ends, cu = starts + num_new, np.concatenate([[0], np.cumsum(num_new)])
+        index = [np.concatenate([c.host_slots[a:b] for c, a, b in zip(caches, starts, ends, strict=True)])]
+        if padded.any():
+            chosen = np.flatnonzero(padded)
+            layout = padded_layout([caches[r].host_slots for r in chosen], starts[chosen], num_new[chosen],
+                                   cu[chosen], [attends[r] for r in chosen], total)
+            rows = None
+            if not padded.all():  # the packed rows the padded call answers
+                rows = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in chosen])
+            parts = [layout.key_slots, layout.query_rows, layout.out_rows, rows]
+            index += [p for p in parts if p is not None]
+        pieces = list(torch.from_numpy(np.concatenate(index)).to(self.runner.device).split([len(p) for p in index]))
+        self.write_slots = pieces.pop(0)
+        if padded.any():
+            key_slots, query_rows, out_rows, rows = (None if p is None else pieces.pop(0) for p in parts)
+            mask = None if layout.mask is None else torch.from_numpy(layout.mask).to(self.runner.device)
+            self.padded = (layout, key_slots, query_rows, out_rows, mask, rows)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [heads, T, head_dim]; k/v: [kv_heads, T, head_dim] -> [T, heads * head_dim]."""
-        groups = self.runner.num_heads // self.runner.num_kv_heads
+        runner = self.runner
+        groups = runner.num_heads // runner.num_kv_heads
+        if self.pool is not None:
+            keys, values = self.pool.keys[layer], self.pool.values[layer]  # [kv_heads, slots, head_dim]
+            keys.index_copy_(1, self.write_slots, k)
+            values.index_copy_(1, self.write_slots, v)
         outs = []
-        for cache, (rows, start, end, mask) in zip(self.caches, self.spans, strict=True):
-            cache.write(layer, start, k[:, rows], v[:, rows])
+        for cache, rows, start, end, mask in self.spans:
+            if self.pool is None:
+                cache.write(layer, start, k[:, rows], v[:, rows])
             keys, values = cache.kv(layer, end)  # [kv_heads, end, head_dim]
             outs.append(F.scaled_dot_product_attention(
-                q[None, :, rows], keys[None], values[None], attn_mask=mask, scale=self.runner.scale,
+                q[None, :, rows], keys[None], values[None], attn_mask=mask, scale=runner.scale,
                 enable_gqa=groups > 1,
-            )[0])  # [heads, n, head_dim]
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [heads, T, head_dim]
-        return attn.transpose(0, 1).reshape(q.shape[1], self.runner.q_size)
+            )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size))  # [n, heads * head_dim]
+        if self.padded is None:
+            return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, heads * head_dim]
+        layout, key_slots, query_rows, out_rows, mask, padded_rows = self.padded
+        attn = padded_sdpa(q, self.pool.keys[layer], self.pool.values[layer], layout, key_slots, query_rows,
+                           out_rows, mask, runner.scale)  # [padded sessions' rows, heads * head_dim]
+        if padded_rows is None:
+            return attn
+        out = attn.new_empty(q.shape[1], runner.q_size)
+        out.index_copy_(0, padded_rows, attn)
+        for (_, rows, _, _, _), part in zip(self.spans, outs, strict=True):
+            out[rows] = part
+        return out
 
 
 class _KernelAttention:

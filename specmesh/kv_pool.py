@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
@@ -42,8 +43,10 @@ class KVPool:
         # empty, not zeros: a slot is always written before it is read (attention reads positions [0, length)
         # only), and on the CPU untouched pages of an empty tensor take no memory, so a generous budget costs
         # only what the sessions use
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        # normal tensors even when built under inference mode: sessions write and compact them in or out of it
+        with torch.inference_mode(False):
+            self.keys = torch.empty(shape, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
         self.device = self.keys.device
 
     @staticmethod
@@ -63,8 +66,9 @@ class PagedKVCache:
         self.length = 0
         size = pool.block_size
         self.capacity = len(table) * size
-        blocks = torch.tensor(table, dtype=torch.long)
-        self.slots = (blocks[:, None] * size + torch.arange(size)).reshape(-1).to(pool.device)  # [capacity]
+        # [capacity] slot of each position: on the host (index building) and on the pool's device (gathers)
+        self.host_slots = (np.asarray(table, np.int64)[:, None] * size + np.arange(size)).reshape(-1)
+        self.slots = torch.from_numpy(self.host_slots).to(pool.device)
         contiguous = table == list(range(table[0], table[0] + len(table))) if table else True
         self.base = table[0] * size if contiguous and table else None  # first slot when contiguous
 
@@ -98,17 +102,10 @@ class PagedKVCache:
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv(layer, self.length)
 
-    @torch.inference_mode()
     def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
         """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending): only the
-        kept tree rows move (all layers at once), the prefix stays where it is."""
-        offsets = list(keep_offsets)
-        if offsets != list(range(len(offsets))):
-            src = self.slots[torch.tensor(offsets, dtype=torch.long, device=self.pool.device) + prefix_len]
-            dst = self.slots[prefix_len : prefix_len + len(offsets)]
-            for store in (self.pool.keys, self.pool.values):
-                store.index_copy_(2, dst, store.index_select(2, src))
-        self.length = prefix_len + len(offsets)
+        kept tree rows move (all layers at once), the prefix stays where it is. ``compact`` for one session."""
+        compact([self], [prefix_len], [keep_offsets])
 
     def free(self) -> None:
         """Return the blocks to the pool (idempotent)."""
@@ -118,4 +115,27 @@ class PagedKVCache:
             self.capacity = self.length = 0
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "KVPool", "PagedKVCache"]
+def compact(caches: Sequence[PagedKVCache], prefix_lens: Sequence[int],
+            keep_offsets: Sequence[Sequence[int]]) -> None:
+    """``keep`` for many sessions at once: session r keeps positions [0, prefix_lens[r]) plus
+    ``prefix_lens[r] + o`` for o in keep_offsets[r] (ascending, distinct). The rows that move, of every session
+    of a pool, move in one gather and one scatter over all layers (src/dst: the concatenated slots); a session
+    whose kept offsets are already 0..k-1 moves nothing. No autograd state is touched (the pool's tensors never
+    require grad), so it runs in or out of inference mode."""
+    moves: dict[int, tuple[KVPool, list[np.ndarray], list[np.ndarray]]] = {}
+    for cache, prefix_len, offsets in zip(caches, prefix_lens, keep_offsets, strict=True):
+        num_kept = len(offsets)
+        # ascending distinct offsets >= 0 are the identity exactly when the last one is num_kept - 1
+        if num_kept and offsets[-1] != num_kept - 1:
+            _, src, dst = moves.setdefault(id(cache.pool), (cache.pool, [], []))
+            src.append(cache.host_slots[prefix_len + np.asarray(offsets, np.int64)])
+            dst.append(cache.host_slots[prefix_len : prefix_len + num_kept])
+        cache.length = prefix_len + num_kept
+    for pool, src, dst in moves.values():
+        index = torch.from_numpy(np.concatenate(src + dst)).to(pool.device)  # one host->device copy per pool
+        src_slots, dst_slots = index.split(len(index) // 2)
+        for store in (pool.keys, pool.values):  # [layers, kv_heads, slots, head_dim]
+            store.index_copy_(2, dst_slots, store.index_select(2, src_slots))
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "KVPool", "PagedKVCache", "compact"]

@@ -70,6 +70,28 @@ def verify_greedy(tree: TokenTree, target_argmax: np.ndarray) -> Acceptance:
         node = nxt
 
 
+def verify_greedy_chains(
+    target_argmax: np.ndarray,  # [R] int: packed target outputs; chain r's are rows firsts[r] .. firsts[r] + n_r
+    firsts: np.ndarray,  # [B] int64: chain r's root row
+    tokens: np.ndarray,  # [total_nodes] int64: the chains' tokens, packed (chain r: cu_nodes[r]:cu_nodes[r + 1])
+    cu_nodes: np.ndarray,  # [B + 1] int64
+) -> tuple[np.ndarray, np.ndarray]:
+    """``verify_greedy`` for B chains (the empty tree included) in one vectorised pass: chain r accepts its
+    first num_accepted[r] nodes (the longest prefix the target's argmax agrees with), then bonus[r].
+    Returns (num_accepted [B] int64, bonus [B] int64)."""
+    counts = np.diff(cu_nodes)
+    total = int(cu_nodes[-1])
+    depth = np.arange(total) - np.repeat(cu_nodes[:-1], counts)  # node's index within its chain
+    agrees = tokens == target_argmax[np.repeat(firsts, counts) + depth]  # row of a node's parent: first + depth
+    # the first disagreement of each chain (its length when there is none)
+    stop = np.where(agrees, np.repeat(counts, counts), depth)
+    num_accepted = counts.copy()
+    nonempty = counts > 0
+    if nonempty.any():
+        num_accepted[nonempty] = np.minimum.reduceat(stop, cu_nodes[:-1][nonempty])
+    return num_accepted, target_argmax[firsts + num_accepted].astype(np.int64)
+
+
 def verify_mjsd(tree: TokenTree, target_argmax: np.ndarray, target_logprobs: np.ndarray,
                 threshold: float) -> Acceptance:
     """MJSD verification (LOSSY: the output is not the target's own greedy decoding).

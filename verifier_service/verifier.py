@@ -35,7 +35,7 @@ import torch
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
 from specmesh.contract import PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
 from specmesh.feedback import TargetFeatures, VerifyFeedback
-from specmesh.kv_pool import PagedKVCache
+from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
@@ -58,6 +58,7 @@ from verifier_service.verification import (
     Acceptance,
     node_logprobs,
     verify_greedy,
+    verify_greedy_chains,
     verify_mjsd,
     verify_sample_batch,
 )
@@ -89,6 +90,15 @@ def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
         keep.pop(int(np.argmin(coef)))
     values = dict.fromkeys(range(3), 0.0) | {k: max(0.0, float(c)) for k, c in zip(keep, coef, strict=True)}
     return VerifyCosts(values[0], values[1], values[2])
+
+
+def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """[sum of lengths] int64: rows first, first + 1, ..., first + length - 1 of each run (first, length), in order."""
+    if not runs:
+        return np.zeros(0, np.int64)
+    firsts, lengths = np.asarray(runs, np.int64).T
+    cu = np.cumsum(lengths)
+    return np.repeat(firsts - (cu - lengths), lengths) + np.arange(cu[-1])
 
 
 @dataclass
@@ -125,6 +135,8 @@ class _Row:
     tree: TokenTree | None = None  # verify: the tree; None for a prefill chunk
     span: int = 0  # verify: Jacobi window columns fed (levels * span rows after the tree rows)
     input_ids: np.ndarray | None = None  # [num_new]
+    positions: np.ndarray | None = None  # [num_new]
+    attend: TreeMask | None = None  # verify: the rows' tree mask; None = causal
 
     @property
     def num_out(self) -> int:
@@ -279,25 +291,25 @@ class LocalVerifier:
                 continue
             seen.add(session_id)
             ids.append(row.input_ids)
-            positions.append(np.concatenate([[row.prefix_len], row.prefix_len + 1 + tree.depth,
-                                             window_positions(row.prefix_len, row.span, self._levels)]))
-            attends.append(self._tree_attend(row))
+            positions.append(row.positions)
+            attends.append(row.attend)
             rows.append(row)
             verify_rows.append((index, row))
             packed += row.num_new
         if not rows:
             return {}, results
-        # logits of: the last row of each finishing prefill chunk, every row of each verify
-        wanted = []
+        # logits of: the last row of each finishing prefill chunk, every verified row (pending + tree) of each
+        # verify and its window's top level (its last span rows): runs of packed rows (first row, length)
+        runs = []
         for row in rows:
             if row.tree is None:
                 if row.prefix_len + row.num_new == len(row.session.prompt):
-                    wanted.append(np.array([row.start + row.num_new - 1]))
+                    runs.append((row.start + row.num_new - 1, 1))
             else:
-                verified = row.start + 1 + row.tree.num_nodes
-                top = row.start + row.num_new - row.span  # the window's top level: the last span rows
-                wanted += [np.arange(row.start, verified), np.arange(top, top + row.span)]
-        logit_index = torch.from_numpy(np.concatenate(wanted)) if wanted else torch.zeros(0, dtype=torch.long)
+                runs.append((row.start, 1 + row.tree.num_nodes))
+                if row.span:
+                    runs.append((row.start + row.num_new - row.span, row.span))
+        logit_index = torch.from_numpy(packed_runs(runs))
         # features of the sessions that asked: every row of a prefill chunk and every verified row (pending + tree),
         # picked after acceptance; span_start: a row's first feature row
         hidden_index, span_start = None, {}
@@ -338,6 +350,7 @@ class LocalVerifier:
         for session_id, acceptance in zip(finishing, acceptances, strict=False):
             firsts[session_id] = acceptance.bonus_token
             self._start_decoding(self._sessions[session_id], acceptance.bonus_token)
+        self._compact([row for _, row in verify_rows], acceptances[len(finishing) :])
         elapsed = time.perf_counter() - start_time
         verified = zip(verify_rows, accepting[len(finishing) :], acceptances[len(finishing) :], strict=True)
         for (index, row), (_, _, first), acceptance in verified:
@@ -425,31 +438,52 @@ class LocalVerifier:
         if prefix_len + 1 + tree.max_depth + 1 > self.info.max_positions:
             raise InvalidTreeError("tree would run past the target's context length")
         window = session.window
-        span = window_span(prefix_len, self.lookahead, self.info.max_positions) if window is not None else 0
-        guesses = window_inputs(window, span) if window is not None else np.zeros(0, np.int64)  # [levels * span]
-        input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
+        if window is None:  # no lookahead: [pending, tree]
+            span, levels = 0, 1
+            input_ids = np.empty(1 + tree.num_nodes, np.int64)
+            input_ids[0] = session.pending
+            input_ids[1:] = tree.tokens
+        else:
+            span, levels = window_span(prefix_len, self.lookahead, self.info.max_positions), self._levels
+            guesses = window_inputs(window, span)  # [levels * span]
+            input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
         capacity = getattr(session.cache, "capacity", None)
         if capacity is not None and prefix_len + len(input_ids) > capacity:
             raise ValueError(f"the step needs {prefix_len + len(input_ids)} KV positions, more than the session "
                              f"reserved at admission ({capacity}: prompt + max_new_tokens + the largest tree)")
-        return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids)
+        if rows_are_causal(tree.num_nodes, tree.is_chain, span, levels):  # one chain in row order: causal
+            positions = np.arange(prefix_len, prefix_len + len(input_ids))
+            attend = None
+        else:
+            positions = np.concatenate([[prefix_len], prefix_len + 1 + tree.depth,
+                                        window_positions(prefix_len, span, levels)])
+            # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a comb
+            # below it (lookahead.py). The ancestors stay on the host: the runner packs them (kernel) or
+            # builds the dense mask on its device (SDPA, HF)
+            attend = TreeMask(prefix_len, torch.from_numpy(ancestor_mask(branch_parents(tree.parents, span, levels))))
+        return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids, positions, attend)
 
-    def _tree_attend(self, row: _Row) -> TreeMask | None:
-        tree = row.tree
-        if rows_are_causal(tree.num_nodes, tree.max_depth == tree.num_nodes, row.span, self._levels):
-            return None  # one chain in row order: causal
-        # the pending token is the root: tree parents shift by one, -1 becomes it; the window is a comb
-        # below it (lookahead.py). The ancestors stay on the host: the runner packs them (kernel) or
-        # builds the dense mask on its device (SDPA, HF)
-        anc = ancestor_mask(branch_parents(tree.parents, row.span, self._levels))
-        return TreeMask(row.prefix_len, torch.from_numpy(anc))
+    @staticmethod
+    def _compact(rows: Sequence[_Row], acceptances: Sequence[Acceptance]) -> None:
+        """Keep each verified session's pending row and accepted path in its cache (dropping the rest of the tree
+        and the window): the paged sessions in one batched move (``kv_pool.compact``), other caches one by one."""
+        paged, prefix_lens, offsets = [], [], []
+        for row, acceptance in zip(rows, acceptances, strict=True):
+            keep = [0, *(1 + n for n in acceptance.accepted_nodes)]
+            if isinstance(row.session.cache, PagedKVCache):
+                paged.append(row.session.cache)
+                prefix_lens.append(row.prefix_len)
+                offsets.append(keep)
+            else:
+                row.session.cache.keep(row.prefix_len, keep)
+        if paged:
+            compact(paged, prefix_lens, offsets)
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
                        elapsed: float, batch_sessions: int) -> VerifyResult:
         """argmax/topk: the row's [1 + num_nodes + span] outputs (``num_out``)."""
         session, tree = row.session, row.tree
         verified = tree.num_nodes + 1  # rows taking part in acceptance
-        session.cache.keep(row.prefix_len, [0] + [1 + n for n in acceptance.accepted_nodes])  # drops the window
         tokens = acceptance.tokens(tree)
         feedback = None
         if topk is not None or session.window is not None:
@@ -489,14 +523,25 @@ class LocalVerifier:
         Greedy sessions walk the argmax; sampling ones go through one batched rejection sampler; MJSD sessions
         (lossy, greedy) read their nodes' target log-probabilities with one gather for all of them."""
         out: list[Acceptance | None] = [None] * len(items)
-        sampled, mjsd = [], []
+        sampled, mjsd, chains = [], [], []
         for i, (session, tree, first) in enumerate(items):
             if session.sampling.acceptance == "mjsd":
                 mjsd.append(i)
-            elif session.sampling.greedy:
-                out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
-            else:
+            elif not session.sampling.greedy:
                 sampled.append(i)
+            elif tree.is_chain:  # plain decoding (the empty tree) and chains: one vectorised pass below
+                chains.append(i)
+            else:
+                out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
+        if chains:
+            trees = [items[i][1] for i in chains]
+            cu_nodes = np.zeros(len(chains) + 1, np.int64)
+            np.cumsum([tree.num_nodes for tree in trees], out=cu_nodes[1:])
+            tokens = np.concatenate([tree.tokens for tree in trees])
+            firsts = np.fromiter((items[i][2] for i in chains), np.int64, len(chains))
+            num_accepted, bonus = verify_greedy_chains(argmax, firsts, tokens, cu_nodes)
+            for i, count, token in zip(chains, num_accepted.tolist(), bonus.tolist(), strict=True):
+                out[i] = Acceptance(tuple(range(count)), token)
         if mjsd:
             logprobs = node_logprobs([items[i][1] for i in mjsd], logits, [items[i][2] for i in mjsd])
             for i, logp in zip(mjsd, logprobs, strict=True):
