@@ -57,6 +57,7 @@ from verifier_service.verifier import LocalVerifier
 
 log = logging.getLogger("specmesh.core")
 EMPTY_TREE = TokenTree.empty()  # every plain step's tree: one shared instance (its derived arrays computed once)
+PLAIN = (EMPTY_TREE, Budget(0, 0), 0.0)  # (tree, budget, draft seconds) of a request without a drafter
 
 
 class Status(Enum):
@@ -319,11 +320,13 @@ class EngineCore:
             if request.ready is not None:
                 drafts.append(request.ready)
                 request.ready = None
+            elif not request.link.active:  # plain decoding (or no drafter left): no budget to ask for
+                drafts.append(PLAIN)
             else:
                 phase = "restart" if request.method.overlap else "sequential"
                 budget = request.method.policy.next_budget(request.stats, request.stopper.remaining, phase)
                 drafts.append((EMPTY_TREE, budget, 0.0))
-                if request.retry_empty or not request.link.active or budget.is_zero:
+                if request.retry_empty or budget.is_zero:
                     request.retry_empty = False
                 else:
                     asking.append((len(running), request, budget))

@@ -1,11 +1,12 @@
 """`specmesh bench --concurrency N [N ...]`: throughput and latency with N requests in flight.
 
-For each method and each N: N client threads, each streaming its next prompt to the end
-and then taking the next one, so exactly N requests are in flight until the prompts run
-out. Embedded methods share one engine whose verifier batches the requests of all
-threads (``EmbeddedStack.shared_verifier``: one forward per step for everyone);
-``grpc:NAME`` methods go through the client SDK to `specmesh serve`, whose verifier
-batches the same way. Hugging Face methods do not batch across requests and are skipped.
+For each method and each N: a closed loop, each request streaming its prompt to the end
+and the next prompt taken when one ends, so exactly N requests are in flight until the
+prompts run out. Embedded methods run on the stack's engine core (one thread steps every
+request, one forward per step for all), driven by callbacks: the tokens of a step are
+stamped as the core commits them, and a finished request submits the next prompt, with no
+client threads; ``grpc:NAME`` methods go through the client SDK to `specmesh serve`, one
+client thread per request in flight. Hugging Face methods do not batch across requests and are skipped.
 
 Per method and N: aggregate generated tokens/s (all tokens / wall time from the first
 request to the last), per-token latency p50/p99 (the gaps between streamed tokens,
@@ -35,16 +36,71 @@ from specmesh.sampling import SamplingParams
 Streamer = Callable[[list[int], SamplingParams], Iterator[tuple[list[int], int | None]]]
 
 
-def embedded_streamer(stack, spec: MethodSpec) -> tuple[Streamer, object]:
-    """The method's engine on the stack's batching verifier (shared by every thread); (stream, verifier)."""
+def embedded_engine(stack, spec: MethodSpec):
+    """The method's engine on the stack's engine core (a CoreEngine: every request of the level on one core)."""
     options = {k: v for k, v in spec.options if k != "threshold"}  # the verifier's (mjsd), not the proposer's
-    engine = stack.engine(None if spec.name == "ar" else spec.name, shared=True, **options)
+    return stack.engine(None if spec.name == "ar" else spec.name, shared=True, **options)
 
-    def stream(prompt: list[int], sampling: SamplingParams):
-        for event in engine.stream(prompt, asked_sampling(spec, sampling)):
-            yield list(event.tokens), None if event.step is None else event.step.num_proposed
 
-    return stream, engine.verifier
+def run_level_on_core(engine, spec: MethodSpec, prompts: Sequence[tuple[str, list[int], int]], base: SamplingParams,
+                      concurrency: int, progress=None) -> tuple[list[dict], float]:
+    """``run_level`` for an engine core without client threads: requests are submitted with callbacks that stamp
+    each step's tokens as the core commits them, and a finished request submits the next prompt (on the core
+    thread), so exactly ``concurrency`` are in flight."""
+    queue = list(enumerate(prompts))
+    lock, done = threading.Lock(), threading.Event()
+    records: list[dict] = []
+    errors: list[BaseException] = []
+
+    class Output:  # orchestrator.core.RequestOutput
+        def __init__(self, index: int, pid: str) -> None:
+            self.index, self.pid, self.start = index, pid, time.perf_counter()
+            self.tokens, self.stamps, self.steps, self.nodes = [], [], 0, 0
+
+        def event(self, event) -> None:
+            self.stamps.append((time.perf_counter(), len(event.tokens)))
+            self.tokens += event.tokens
+            if event.step is not None:
+                self.steps, self.nodes = self.steps + 1, self.nodes + event.step.num_proposed
+
+        def finish(self, result, error) -> None:
+            stamps = self.stamps
+            gaps = [(t - prev) / k for (prev, _), (t, k) in zip(stamps, stamps[1:], strict=False) if k
+                    for _ in range(k)]
+            with lock:
+                if error is not None:
+                    errors.append(error)
+                records.append({"id": self.pid, "index": self.index, "tokens": self.tokens, "steps": self.steps,
+                                "nodes": self.nodes, "gaps": gaps,
+                                "ttft": stamps[0][0] - self.start if stamps else None, "start": self.start,
+                                "end": stamps[-1][0] if stamps else self.start})
+            if progress is not None:
+                progress.update(1)
+            submit_next()
+
+    def submit_next() -> None:
+        with lock:
+            if not queue or errors:
+                if len(records) == len(prompts) or errors:
+                    done.set()
+                return
+            index, (pid, ids, max_new) = queue.pop(0)
+        seed = None if base.seed is None else base.seed + index
+        sampling = asked_sampling(spec, dataclasses.replace(base, max_new_tokens=max_new, seed=seed))
+        try:
+            engine.core.submit(ids, sampling, engine.method, Output(index, pid))
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            with lock:
+                errors.append(exc)
+            done.set()
+
+    start = time.perf_counter()
+    for _ in range(min(concurrency, len(prompts))):
+        submit_next()
+    done.wait()
+    if errors:
+        raise errors[0]
+    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - start
 
 
 def grpc_streamer(client, spec: MethodSpec) -> tuple[Streamer, None]:
@@ -135,21 +191,25 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
     rows: list[dict] = []
     reference: dict[int, list[int]] = {}
     for spec in methods:
-        def fresh(spec=spec):  # learning proposers start from scratch at every level (the prompts repeat)
-            return grpc_streamer(client, spec) if spec.is_grpc else embedded_streamer(stack, spec)
+        def level(n: int, level_prompts, sampling: SamplingParams, bar=None, spec=spec):
+            """One level from a fresh drafter (learning proposers start from scratch: the prompts repeat);
+            (records, wall seconds, mean Verify calls per forward: None through gRPC)."""
+            if spec.is_grpc:
+                return (*run_level(grpc_streamer(client, spec)[0], level_prompts, sampling, n, bar), None)
+            engine = embedded_engine(stack, spec)
+            steps, verified = engine.core.stats.steps, engine.core.stats.verified
+            records, wall = run_level_on_core(engine, spec, level_prompts, sampling, n, bar)
+            steps, verified = engine.core.stats.steps - steps, engine.core.stats.verified - verified
+            return records, wall, verified / steps if steps else None
 
         warm = dataclasses.replace(base, max_new_tokens=min(16, prompts[0][2]))
-        for _ in fresh()[0](prompts[0][1], warm):  # warm-up: the first forwards allocate, page in
-            pass
+        level(1, prompts[:1], warm)  # warm-up: the first forwards allocate, page in
         for n in levels:
-            stream, verifier = fresh()
-            before = None if verifier is None else (verifier.stats.steps, verifier.stats.verified)
             with tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar:
-                records, wall = run_level(stream, prompts, base, n, bar)
+                records, wall, mean_batch = level(n, prompts, base, bar)
             row = {"method": spec.label, "concurrency": n, "lossy": spec.lossy, **summarize(records, wall)}
-            if verifier is not None:
-                steps, verified = verifier.stats.steps - before[0], verifier.stats.verified - before[1]
-                row["mean_batch"] = verified / steps if steps else None
+            if mean_batch is not None:
+                row["mean_batch"] = mean_batch
             if base.greedy:
                 if spec.base_name == "ar" and n == levels[0]:
                     reference = {r["index"]: r["tokens"] for r in records}
