@@ -94,11 +94,14 @@ def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
 
 def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
     """[sum of lengths] int64: rows first, first + 1, ..., first + length - 1 of each run (first, length), in order."""
-    if not runs:
-        return np.zeros(0, np.int64)
+    if len(runs) <= 1:
+        return np.arange(runs[0][0], runs[0][0] + runs[0][1], dtype=np.int64) if runs else np.zeros(0, np.int64)
     firsts, lengths = np.asarray(runs, np.int64).T
     cu = np.cumsum(lengths)
     return np.repeat(firsts - (cu - lengths), lengths) + np.arange(cu[-1])
+
+
+VECTORISE_FROM = 8  # greedy chains of a step accepted in one numpy pass from this many on (fewer: one walk each)
 
 
 @dataclass
@@ -529,10 +532,17 @@ class LocalVerifier:
                 mjsd.append(i)
             elif not session.sampling.greedy:
                 sampled.append(i)
-            elif tree.is_chain:  # plain decoding (the empty tree) and chains: one vectorised pass below
+            elif tree.num_nodes == 0:  # plain decoding: the target's token
+                out[i] = Acceptance((), int(argmax[first]))
+            elif tree.is_chain:  # chains: one vectorised pass below
                 chains.append(i)
             else:
                 out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
+        if len(chains) < VECTORISE_FROM:  # numpy's per-call cost outweighs a short host walk
+            for i in chains:
+                session, tree, first = items[i]
+                out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
+            chains = []
         if chains:
             trees = [items[i][1] for i in chains]
             cu_nodes = np.zeros(len(chains) + 1, np.int64)
