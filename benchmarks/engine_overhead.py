@@ -11,9 +11,10 @@ the same requests in one process, one after the other:
   request in flight (the embedded path before the engine core).
 
 (a) host time per step: plain decoding with 1, 16 and 64 requests in flight, and a 16-node tree (four chains
-of four, from a proposer that costs nothing) with 1 request; ms per step = wall time of the level / verifier
-steps (prefill steps included; every request is prompt + 128 tokens), µs per extra request = (ms/step at 64 -
-ms/step at 1) / 63.
+of four, from a proposer that costs nothing) with 1 request, on short prompts (the last --host-prompt-tokens
+of each: attention over a long context is the model's work, not the engine's); ms per step = wall time of
+the level / verifier steps (prefill steps included; every request is prompt + 128 tokens), µs per extra
+request = (ms/step at 64 - ms/step at 1) / 63.
 (b) tokens/s at 1, 16 and 64 requests in flight, closed loop over the prompts, for ``ar`` and
 ``prompt_lookup_tree``.
 
@@ -66,7 +67,7 @@ def build_model(directory: Path) -> Path:
 
 def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    prompts = [tokenizer.encode(r["prompt"])[-512:] for r in rows[:limit]]
+    prompts = [tokenizer.encode(r["prompt"]) for r in rows[:limit]]
     while len(prompts) < limit:  # synthetic prompts when the shared set is absent or short
         n = len(prompts)
         prompts.append([(7 * n + 13 * i) % 1000 + 10 for i in range(100 + n % 50)])
@@ -105,44 +106,15 @@ class FixedTree:
 
 # ------------------------------------------------------------------ drivers
 def run_core(core, method, prompts, concurrency: int, sampling) -> dict:
-    """Closed loop on the engine core through callbacks: ``concurrency`` requests in flight, a finished request
-    submits the next prompt (on the core thread). No client threads."""
-    queue = list(enumerate(prompts))
-    lock, done = threading.Lock(), threading.Event()
-    outputs: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-
-    class Output:
-        def __init__(self, index: int) -> None:
-            self.index, self.tokens = index, []
-
-        def event(self, event) -> None:
-            self.tokens += event.tokens
-
-        def finish(self, result, error) -> None:
-            outputs[self.index] = self.tokens
-            if error is not None:
-                errors.append(error)
-            submit_next()
-
-    def submit_next() -> None:
-        with lock:
-            if not queue or errors:
-                if len(outputs) == len(prompts) or errors:
-                    done.set()
-                return
-            index, prompt = queue.pop(0)
-        core.submit(prompt, sampling, method, Output(index))
+    """Closed loop on the engine core through callbacks (``bench --concurrency``'s driver): ``concurrency``
+    requests in flight, a finished request submits the next prompt (on the core thread). No client threads."""
+    from orchestrator.core import CoreEngine
+    from specmesh.app.bench_load import run_level_on_core
 
     steps = core.stats.steps
-    start = time.perf_counter()
-    for _ in range(concurrency):
-        submit_next()
-    done.wait()
-    wall = time.perf_counter() - start
-    if errors:
-        raise errors[0]
-    return {"wall_s": wall, "steps": core.stats.steps - steps, "outputs": outputs}
+    level = [(str(i), prompt, sampling.max_new_tokens) for i, prompt in enumerate(prompts)]
+    records, wall = run_level_on_core(CoreEngine(core, method), None, level, sampling, concurrency)
+    return {"wall_s": wall, "steps": core.stats.steps - steps, "outputs": {r["index"]: r["tokens"] for r in records}}
 
 
 def run_threads(engine, verifier, prompts, concurrency: int, sampling) -> dict:
@@ -177,6 +149,9 @@ def main() -> int:
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with a 'prompt' field")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts per level of (b)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--host-prompt-tokens", type=int, default=32,
+                   help="(a) keeps the last N tokens of each prompt, so attention over a long context does not hide "
+                        "the host work; (b) uses whole prompts, as the vLLM peer does")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="requests in flight")
     p.add_argument("--engines", nargs="+", choices=["core", "threads"], default=["threads", "core"])
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -236,7 +211,8 @@ def main() -> int:
             verifier.close()
 
     rows, reference = [], {}
-    plan = [("a", "ar", n, prompts[:n]) for n in args.levels] + [("a", "fixed_tree", 1, prompts[:1])]
+    short = [p[-args.host_prompt_tokens:] for p in prompts]
+    plan = [("a", "ar", n, short[:n]) for n in args.levels] + [("a", "fixed_tree", 1, short[:1])]
     plan += [("b", name, n, prompts[: args.num_prompts]) for name in ("ar", "prompt_lookup_tree") for n in args.levels]
     for part, name, n, level_prompts in plan:
         for kind in args.engines:

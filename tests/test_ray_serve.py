@@ -229,6 +229,8 @@ def test_scale_down_drains_the_stopped_replica(app, stack):
     prompt, n = PROMPTS[0], 400
     _, ids = reference(stack, prompt, n)
     assert wait_until(lambda: pool_is("verifier", 2), 90)
+    # Ray's actor listing can lag Membership by a moment: both replicas listed before the pool shrinks
+    assert wait_until(lambda: len(replica_actors("Verifier")) == 2, 60)
     threads, outcomes = two_streams(app["grpc"], prompt, n)
     before = replica_actors("Verifier")
     assert all(t.is_alive() for t in threads)  # both in flight when the pool shrinks

@@ -42,11 +42,12 @@ def embedded_engine(stack, spec: MethodSpec):
     return stack.engine(None if spec.name == "ar" else spec.name, shared=True, **options)
 
 
-def run_level_on_core(engine, spec: MethodSpec, prompts: Sequence[tuple[str, list[int], int]], base: SamplingParams,
-                      concurrency: int, progress=None) -> tuple[list[dict], float]:
-    """``run_level`` for an engine core without client threads: requests are submitted with callbacks that stamp
-    each step's tokens as the core commits them, and a finished request submits the next prompt (on the core
-    thread), so exactly ``concurrency`` are in flight."""
+def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[str, list[int], int]],
+                      base: SamplingParams, concurrency: int, progress=None) -> tuple[list[dict], float]:
+    """``run_level`` for an engine core (``engine``: a CoreEngine) without client threads: requests are submitted
+    with callbacks that stamp each step's tokens as the core commits them, and a finished request submits the next
+    prompt (on the core thread), so exactly ``concurrency`` are in flight. ``spec``: the method whose sampling
+    options apply (None: ``base`` as it is)."""
     queue = list(enumerate(prompts))
     lock, done = threading.Lock(), threading.Event()
     records: list[dict] = []
@@ -86,7 +87,8 @@ def run_level_on_core(engine, spec: MethodSpec, prompts: Sequence[tuple[str, lis
                 return
             index, (pid, ids, max_new) = queue.pop(0)
         seed = None if base.seed is None else base.seed + index
-        sampling = asked_sampling(spec, dataclasses.replace(base, max_new_tokens=max_new, seed=seed))
+        sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
+        sampling = sampling if spec is None else asked_sampling(spec, sampling)
         try:
             engine.core.submit(ids, sampling, engine.method, Output(index, pid))
         except BaseException as exc:  # noqa: BLE001 (reported below)
