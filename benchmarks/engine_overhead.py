@@ -74,34 +74,26 @@ def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
     return prompts
 
 
-class FixedTree:
+def fixed_tree_proposer():
     """A proposer that costs nothing: four chains of four nodes, from the context's last tokens (mostly
     rejected by a random model: the step's host cost, not its acceptance, is measured)."""
+    import numpy as np
 
-    feedback_topk = feedback_min_ngram = 0
-    feedback_window = None
-    feedback_features = False
+    from drafter_service.proposer import Proposer
+    from specmesh.tree import TokenTree
 
-    def prepare(self, state) -> None:
-        pass
+    class FixedTree(Proposer):
+        name = "fixed_tree"
 
-    def observe(self, state, feedback) -> None:
-        pass
+        def propose(self, state, budget):
+            chains, depth = 4, min(TREE_NODES // 4, budget.max_depth)  # shallower only at a request's last steps
+            tail = state.tokens[-4:] * 4
+            tokens = np.array([tail[(c + d) % len(tail)] for c in range(chains) for d in range(depth)], np.int64)
+            parents = np.array([-1 if d == 0 else c * depth + d - 1 for c in range(chains) for d in range(depth)],
+                               np.int64)
+            return TokenTree(tokens, parents, np.ones(len(tokens), np.float32), ("fixed",) * len(tokens))
 
-    def release(self, state) -> None:
-        pass
-
-    def propose(self, state, budget):
-        import numpy as np
-
-        from specmesh.tree import TokenTree
-
-        chains, depth = 4, min(TREE_NODES // 4, budget.max_depth)  # shallower only at a request's last steps
-        tail = state.tokens[-4:] * 4
-        tokens = np.array([tail[(c + d) % len(tail)] for c in range(chains) for d in range(depth)], np.int64)
-        parents = np.array([-1 if d == 0 else c * depth + d - 1 for c in range(chains) for d in range(depth)],
-                           np.int64)
-        return TokenTree(tokens, parents, np.ones(len(tokens), np.float32), ("fixed",) * len(tokens))
+    return FixedTree()
 
 
 # ------------------------------------------------------------------ drivers
@@ -183,7 +175,7 @@ def main() -> int:
         if name == "ar":
             return None, StaticPolicy(0, 0)
         if name == "fixed_tree":
-            return LocalDrafter(FixedTree()), StaticPolicy(TREE_NODES, TREE_NODES // 4)
+            return LocalDrafter(fixed_tree_proposer()), StaticPolicy(TREE_NODES, TREE_NODES // 4)
         nodes, depth = resolve_budget(name, None, None, 256)
         return LocalDrafter(make_proposer(name)), StaticPolicy(nodes, depth)
 
