@@ -100,7 +100,7 @@ def fixed_tree_proposer():
 def run_core(core, method, prompts, concurrency: int, sampling) -> dict:
     """Closed loop on the engine core through callbacks (``bench --concurrency``'s driver): ``concurrency``
     requests in flight, a finished request submits the next prompt (on the core thread). No client threads."""
-    from orchestrator.core import CoreEngine
+    from orchestrator.requests import CoreEngine
     from specmesh.app.bench_load import run_level_on_core
 
     steps = core.stats.steps
@@ -185,7 +185,8 @@ def main() -> int:
         local = LocalVerifier(runner, 256, kv_cache_gb=kv_gb)
         if engine_kind == "core":
             # absent before the engine core: run --engines threads there
-            from orchestrator.core import EngineCore, Method
+            from orchestrator.core import EngineCore
+            from orchestrator.requests import Method
 
             core = EngineCore(local)
             try:

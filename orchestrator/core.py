@@ -27,23 +27,18 @@ again. See docs/ARCHITECTURE.md, "The engine core".
 
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Protocol
 
-from orchestrator.drafter_link import DrafterCandidate, DrafterLink, PendingDraft
+from orchestrator.drafter_link import DrafterLink, PendingDraft
 from orchestrator.engine import GenerationResult, StepEvent
 from orchestrator.overlap import predraft_budget, reusable_subtree
-from orchestrator.policy import SpeculationPolicy, StaticPolicy
+from orchestrator.requests import Method, Predraft, Request, RequestOutput, Status
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
 from orchestrator.tracing_steps import STEP_SPAN, step_attributes, step_start_attributes
@@ -58,74 +53,6 @@ from verifier_service.verifier import LocalVerifier
 log = logging.getLogger("specmesh.core")
 EMPTY_TREE = TokenTree.empty()  # every plain step's tree: one shared instance (its derived arrays computed once)
 PLAIN = (EMPTY_TREE, Budget(0, 0), 0.0)  # (tree, budget, draft seconds) of a request without a drafter
-
-
-class Status(Enum):
-    WAITING = "waiting"  # submitted, not admitted (no KV blocks yet)
-    PREFILLING = "prefilling"  # admitted; prompt chunks still to run
-    RUNNING = "running"  # decoding: one tree per step
-    FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class Method:
-    """How a request speculates: its drafter candidates in order of preference (none = plain decoding), the
-    policy that sizes each step's tree, whether its drafter needs the target's features (Falcon heads), and
-    ``strict``: a drafter failure fails the request instead of failing over (tests, proposer debugging)."""
-
-    drafters: Sequence[DrafterCandidate] = ()
-    policy: SpeculationPolicy = field(default_factory=lambda: StaticPolicy(0, 0))
-    features: bool = False
-    strict: bool = False
-    overlap: bool = False  # PEARL: draft the next tree while this step's forward runs (see EngineCore.step)
-
-
-class RequestOutput(Protocol):
-    """Where a request's events go. Called on the core thread: must not block."""
-
-    def event(self, event: StepEvent) -> None:
-        """Tokens committed (and emitted: stop conditions applied) by the prefill or one step."""
-
-    def finish(self, result: GenerationResult, error: BaseException | None) -> None:
-        """The request ended: its result (finish reason "aborted" when cancelled), or the error that ended it."""
-
-
-@dataclass(eq=False)
-class Request:
-    """One request as the core holds it."""
-
-    request_id: str
-    prompt: list[int]
-    sampling: SamplingParams
-    method: Method
-    output: RequestOutput
-    stopper: StopChecker
-    result: GenerationResult
-    link: DrafterLink
-    committed: list[int]  # every token committed after the prompt (the link reads it)
-    status: Status = Status.WAITING
-    submitted: float = field(default_factory=time.perf_counter)
-    retry_empty: bool = False  # the verifier refused the last tree: verify the pending token alone once
-    draft_cpu_counted: float = 0.0
-    trace: object | None = None  # the request's span (tracing.start_request_span): each step adds a child
-    ahead: Predraft | None = None  # overlap: what is being drafted ahead during this step's forward
-    ready: tuple[TokenTree, Budget, float] | None = None  # overlap: next step's tree, drafted ahead (+ seconds)
-    predrafted: bool = False  # this step's tree was drafted ahead
-
-    @property
-    def stats(self) -> RequestStats:
-        return self.result.stats
-
-
-@dataclass(eq=False)
-class Predraft:
-    """A tree drafted ahead from the committed tokens + ``hypothesis`` (this step's tree's main line) while the
-    step's forward runs."""
-
-    hypothesis: list[int]
-    budget: Budget  # the next tree's budget (the pre-draft itself is one level deeper: predraft_budget)
-    stop: threading.Event
-    pending: PendingDraft | None = None  # set on the drafting thread
 
 
 class EngineCore:
@@ -514,69 +441,3 @@ def _draft_ahead(requests: list[Request]) -> None:
     items = [(r, predraft_budget(r.ahead.budget, r.ahead.stop, 1), r.ahead.hypothesis, r.ahead.stop) for r in requests]
     for request, pending in zip(requests, draft_batch(items), strict=True):
         request.ahead.pending = pending
-
-
-# ------------------------------------------------------------------ outputs
-_END = object()
-
-
-class QueueOutput:
-    """A blocking consumer's output: ``events()`` yields the request's StepEvents on the consumer's thread
-    and raises the error that ended it, if any."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.result: GenerationResult | None = None
-        self.error: BaseException | None = None
-
-    def event(self, event: StepEvent) -> None:
-        self._queue.put(event)
-
-    def finish(self, result: GenerationResult, error: BaseException | None) -> None:
-        self.result, self.error = result, error
-        self._queue.put(_END)
-
-    def events(self) -> Iterator[StepEvent]:
-        while (item := self._queue.get()) is not _END:
-            yield item
-        if self.error is not None:
-            raise self.error
-
-
-class CoreEngine:
-    """The per-request engine's ``stream``/``generate`` over an EngineCore: for callers that consume one request
-    on their own thread (``specmesh generate``, bench, tests). Many threads may use one at once."""
-
-    _ids = itertools.count()
-
-    def __init__(self, core: EngineCore, method: Method) -> None:
-        self.core, self.method = core, method
-        self.verifier = core  # what bench reads its batch statistics from (``.stats``)
-
-    def stream(self, prompt: Sequence[int], sampling: SamplingParams,
-               result: GenerationResult | None = None) -> Iterator[StepEvent]:
-        """Yield the request's events; ``result`` is filled in as the stream ends. Closing the iterator early
-        cancels the request."""
-        output = QueueOutput()
-        request_id = self.core.submit(prompt, sampling, self.method, output)
-        done = False
-        try:
-            for event in output.events():
-                if result is not None:
-                    result.text_limit = event.text_limit  # known before the event goes out, as the engine's
-                yield event
-            done = True
-        finally:
-            if not done:  # closed early: cancel, and wait for the core to end it (at most one step)
-                self.core.cancel(request_id)
-                for _ in output.events():
-                    pass
-            if result is not None and output.result is not None:
-                result.token_ids, result.finish_reason = output.result.token_ids, output.result.finish_reason
-                result.stats, result.text_limit = output.result.stats, output.result.text_limit
-
-    def generate(self, prompt: Sequence[int], sampling: SamplingParams) -> GenerationResult:
-        result = GenerationResult([], "", RequestStats())
-        for event in self.stream(prompt, sampling, result):
-            result.events.append(event)
-        return result

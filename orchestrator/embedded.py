@@ -18,10 +18,11 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.ngram_store import tokenizer_fingerprint
 from drafter_service.proposer import make_proposer, proposer_spec
 from orchestrator.arguments import resolve_models
-from orchestrator.core import CoreEngine, EngineCore, Method, RequestOutput
+from orchestrator.core import EngineCore
 from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
+from orchestrator.requests import CoreEngine, Method, RequestOutput
 from specmesh import models
 from specmesh.fast_llama import make_runner
 from specmesh.model_runner import ModelRunner

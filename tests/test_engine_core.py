@@ -22,9 +22,10 @@ from spec_helpers import MAX_POSITIONS, greedy, make_prompts, window_for
 
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
-from orchestrator.core import CoreEngine, EngineCore, Method, QueueOutput
+from orchestrator.core import EngineCore
 from orchestrator.drafter_link import only
 from orchestrator.policy import StaticPolicy
+from orchestrator.requests import CoreEngine, Method, QueueOutput
 from specmesh.contract import CapacityError
 from specmesh.sampling import SamplingParams
 from verifier_service.verifier import LocalVerifier

@@ -445,8 +445,9 @@ def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, se
 
     from drafter_service.drafter import LocalDrafter
     from drafter_service.proposer import make_proposer
-    from orchestrator.core import EngineCore, Method, QueueOutput
+    from orchestrator.core import EngineCore
     from orchestrator.drafter_link import only
+    from orchestrator.requests import Method, QueueOutput
 
     temperature, top_k, top_p = warp
     prop = make_proposer(proposer, draft_runner=draft_runner)

@@ -261,9 +261,10 @@ def test_core_requests_trace_each_step_under_their_own_span(memory_spans, model_
     """On the engine core no thread runs a request: the request span is started (not made current) and every step
     the core runs for it becomes its child, with the step's attributes; concurrent requests do not mix."""
     from drafter_service.drafter import LocalDrafter
-    from orchestrator.core import EngineCore, Method, QueueOutput
+    from orchestrator.core import EngineCore
     from orchestrator.drafter_link import only
     from orchestrator.policy import StaticPolicy
+    from orchestrator.requests import Method, QueueOutput
     from verifier_service.verifier import LocalVerifier
 
     ms = model_sets("cyclic")
