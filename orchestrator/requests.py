@@ -133,7 +133,6 @@ class CoreEngine:
 
     def __init__(self, core: EngineCore, method: Method) -> None:
         self.core, self.method = core, method
-        self.verifier = core  # what bench reads its batch statistics from (``.stats``)
 
     def stream(self, prompt: Sequence[int], sampling: SamplingParams,
                result: GenerationResult | None = None) -> Iterator[StepEvent]:

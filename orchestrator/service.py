@@ -343,10 +343,7 @@ class GenerationService:
             while True:
                 item = await queue.get()
                 if isinstance(item, StepEvent):
-                    if item.step is not None:
-                        metrics.step(item.step)
-                    metrics.emitted(len(item.tokens))
-                    yield Chunk(item.tokens, text.push(item.tokens, item.text_limit), item.step)
+                    yield self._chunk(item, text.push(item.tokens, item.text_limit), metrics)
                     continue
                 result, error = item
                 finished = True
@@ -396,7 +393,7 @@ class GenerationService:
                 with contextlib.closing(engine.stream(plan.prompt, plan.sampling, result)) as events:
                     for event in events:
                         emitted = True
-                        self._emit(event, text.push(event.tokens, result.text_limit), emit, metrics)
+                        emit(self._chunk(event, text.push(event.tokens, result.text_limit), metrics))
                         if cancelled.is_set():
                             break  # closing the stream releases the verifier session and the drafter
                 return Final(result, text.flush(result.text_limit))
@@ -409,11 +406,12 @@ class GenerationService:
         raise rpc.UpstreamError("serve", grpc.StatusCode.UNAVAILABLE, "no verifier to run the request on")
 
     @staticmethod
-    def _emit(event: StepEvent, text: str, emit: Callable[[Chunk], None], metrics) -> None:
+    def _chunk(event: StepEvent, text: str, metrics) -> Chunk:
+        """The client's chunk of a step's event; the step and its tokens counted in the request's metrics."""
         if event.step is not None:
             metrics.step(event.step)
         metrics.emitted(len(event.tokens))
-        emit(Chunk(event.tokens, text, event.step))
+        return Chunk(event.tokens, text, event.step)
 
     def healthy(self) -> bool:
         return self.backend.healthy()
