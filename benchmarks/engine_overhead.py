@@ -7,7 +7,7 @@ the same requests in one process, one after the other:
 
 - ``core``: the engine core (orchestrator/core.py): one thread steps every request; requests are submitted
   and consumed through callbacks (a finished request submits the next prompt), no thread per request;
-- ``threads``: the per-request engine (orchestrator/engine.py) on a BatchingVerifier, one client thread per
+- ``threads``: the per-request engine (orchestrator/engine.py) on a StepLoop, one client thread per
   request in flight (the embedded path before the engine core).
 
 (a) host time per step: plain decoding with 1, 16 and 64 requests in flight, and a 16-node tree (four chains
@@ -161,7 +161,7 @@ def main() -> int:
     from specmesh.fast_llama import make_runner
     from specmesh.models import load_model, load_tokenizer
     from specmesh.sampling import SamplingParams
-    from verifier_service.batching import BatchingVerifier
+    from verifier_service.step_loop import StepLoop
     from verifier_service.verifier import LocalVerifier
 
     torch.set_num_threads(args.threads)
@@ -195,7 +195,7 @@ def main() -> int:
                 return run_core(core, Method(only(drafter, name), policy), level_prompts, concurrency, sampling)
             finally:
                 core.close()
-        verifier = BatchingVerifier(local)
+        verifier = StepLoop(local)
         try:
             engine = Engine(verifier, only(drafter, name), policy, overlap=False)
             run_threads(engine, verifier, level_prompts[:2], 2, SamplingParams(max_new_tokens=8, ignore_eos=True))

@@ -1,18 +1,20 @@
-"""The engine core: one loop on one thread owns every request of an in-process verifier.
+"""The engine core: every request of an in-process verifier, stepped by one loop on one thread.
 
 Requests are data, not threads (vLLM V1's EngineCore, SGLang's scheduler). A front end
 ``submit``s a request with a ``RequestOutput`` (where its events go: a thread-safe queue for
 a blocking consumer, ``call_soon_threadsafe`` into an asyncio queue for a server) and may
-``cancel`` it by id; the core thread does everything else:
+``cancel`` it by id; the loop's thread does everything else.
 
-    loop:  take submissions and cancels -> admit while the KV pool can reserve -> step()
+The loop is the verifier's ``StepLoop`` (verifier_service/step_loop.py), the same one that
+serves a verifier replica's gRPC calls; the core is its driver. ``StepLoop.step`` is the whole
+of one engine step, top to bottom:
 
-``EngineCore.step`` is the whole of one engine step, top to bottom: the scheduled batch
-(prompt chunks of prefilling requests within the token budget, every running request),
-every running request's tree, one target forward over all of them with acceptance for the
-whole batch (``LocalVerifier.step``), then commit, stream and stop checks per request.
+    EngineCore.draft        every running request's tree (drafted now, or ahead during the last step)
+    -> the callers' Verifys, prompt chunks within the token budget
+    -> LocalVerifier.step   one target forward over all of them, acceptance for the whole batch
+    -> EngineCore.commit    commit, stream and stop checks per request
 
-A request's drafter is its ``DrafterLink`` (drafter_link.py) run inline on this thread: the
+A request's drafter is its ``DrafterLink`` (drafter_link.py) run inline on the loop's thread: the
 same context edits, tree checks, feedback hand-over and failover as the per-request engine
 (engine.py), so a request's tokens are the same whether it runs alone or in a batch, and
 greedy output equals plain decoding. Plain decoding is a request without a drafter: an empty
@@ -31,7 +33,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -43,11 +44,12 @@ from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
 from orchestrator.tracing_steps import STEP_SPAN, step_attributes, step_start_attributes
 from specmesh import tracing
-from specmesh.contract import Budget, CapacityError, VerifyCosts, VerifyResult
+from specmesh.contract import Budget, PrefillResult, VerifyCosts, VerifyResult
+from specmesh.feedback import TargetFeatures
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
-from verifier_service.batching import BatchStats
+from verifier_service.step_loop import StepLoop
 from verifier_service.verifier import LocalVerifier
 
 log = logging.getLogger("specmesh.core")
@@ -56,8 +58,8 @@ PLAIN = (EMPTY_TREE, Budget(0, 0), 0.0)  # (tree, budget, draft seconds) of a re
 
 
 class EngineCore:
-    """Every request of one in-process verifier, stepped by one thread (see module doc). Thread-safe:
-    ``submit`` / ``cancel`` / ``close`` from any thread."""
+    """Every request of one in-process verifier, stepped by a ``StepLoop`` whose driver this is (see module doc).
+    Thread-safe: ``submit`` / ``cancel`` / ``close`` from any thread; the driver's methods run on the loop's."""
 
     def __init__(self, verifier: LocalVerifier, decode: Callable[[list[int]], str] | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_waiting: int = DEFAULT_MAX_WAITING,
@@ -65,41 +67,26 @@ class EngineCore:
         """``decode``: token ids -> text, for stop strings; ``max_batch_tokens``: rows of one forward (prompt
         chunks fill what the running requests leave); ``max_waiting``: requests waiting for KV blocks before
         the next is refused; ``costs``: the forward's measured costs, for load-aware policies."""
-        if max_batch_tokens < 1 or max_waiting < 0:
-            raise ValueError(f"max_batch_tokens must be >= 1 and max_waiting >= 0, got {max_batch_tokens}, "
-                             f"{max_waiting}")
         self.verifier = verifier
         self.info = verifier.info
         self.decode = decode
         self.costs = costs
-        self.max_batch_tokens, self.max_waiting = max_batch_tokens, max_waiting
-        self.stats = BatchStats()  # what /metrics and benchmarks read (VerifierMetrics)
-        self._cond = threading.Condition()
-        self._inbox: list[Request] = []  # submitted, not yet seen by the core thread
-        self._cancels: list[str] = []
-        self._closed = False
-        # owned by the core thread
-        self._waiting: deque[Request] = deque()
-        self._prefilling: dict[str, Request] = {}
-        self._running: dict[str, Request] = {}
-        self._requests: dict[str, Request] = {}  # every unfinished request: waiting, prefilling, running
+        self._lock = threading.Lock()
+        self._requests: dict[str, Request] = {}  # every unfinished request (submitters add, the loop removes)
+        self._running: dict[str, Request] = {}  # decoding; the loop thread's
+        self._step: tuple[list[Request], list, float, int, Future | None] | None = None  # draft() -> commit()
         self._drafting: ThreadPoolExecutor | None = None  # overlap: drafts ahead while a forward runs
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self.loop = StepLoop(verifier, max_batch_tokens, max_waiting, costs=costs, driver=self, name=name)
+        self.stats = self.loop.stats  # what /metrics and benchmarks read (VerifierMetrics)
 
     # --------------------------------------------------------------- front end
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, method: Method, output: RequestOutput,
                request_id: str | None = None, trace=None) -> str:
         """Queue a request; its events go to ``output``. Returns its id (for ``cancel``). A request that can
         never run raises here: ValueError (bad input), CapacityError (larger than the whole KV pool, or too many
-        waiting). ``trace``: the request's span; every step of it is recorded as a child span."""
+        waiting), RuntimeError (closed). ``trace``: the request's span; every step of it is recorded as a child
+        span."""
         prompt = [int(t) for t in prompt]
-        self.verifier.check_request(prompt, sampling)  # reads only fixed configuration: safe off the core thread
-        need = self.verifier.allocator.blocks_for(self.verifier.reservation(len(prompt), sampling))
-        if need > self.verifier.allocator.num_blocks:
-            raise CapacityError(f"the request needs {need} KV blocks (prompt + max_new_tokens + the largest tree), "
-                                f"more than the whole pool has ({self.verifier.allocator.num_blocks}); raise "
-                                "--kv-cache-gb")
         request_id = request_id or uuid.uuid4().hex
         committed: list[int] = []
         link = DrafterLink(method.drafters, request_id, self.info.vocab_size, committed, background=False,
@@ -108,132 +95,81 @@ class EngineCore:
         request = Request(request_id, prompt, sampling, method, output,
                           StopChecker(sampling, self.info.eos_token_ids, self.decode),
                           GenerationResult([], "", stats), link, committed, trace=trace)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine core is closed")
-            if len(self._waiting) + len(self._inbox) >= self.max_waiting and self._waiting:
-                raise CapacityError(f"the engine is full: {len(self._waiting)} requests already wait for KV blocks")
-            self._inbox.append(request)
-            self._cond.notify()
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} already exists")
+            self._requests[request_id] = request  # before open: the loop may admit it at once
+        try:
+            self.loop.open(request_id, prompt, sampling, _Admission(self, request), method.features)
+        except BaseException:
+            with self._lock:
+                self._requests.pop(request_id, None)
+            raise
         return request_id
 
     def cancel(self, request_id: str) -> None:
         """End a request at the next step (its output gets ``finish`` with reason "aborted"); no-op if unknown."""
-        with self._cond:
-            self._cancels.append(request_id)
-            self._cond.notify()
+        try:
+            self.loop.call_soon(lambda: self._cancel(request_id))
+        except RuntimeError:  # closed: every request has ended
+            pass
 
     def close(self) -> None:
-        """Stop the core; unfinished requests end with RuntimeError."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
+        """Stop the loop; unfinished requests end with RuntimeError."""
+        self.loop.close()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.loop.alive
 
     @property
     def num_sessions(self) -> int:
         """Unfinished requests (waiting included), as a verifier's sessions for /metrics."""
-        return len(self._requests) + len(self._inbox)
+        return self.loop.num_sessions
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._inbox)
+        return self.loop.num_waiting
 
-    # --------------------------------------------------------------- the loop
-    def _loop(self) -> None:
-        try:
-            while self._next_round():
-                try:
-                    self.step()
-                except Exception as exc:  # a model failure: the step's requests end with it, the core goes on
-                    log.exception("engine step failed")
-                    for request in [*self._prefilling.values(), *self._running.values()]:
-                        self._finish(request, exc)
-        finally:
-            if self._drafting is not None:
-                self._drafting.shutdown(wait=True)
-            closed = RuntimeError("the engine core is closed")
-            with self._cond:
-                self._closed = True
-                left, self._inbox = self._inbox, []
-            for request in [*left, *self._requests.values()]:
-                self._finish(request, closed)
+    def _cancel(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.stopper.finish_reason = request.stopper.finish_reason or "aborted"
+            self._finish(request)
 
-    def _next_round(self) -> bool:
-        """Wait for work, take submissions and cancels, admit; False once closed."""
-        with self._cond:
-            while not (self._closed or self._inbox or self._cancels or self._prefilling or self._running
-                       or (self._waiting and self._admissible(self._waiting[0]))):
-                self._cond.wait()
-            if self._closed:
-                return False
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-        for request in inbox:
-            self._requests[request.request_id] = request
-            self._waiting.append(request)
-        for request_id in cancels:
-            request = self._requests.get(request_id)
-            if request is not None:
-                request.stopper.finish_reason = request.stopper.finish_reason or "aborted"
-                self._finish(request)
-        self._admit()
-        return True
+    # --------------------------------------------------------------- the driver (StepDriver)
+    def pending(self) -> bool:
+        return bool(self._running)
 
-    def _admissible(self, request: Request) -> bool:
-        return self.verifier.can_admit(len(request.prompt), request.sampling)
-
-    def _admit(self) -> None:
-        """Admit waiting requests in arrival order while the KV pool can reserve them."""
-        while self._waiting and self._admissible(self._waiting[0]):
-            request = self._waiting.popleft()
-            try:
-                self.verifier.admit(request.request_id, request.prompt, request.sampling, request.method.features)
-                request.status = Status.PREFILLING
-                self._prefilling[request.request_id] = request
-                request.link.open(request.prompt, request.sampling)  # inline: the proposer's prepare runs here
-                request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)
-            except Exception as exc:
-                self._finish(request, exc)
-
-    # --------------------------------------------------------------- the step
-    def step(self) -> None:
-        """One engine step for every scheduled request: trees -> one forward + acceptance -> commit. Requests with
-        ``Method.overlap`` draft their next tree on the drafting thread while the forward runs (PEARL)."""
+    def draft(self) -> list[tuple[str, TokenTree]]:
+        """The step's first half: every running request's tree, and (overlap) the drafting thread started on
+        the next trees, to run while the forward does."""
         started, started_ns = time.perf_counter(), time.time_ns()
         running, drafts = self._draft_all()  # every running request and its (tree, budget, draft seconds)
-        rows = sum(tree.num_nodes + 1 for tree, _, _ in drafts)
-        prefills = self._schedule_prefills(self.max_batch_tokens - rows)
-        chunk_tokens = sum(self.verifier.next_chunk(r.request_id) for r in prefills)
         ahead = self._start_predrafts(running, drafts)  # drafting thread: next trees, on this step's main lines
-        verify_started = time.perf_counter()
-        try:
-            firsts, results = self.verifier.step([r.request_id for r in prefills],
-                                                 [(r.request_id, t) for r, (t, _, _) in zip(running, drafts, strict=True)])
-        finally:
-            self._join_predrafts(ahead)
-        verify_seconds = time.perf_counter() - verify_started
-        self.stats.record(verify_seconds, len(running), rows, len(prefills), chunk_tokens, len(firsts))
-        for request in prefills:
-            if request.request_id in firsts:
-                self._start_decoding(request, firsts[request.request_id], time.perf_counter() - request.submitted)
+        self._step = (running, drafts, started, started_ns, ahead)
+        return [(request.request_id, tree) for request, (tree, _, _) in zip(running, drafts, strict=True)]
+
+    def commit(self, results: Sequence[VerifyResult | Exception]) -> None:
+        """The step's second half, after the forward: per request, commit, feedback, stream, stop checks."""
+        running, drafts, started, started_ns, ahead = self._step
+        self._step = None
+        self._join_predrafts(ahead)
         for request, (tree, budget, draft_seconds), result in zip(running, drafts, results, strict=True):
             self._commit(request, tree, budget, result, started, draft_seconds, started_ns)
 
-    def _schedule_prefills(self, token_budget: int) -> list[Request]:
-        """Prefilling requests whose next chunk fits the step's token budget (at least one if nothing else)."""
-        chosen: list[Request] = []
-        for request in self._prefilling.values():
-            chunk = self.verifier.next_chunk(request.request_id)
-            if (chosen or self._running) and chunk > token_budget:
-                break
-            chosen.append(request)
-            token_budget -= chunk
-        return chosen
+    def stop(self, exc: BaseException) -> None:
+        """End every request with ``exc`` (the loop closes, or a step failed on a bug)."""
+        if self._step is not None:  # failed between draft and commit: the drafting thread may still run
+            self._join_predrafts(self._step[-1])
+            self._step = None
+        with self._lock:
+            requests = list(self._requests.values())
+        for request in requests:
+            self._finish(request, exc)
+        if self._drafting is not None:
+            self._drafting.shutdown(wait=True)
+            self._drafting = None
 
     def _draft_all(self) -> tuple[list[Request], list[tuple[TokenTree, Budget, float]]]:
         """Every running request's tree: the one drafted ahead last step if usable (overlap), else what its
@@ -326,13 +262,11 @@ class EngineCore:
                     and list(verified.tokens[:n]) == predraft.hypothesis)
 
     # ------------------------------------------------------------ commit
-    def _start_decoding(self, request: Request, first: int, seconds: float) -> None:
+    def _start_decoding(self, request: Request, first: int, seconds: float, features: TargetFeatures | None) -> None:
         """The prefill finished: commit the first token and hand the prompt's features to the drafter."""
-        del self._prefilling[request.request_id]
         request.status = Status.RUNNING
         self._running[request.request_id] = request
         request.stats.prefill_seconds = seconds
-        features = self.verifier.take_prompt_features(request.request_id)
         if features is not None:
             request.link.add_features(features)
         request.committed.append(first)
@@ -388,15 +322,11 @@ class EngineCore:
         """End a request: free its KV, close its drafter, tell its output (once)."""
         if request.status is Status.FINISHED:
             return
-        was_waiting = request.status is Status.WAITING
         request.status = Status.FINISHED
-        self._requests.pop(request.request_id, None)
-        self._prefilling.pop(request.request_id, None)
+        with self._lock:
+            self._requests.pop(request.request_id, None)
         self._running.pop(request.request_id, None)
-        if was_waiting and request in self._waiting:
-            self._waiting.remove(request)
-        if not was_waiting:
-            self.verifier.release(request.request_id)
+        self.loop.drop(request.request_id)
         try:
             request.link.close(len(request.stopper.generated))
         except Exception:  # closing is best effort (a strict link may raise on its sync)
@@ -411,6 +341,37 @@ class EngineCore:
             request.output.finish(request.result, error)
         except Exception:  # a consumer's bug must not stop the core
             log.exception("request output of %s failed", request.request_id)
+
+
+class _Admission:
+    """A request's admission and prefill, as its StepLoop session's owner (``SessionOwner``; on the loop thread)."""
+
+    def __init__(self, core: EngineCore, request: Request) -> None:
+        self.core, self.request = core, request
+
+    def admitted(self) -> bool:
+        """KV reserved: open the drafter (inline: the proposer's prepare runs here) while the prompt prefills."""
+        request = self.request
+        if request.status is Status.FINISHED:
+            return False
+        request.status = Status.PREFILLING
+        try:
+            request.link.open(request.prompt, request.sampling)
+            request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)
+        except Exception as exc:
+            self.core._finish(request, exc)
+            return False
+        return True
+
+    def prefilled(self, result: PrefillResult) -> None:
+        if self.request.status is not Status.FINISHED:
+            self.core._start_decoding(self.request, result.first_token, result.seconds, result.features)
+
+    def failed(self, exc: BaseException) -> None:
+        self.core._finish(self.request, exc)
+
+    def abandoned(self) -> bool:
+        return self.request.status is Status.FINISHED
 
 
 def draft_batch(items: Sequence[tuple[Request, Budget, list[int], threading.Event | None]]) -> list[PendingDraft | None]:

@@ -44,7 +44,7 @@ class EmbeddedStack:
     lookahead: LookaheadConfig | None = None  # the verifier's Jacobi window (lookahead n-grams); None = off
     kv_cache_gb: float | None = None  # the shared verifiers' KV pool (None: LocalVerifier's default)
     target_dir: Path | None = None  # where the target was loaded from (its tokenizer, chat template, name)
-    _shared: dict = field(default_factory=dict)  # (feedback_topk, lookahead) -> BatchingVerifier
+    _shared: dict = field(default_factory=dict)  # (feedback_topk, lookahead) -> EngineCore
 
     @classmethod
     def load(
@@ -197,7 +197,7 @@ class EmbeddedBackend:
         """The shared verifiers' metrics (KV pool, batches) in ``registry``, beside serve's."""
         from verifier_service.metrics import VerifierMetrics
 
-        VerifierMetrics(self.stack.shared_verifiers, registry)
+        VerifierMetrics(lambda: [core.loop for core in self.stack.shared_verifiers()], registry)
 
 
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:

@@ -49,7 +49,7 @@ class Method:
     policy: SpeculationPolicy = field(default_factory=lambda: StaticPolicy(0, 0))
     features: bool = False
     strict: bool = False
-    overlap: bool = False  # PEARL: draft the next tree while this step's forward runs (see EngineCore.step)
+    overlap: bool = False  # PEARL: draft the next tree while this step's forward runs (see EngineCore.draft)
 
 
 class RequestOutput(Protocol):

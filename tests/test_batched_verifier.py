@@ -2,7 +2,7 @@
 
 - ``forward_batch`` over several sessions (prefill chunks, chains, trees; contiguous and
   fragmented block tables) gives the logits and KV entries of one forward per session.
-- Engines on many threads sharing one ``BatchingVerifier`` produce the AR greedy output of
+- Engines on many threads sharing one ``StepLoop`` produce the AR greedy output of
   each prompt, for every proposer and both runners, with sessions joining and leaving
   while others run.
 - A randomized interleaving of admit / chunked prefill / verify / release over many
@@ -32,7 +32,7 @@ from specmesh.fast_llama import FastKVCache
 from specmesh.model_runner import tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, ancestor_mask
-from verifier_service.batching import BatchingVerifier
+from verifier_service.step_loop import StepLoop
 from verifier_service.verifier import LocalVerifier
 
 PROMPTS = make_prompts(10, seed=7, max_len=40)
@@ -109,7 +109,7 @@ def test_forward_batch_equals_one_forward_per_session(model_sets, fragmented):
 def _concurrent_outputs(runner, proposer, prompts, draft_runner=None, **verifier_opts):
     topk = 8 if proposer is not None and "recycling" in proposer or proposer == "fused" else 0
     window = window_for(make_proposer(proposer)) if proposer == "lookahead" else None
-    batching = BatchingVerifier(LocalVerifier(runner, feedback_topk=topk, lookahead=window, **verifier_opts))
+    batching = StepLoop(LocalVerifier(runner, feedback_topk=topk, lookahead=window, **verifier_opts))
     outputs: list = [None] * len(prompts)
     rng = random.Random(0)
     delays = [rng.random() * 0.05 for _ in prompts]  # staggered: sessions join while others run
@@ -253,7 +253,7 @@ def test_full_pool_waits_then_admits_and_loses_nothing(model_sets, ar_reference)
     per_session = len(prompt) + MAX_NEW + 1 + 8  # what admission reserves (max_tree_nodes=8)
     local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=2 * per_session * runner.kv_bytes_per_token / 2**30,
                           block_size=1)
-    batching = BatchingVerifier(local, max_waiting=1)
+    batching = StepLoop(local, max_waiting=1)
     try:
         batching.prefill("a", prompt, _sampling())
         batching.prefill("b", prompt, _sampling())
@@ -297,7 +297,7 @@ def test_released_mid_prefill_returns_its_blocks(model_sets):
 def test_cancelled_calls_are_skipped_and_the_scheduler_lives_on(model_sets, ar_reference):
     """A caller that goes away (gRPC cancel/deadline cancels its future) never breaks the scheduler."""
     runner = model_sets("cyclic").runner("target", "fast")
-    batching = BatchingVerifier(LocalVerifier(runner))
+    batching = StepLoop(LocalVerifier(runner))
     try:
         batching.prefill("a", PROMPTS[0], _sampling())
         for _ in range(20):  # cancel at random points of the scheduler's cycle
@@ -320,7 +320,7 @@ def test_a_seeded_request_samples_the_same_alone_or_batched(model_sets):
     runner = model_sets("cyclic").runner("target", "fast")
     sampling = SamplingParams(temperature=1.0, top_k=20, seed=5, max_new_tokens=MAX_NEW, ignore_eos=True)
     alone = engine_for(runner, "prompt_lookup").generate(PROMPTS[1], sampling).token_ids
-    batching = BatchingVerifier(LocalVerifier(runner))
+    batching = StepLoop(LocalVerifier(runner))
     outputs: dict[int, list[int]] = {}
 
     def work(i):

@@ -8,6 +8,8 @@
 - A drafter that raises is failed over to plain decoding (the output is unchanged) or, strict, fails only its
   own request.
 - ``CoreEngine`` (the per-request engine's stream/generate over the core) from many threads at once.
+- The core's loop serves a caller's Prefill / Verify calls (the gRPC verifier's sessions) in the same forwards
+  as the core's own requests: both get the AR greedy output.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from orchestrator.policy import StaticPolicy
 from orchestrator.requests import CoreEngine, Method, QueueOutput
 from specmesh.contract import CapacityError
 from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
 from verifier_service.verifier import LocalVerifier
 
 PROMPTS = make_prompts(8, seed=17, max_len=40)
@@ -179,11 +182,17 @@ def test_a_full_pool_makes_requests_wait_and_refuses_what_never_fits(model_sets,
     per_request = len(prompt) + MAX_NEW + 1 + 8  # what admission reserves (max_tree_nodes=8)
     local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=2 * per_request * runner.kv_bytes_per_token / 2**30,
                           block_size=1)
-    core = EngineCore(local, max_waiting=2)
+    core = EngineCore(local, max_waiting=3)
     try:
         with pytest.raises(CapacityError, match="the whole pool"):
             core.submit(list(range(3)) * per_request, greedy(MAX_NEW), Method(), Collect())
-        outputs = run_all(core, Method(), [prompt] * 5, greedy(MAX_NEW), stagger=0)  # two fit at a time
+        outputs = [Collect() for _ in range(5)]
+        for out in outputs:  # two fit at a time: three wait
+            core.submit(prompt, greedy(MAX_NEW), Method(), out)
+        with pytest.raises(CapacityError, match="already wait"):  # a sixth would wait behind three: refused
+            core.submit(prompt, greedy(MAX_NEW), Method(), Collect())
+        for out in outputs:
+            assert out.done.wait(120) and out.error is None, out.error
         assert all(o.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW) for o in outputs)
         assert core.stats.max_batch <= 2
         assert_idle(core)
@@ -263,6 +272,34 @@ def test_core_engine_streams_from_many_threads_and_closing_cancels(model_sets, a
         stream = engine.stream(PROMPTS[0], greedy(MAX_POSITIONS - len(PROMPTS[0])))
         next(stream)
         stream.close()  # the consumer went away: the request is cancelled and its blocks come back
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+def test_calls_and_core_requests_share_the_loops_forwards(model_sets, ar_reference):
+    runner = model_sets("cyclic").runner("target", "fast")
+    core = EngineCore(LocalVerifier(runner))
+    method, _, _ = method_of("prompt_lookup_tree")
+    called, shared = [], []
+
+    def caller() -> None:  # a remote orchestrator's session, plain decoding
+        called.append(core.loop.prefill("call", PROMPTS[0], greedy(MAX_NEW)).first_token)
+        while len(called) < MAX_NEW:
+            result = core.loop.verify("call", TokenTree.empty())
+            called.extend(result.tokens)
+            shared.append(result.batch_sessions)
+        core.loop.release("call")
+
+    try:
+        thread = threading.Thread(target=caller)
+        thread.start()
+        outputs = run_all(core, method, PROMPTS[1:5], greedy(MAX_NEW))
+        thread.join(60)
+        assert called[:MAX_NEW] == ar_reference("cyclic", "fast", PROMPTS[0], MAX_NEW)
+        for prompt, out in zip(PROMPTS[1:5], outputs, strict=True):
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        assert max(shared) > 1, "the caller's Verifys never shared a forward with the core's requests"
         assert_idle(core)
     finally:
         core.close()

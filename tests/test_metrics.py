@@ -2,7 +2,7 @@
 
 - ``ServeMetrics``/``RequestMetrics`` driven by synthetic StepStats and a fake clock: speculation
   counters = sums over the steps, latencies from the clock, gauges follow waiting -> running -> done.
-- ``VerifierMetrics`` over real BatchingVerifiers on a tiny model (engines on threads share one):
+- ``VerifierMetrics`` over real StepLoops on a tiny model (engines on threads share one):
   Verify calls = the requests' steps, prefill tokens = their prompts, histograms agree with the counters.
 - ``DrafterMetrics`` by proposer, ``--metrics`` parsing and the HTTP endpoint (port 0, port in use).
 """
@@ -23,8 +23,8 @@ from orchestrator.metrics import ServeMetrics
 from orchestrator.stats import StepStats
 from specmesh.metrics import Buckets, add_metrics_argument, histogram_family, start_metrics_server
 from specmesh.tree import TokenTree
-from verifier_service.batching import BatchingVerifier
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.step_loop import StepLoop
 from verifier_service.verifier import LocalVerifier
 
 MODEL = "m"
@@ -197,7 +197,7 @@ def runner(model_sets):
 
 def test_verifier_counts_equal_the_requests_steps(runner):
     prompts = make_prompts(6, seed=5, min_len=10, max_len=45)
-    verifiers = [BatchingVerifier(LocalVerifier(runner, max_tree_nodes=16, prefill_chunk=16)) for _ in range(2)]
+    verifiers = [StepLoop(LocalVerifier(runner, max_tree_nodes=16, prefill_chunk=16)) for _ in range(2)]
     metrics = VerifierMetrics(lambda: verifiers)
     r = metrics.registry
     results = [None] * len(prompts)
@@ -240,7 +240,7 @@ def test_verifier_gauges_follow_sessions_and_the_admission_queue(runner):
     per_session = len(prompt) + 8 + 1 + 8  # what admission reserves: prompt + max_new + pending + largest tree
     local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=per_session * runner.kv_bytes_per_token / 2**30,
                           block_size=1)
-    batching = BatchingVerifier(local, max_waiting=4)
+    batching = StepLoop(local, max_waiting=4)
     r = VerifierMetrics(lambda: [batching]).registry
     try:
         batching.prefill("a", prompt, greedy(8))

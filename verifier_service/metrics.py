@@ -1,9 +1,9 @@
 """Prometheus metrics of verifiers (`specmesh verifier`, and the embedded stack's shared verifiers).
 
-Read at scrape time, never pushed from the scheduler: a custom collector asks a callable for the
-process's current ``BatchingVerifier``s (the embedded stack makes one per configuration, lazily)
-and sums their state (sessions, waiting admissions, KV blocks) and their ``BatchStats``, which the
-scheduler keeps anyway; its per-step histograms are ``specmesh.metrics.Buckets`` filled once per
+Read at scrape time, never pushed from the loop: a custom collector asks a callable for the
+process's current ``StepLoop``s (the embedded stack's engine cores have one each, made lazily per
+configuration) and sums their state (sessions, waiting admissions, KV blocks) and their ``BatchStats``, which
+the loop keeps anyway; its per-step histograms are ``specmesh.metrics.Buckets`` filled once per
 step. Names cannot clash with the orchestrator's (``orchestrator/metrics.py``), so an embedded
 server may put both in one registry.
 """
@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from specmesh.metrics import PREFIX, histogram_family, new_registry
 
 if TYPE_CHECKING:
-    from verifier_service.batching import BatchingVerifier
+    from verifier_service.step_loop import StepLoop
 
 GAUGES = (
     ("verifier_num_sessions", "Sessions admitted (holding KV blocks), prefilling or decoding."),
@@ -48,9 +48,9 @@ HISTOGRAMS = (
 class VerifierMetrics:
     """Metrics of the verifiers ``verifiers()`` returns at each scrape, registered in ``registry`` (default: a
     new one, ``.registry``). ``verifiers`` must be cheap and thread-safe (it runs on the HTTP thread): e.g.
-    ``lambda: [verifier]`` or ``lambda: list(stack._shared.values())``."""
+    ``lambda: [loop]`` or ``lambda: [core.loop for core in stack.shared_verifiers()]``."""
 
-    def __init__(self, verifiers: Callable[[], Iterable[BatchingVerifier]],
+    def __init__(self, verifiers: Callable[[], Iterable[StepLoop]],
                  registry: CollectorRegistry | None = None) -> None:
         self.verifiers = verifiers
         self.registry = new_registry(registry)

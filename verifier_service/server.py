@@ -1,8 +1,8 @@
-"""`specmesh verifier`: the Verifier gRPC service, a thin shell over BatchingVerifier.
+"""`specmesh verifier`: the Verifier gRPC service, a thin shell over a StepLoop.
 
-Model work runs on the batching scheduler's thread: the Prefill and Verify calls of
+Model work runs on the step loop's thread: the Prefill and Verify calls of
 all sessions pending at a step share one forward (continuous batching, see
-``verifier_service/batching.py``), so the event loop stays free for health checks and
+``verifier_service/step_loop.py``), so the event loop stays free for health checks and
 new calls. A Prefill the KV pool cannot hold waits in a bounded queue; beyond it the
 call gets RESOURCE_EXHAUSTED. Sessions whose caller vanished without Release (an
 orchestrator killed mid-request) are released after ``session_ttl`` seconds without a
@@ -35,7 +35,7 @@ from specmesh.wire import (
 from verifier_service.arguments import add_batching_arguments, add_lookahead_argument
 
 if TYPE_CHECKING:
-    from verifier_service.batching import BatchingVerifier
+    from verifier_service.step_loop import StepLoop
 
 log = logging.getLogger("specmesh.verifier")
 
@@ -72,7 +72,7 @@ def features_message(features: TargetFeatures) -> common_pb2.TargetFeatures:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, verifier: BatchingVerifier, model_name: str = "", session_ttl: float = 600.0) -> None:
+    def __init__(self, verifier: StepLoop, model_name: str = "", session_ttl: float = 600.0) -> None:
         self.verifier = verifier
         self.model_name = model_name
         self.session_ttl = session_ttl
@@ -230,7 +230,7 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
     runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device, args.attention)
-    from verifier_service.batching import BatchingVerifier
+    from verifier_service.step_loop import StepLoop
     from verifier_service.verifier import LocalVerifier
 
     try:
@@ -243,7 +243,7 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
         costs = local.profile_costs()
         log.info("forward costs: %.2f ms + %.3f ms/session + %.3f ms/row", costs.base * 1e3, costs.per_session * 1e3,
                  costs.per_row * 1e3)
-    verifier = BatchingVerifier(local, args.max_batch_tokens, args.max_waiting, costs=costs)
+    verifier = StepLoop(local, args.max_batch_tokens, args.max_waiting, costs=costs)
     if registry is not None:
         from verifier_service.metrics import VerifierMetrics
 

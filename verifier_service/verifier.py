@@ -18,8 +18,8 @@ sessions and the trees of any number of verifying ones (``ModelRunner.forward_ba
 packed rows, attention per session under its own tree mask), then one argmax (and top-k)
 over all rows and one host copy. Every session's KV lives in one paged pool
 (``specmesh.kv_pool``); ``admit`` reserves a session's worst case, so a step never runs out
-of memory. ``prefill`` / ``verify`` are the one-session case; ``BatchingVerifier``
-(``verifier_service/batching.py``) gathers the calls of many threads into steps.
+of memory. ``prefill`` / ``verify`` are the one-session case; ``StepLoop``
+(``verifier_service/step_loop.py``) gathers the calls of many threads into steps.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class _Row:
 
 
 class LocalVerifier:
-    """Verifier running the target model in this process; one thread drives it (see BatchingVerifier for
+    """Verifier running the target model in this process; one thread drives it (see StepLoop for
     many callers). Its sessions share one paged KV pool; admission reserves a session's worst case."""
 
     def __init__(

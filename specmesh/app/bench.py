@@ -640,7 +640,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="`specmesh serve` that grpc:NAME methods go through (token from $SPECMESH_TOKEN)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="N",
                         help="load mode: for each N, run the prompts with N requests in flight (N client threads; "
-                             "embedded methods share one batching verifier, grpc: ones go through serve) and report "
+                             "embedded methods share one engine core, grpc: ones go through serve) and report "
                              "aggregate tokens/s, per-token latency p50/p99, TTFT, tau and the verifier's mean batch "
                              "per method and N, instead of the per-prompt comparison (default: off)")
     parser.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",

@@ -213,7 +213,7 @@ class VerifierReplica:
 
     def check_health(self) -> None:
         if not self.servicer.verifier.alive:
-            raise RuntimeError("the verifier's scheduler thread is not running")
+            raise RuntimeError("the verifier's step loop is not running")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         verifier = self.servicer.verifier

@@ -1,0 +1,527 @@
+"""The step loop: one thread owns a LocalVerifier and runs one forward per step for every session on it.
+
+Every deployment steps its target here. A ``StepLoop`` serves two kinds of sessions at once:
+
+- **calls** (the gRPC verifier service, ``specmesh verifier`` and its Ray replicas; the per-request engine in
+  tests and the ``threads`` benchmark): callers on any thread submit Prefill / Verify / Release and wait on a
+  future; a Verify's tree is the caller's.
+- **driven requests** (the engine core, orchestrator/core.py, the ``driver``): requests opened with ``open``
+  whose trees the driver drafts on this thread at the start of every step and whose results it commits at
+  its end, with no thread and no future of their own.
+
+One round of the loop:
+
+1. run the functions queued with ``call_soon`` (a driver's cancels) and apply releases (their blocks go back
+   to the pool first),
+2. admit waiting sessions in arrival order while the KV pool can reserve them (a session that must wait sits
+   in a bounded queue; beyond ``max_waiting`` waiting, or when it could never fit in the pool, it gets
+   ``CapacityError`` = RESOURCE_EXHAUSTED),
+3. ``step``: the driver's trees and every pending Verify (decode first: they are the latency), then the next
+   prompt chunk of prefilling sessions while the step's token budget (``max_batch_tokens``) lasts, so a long
+   prompt never stalls the others; one forward with acceptance for all (``LocalVerifier.step``); then the
+   driver commits its results and the callers' futures resolve.
+
+A step runs as soon as there is work: the driver's requests never wait. A caller's calls are sequential (it
+drafts between two Verifys) and arrive over the network at their own pace, so without care they split into
+cohorts: those answered by step k come back while step k + 1 already runs the others, and every step carries
+half of them. So when the driver has nothing to step and fewer Verifys are pending than called sessions
+decode, the loop waits for the rest, but never longer than half the last step's time (nor ``max_wait_ms``): a
+straggler costs the others at most that, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specmesh.contract import CapacityError, PrefillResult, VerifyCosts, VerifyResult
+from specmesh.metrics import COUNT_BUCKETS, SECONDS_BUCKETS, Buckets
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
+from verifier_service.verifier import LocalVerifier
+
+DEFAULT_MAX_WAIT_MS = 5.0
+log = logging.getLogger("specmesh.step_loop")
+
+
+class SessionOwner(Protocol):
+    """Who hears how a session's admission and prefill went: a caller's future (``submit_prefill``) or the
+    driver's request (``open``). Called on the loop thread, without the loop's lock."""
+
+    def admitted(self) -> bool:
+        """Its KV blocks are reserved and its prefill starts; False: its caller went away (it is dropped)."""
+
+    def prefilled(self, result: PrefillResult) -> None:
+        """The prefill finished: the first token (and the prompt's features, when asked)."""
+
+    def failed(self, exc: BaseException) -> None:
+        """It never got (or lost) its session: refused, released while it waited, the step failed, closed."""
+
+    def abandoned(self) -> bool:
+        """Its caller went away while it waited for blocks (it is skipped)."""
+
+
+class StepDriver(Protocol):
+    """The requests a loop steps without calls: the engine core (orchestrator/core.py). Called on the loop
+    thread; ``pending`` under the loop's lock (it must neither lock nor block)."""
+
+    def pending(self) -> bool:
+        """Whether it has decoding requests to step now."""
+
+    def draft(self) -> list[tuple[str, TokenTree]]:
+        """Each of its decoding sessions and its tree for this step, drafted now or ahead (it may start drafting
+        the next step's trees elsewhere, to run while the forward does)."""
+
+    def commit(self, results: Sequence[VerifyResult | Exception]) -> None:
+        """The forward is over: the result of each session ``draft`` returned, in its order (an exception: that
+        session's alone, or the step's failure for all)."""
+
+    def stop(self, exc: BaseException) -> None:
+        """End every request it holds with ``exc`` (the loop closes, or a step failed on a bug)."""
+
+
+class _CallerOwner:
+    """A ``submit_prefill`` caller's future as a SessionOwner."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def admitted(self) -> bool:
+        return _claim(self.future)
+
+    def prefilled(self, result: PrefillResult) -> None:
+        _settle(self.future, result)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.future.cancelled():
+            _settle(self.future, exc=exc)
+
+    def abandoned(self) -> bool:
+        return self.future.cancelled()
+
+
+@dataclass
+class _Opening:
+    """A session from submission to the end of its prefill."""
+
+    session_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    owner: SessionOwner
+    features: bool = False  # report the session's target features
+    driven: bool = False  # the driver's (no Verify calls: never waited for as a straggler)
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _claim(future: Future) -> bool:
+    """Mark a call as running; False if its caller cancelled it (then it is skipped). A running future can no
+    longer be cancelled, so its result can always be set."""
+    return future.done() is False and future.set_running_or_notify_cancel()
+
+
+def _settle(future: Future, result=None, exc: BaseException | None = None) -> None:
+    """Resolve a call unless its caller cancelled it meanwhile."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled (or settled) by then: nobody is waiting
+        pass
+
+
+@dataclass
+class BatchStats:
+    """What the loop did (read by benchmarks and /metrics). Written by the loop thread only."""
+
+    steps: int = 0
+    verified: int = 0  # Verify calls served
+    prefill_chunks: int = 0
+    max_batch: int = 0  # most Verify calls in one step
+    verify_rows: int = 0  # rows of the Verify calls: the pending token + the tree's nodes each
+    prefills: int = 0  # prefills finished
+    prefill_tokens: int = 0  # prompt tokens run (every chunk)
+    # per step, for /metrics (verifier_service/metrics.py): sessions and rows in the forward, its seconds
+    batch_sessions: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
+    batch_rows: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
+    step_seconds: Buckets = field(default_factory=lambda: Buckets(SECONDS_BUCKETS))
+
+    def record(self, seconds: float, num_verifies: int, verify_rows: int, num_chunks: int, chunk_tokens: int,
+               num_prefilled: int) -> None:
+        """One step that ran: ``num_chunks`` prompt chunks of ``chunk_tokens`` tokens in all, ``num_prefilled``
+        of which finished their prefill."""
+        self.steps += 1
+        self.verified += num_verifies
+        self.max_batch = max(self.max_batch, num_verifies)
+        self.verify_rows += verify_rows
+        self.prefill_chunks += num_chunks
+        self.prefill_tokens += chunk_tokens
+        self.prefills += num_prefilled
+        self.batch_sessions.observe(num_verifies + num_chunks)
+        self.batch_rows.observe(verify_rows + chunk_tokens)
+        self.step_seconds.observe(seconds)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.verified / self.steps if self.steps else 0.0
+
+
+class StepLoop:
+    """One thread stepping every session of a LocalVerifier: the callers' (thread-safe, futures) and the driver's
+    (see module doc). Also the Verifier protocol (``specmesh.contract``) for callers that block."""
+
+    def __init__(self, verifier: LocalVerifier, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 max_waiting: int = DEFAULT_MAX_WAITING, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+                 costs: VerifyCosts | None = None, driver: StepDriver | None = None,
+                 name: str = "step-loop") -> None:
+        """``max_batch_tokens``: rows of one forward (prompt chunks fill what the trees leave); ``max_waiting``:
+        sessions waiting for KV blocks before the next is refused; ``max_wait_ms``: the longest wait for a
+        straggling Verify; ``costs``: the forward's measured costs (``LocalVerifier.profile_costs``), which the
+        orchestrator's load-aware policy sizes trees with (None: not measured, trees not capped by load);
+        ``driver``: the requests stepped without calls (at most one; None: calls only)."""
+        if max_batch_tokens < 1 or max_waiting < 0:
+            raise ValueError(f"max_batch_tokens must be >= 1 and max_waiting >= 0, got {max_batch_tokens}, "
+                             f"{max_waiting}")
+        self.verifier = verifier
+        self.costs = costs
+        self.driver = driver
+        self.info = verifier.info
+        self.max_tree_nodes = verifier.max_tree_nodes
+        self.max_batch_tokens, self.max_waiting = max_batch_tokens, max_waiting
+        self.max_wait = max_wait_ms / 1e3
+        self._step_seconds = 0.0  # moving average of a step's time: bounds the wait for stragglers
+        self._decoding: set[str] = set()  # called sessions past their prefill, not released: the Verifys to expect
+        self.stats = BatchStats()
+        self._cond = threading.Condition()  # reentrant: owners and the driver may call back in on the loop thread
+        self._waiting: deque[_Opening] = deque()  # not admitted yet (the pool is full)
+        self._prefilling: dict[str, _Opening] = {}  # admitted, prompt chunks still to run
+        self._verifies: dict[str, tuple[TokenTree, Future]] = {}
+        self._releases: list[tuple[str, Future]] = []
+        self._soon: list[Callable[[], None]] = []  # call_soon
+        self._sessions: set[str] = set()  # admitted or waiting, not released: what num_sessions counts
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------- protocol
+    def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                features: bool = False) -> PrefillResult:
+        return self.submit_prefill(session_id, prompt, sampling, features).result()
+
+    def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
+        return self.submit_verify(session_id, tree).result()
+
+    def verify_batch(self, requests: Sequence[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+        futures = [self.submit_verify(sid, tree) for sid, tree in requests]
+        return [f.exception() or f.result() for f in futures]
+
+    def release(self, session_id: str) -> None:
+        self.submit_release(session_id).result()
+
+    # ------------------------------------------------------------ calls
+    def submit_prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                       features: bool = False) -> Future:
+        """``features``: report the session's target features (``LocalVerifier.admit``)."""
+        future: Future = Future()
+        try:
+            self._enqueue(_Opening(session_id, list(prompt), sampling, _CallerOwner(future), features))
+        except (ValueError, CapacityError) as exc:
+            future.set_exception(exc)
+        return future
+
+    def submit_verify(self, session_id: str, tree: TokenTree) -> Future:
+        future: Future = Future()
+        with self._cond:
+            self._check_open()
+            if session_id in self._verifies:
+                future.set_exception(ValueError(f"session {session_id!r} already has a Verify in flight"))
+            else:
+                self._verifies[session_id] = (tree, future)
+                self._cond.notify()
+        return future
+
+    def submit_release(self, session_id: str) -> Future:
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                future.set_result(None)
+                return future
+            self._releases.append((session_id, future))
+            self._cond.notify()
+        return future
+
+    # ------------------------------------------------------------ the driver's
+    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, owner: SessionOwner,
+             features: bool = False) -> None:
+        """Queue a session of the driver's, from any thread: ``owner`` hears of its admission and prefill; then
+        the driver steps it until it ``drop``s it. ValueError (bad input or id), CapacityError (larger than the
+        whole pool, or too many waiting), RuntimeError (closed) for one that cannot wait."""
+        self._enqueue(_Opening(session_id, list(prompt), sampling, owner, features, driven=True))
+
+    def drop(self, session_id: str) -> None:
+        """End a driver's session on the loop thread (waiting, prefilling or decoding): its blocks go back to the
+        pool now. No-op for an unknown one."""
+        with self._cond:
+            self._sessions.discard(session_id)
+            self._waiting = deque(o for o in self._waiting if o.session_id != session_id)
+            self._prefilling.pop(session_id, None)
+            self.verifier.release(session_id)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread at the start of its next round (e.g. a driver's cancel)."""
+        with self._cond:
+            self._check_open()
+            self._soon.append(fn)
+            self._cond.notify()
+
+    # ----------------------------------------------------------------- state
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's thread still runs (it ends at ``close``)."""
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop the loop: calls still queued fail with RuntimeError, the driver's requests end with it."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_session(self, session_id: str) -> bool:
+        """Admitted or waiting, and not released."""
+        with self._cond:
+            return session_id in self._sessions
+
+    def session_ids(self) -> list[str]:
+        with self._cond:
+            return list(self._sessions)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the verifier is closed")
+
+    def _enqueue(self, opening: _Opening) -> None:
+        """Queue a new session, or raise why it cannot wait (see ``open``)."""
+        self.verifier.check_request(opening.prompt, opening.sampling)  # fixed configuration: no lock needed
+        need = self.verifier.allocator.blocks_for(self.verifier.reservation(len(opening.prompt), opening.sampling))
+        with self._cond:
+            self._check_open()
+            if opening.session_id in self._sessions:
+                raise ValueError(f"session {opening.session_id!r} already exists")
+            if need > self.verifier.allocator.num_blocks:
+                raise CapacityError(
+                    f"the request needs {need} KV blocks (prompt + max_new_tokens + the largest tree), more than "
+                    f"the whole pool has ({self.verifier.allocator.num_blocks}); raise --kv-cache-gb")
+            if self._queue_full(need):
+                raise CapacityError(f"the verifier is full: {len(self._waiting)} requests already wait for KV blocks")
+            self._sessions.add(opening.session_id)
+            self._waiting.append(opening)
+            self._cond.notify()
+
+    def _queue_full(self, need: int) -> bool:
+        """Under the lock: whether a session needing ``need`` blocks would wait for blocks behind ``max_waiting``
+        others that do. Queued sessions that the pool can hold now are not waiting: the loop admits them at its
+        next round."""
+        free, blocked = self.verifier.allocator.num_free, 0
+        for opening in self._waiting:
+            blocks = self.verifier.allocator.blocks_for(self.verifier.reservation(len(opening.prompt),
+                                                                                  opening.sampling))
+            if blocked or blocks > free:
+                blocked += 1
+            else:
+                free -= blocks
+        return (blocked > 0 or need > free) and blocked >= self.max_waiting
+
+    # ------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._iterate():
+                    return
+            except Exception as exc:  # a bug here must not leave every caller hanging
+                log.exception("step loop round failed")
+                if self.driver is not None:  # its requests may be half-stepped: end them
+                    self.driver.stop(exc)
+
+    def _driven(self) -> bool:
+        return self.driver is not None and self.driver.pending()
+
+    def _iterate(self) -> bool:
+        """One round (see module doc); False once closed."""
+        with self._cond:
+            while not (self._closed or self._soon or self._releases or self._verifies or self._prefilling
+                       or (self._waiting and self._admissible()) or self._driven()):
+                self._cond.wait()
+            self._gather_stragglers()
+            if self._closed:
+                closed = RuntimeError("the verifier is closed")
+                self._fail_all(closed)
+                if self.driver is not None:
+                    self.driver.stop(closed)
+                return False
+            soon, self._soon = self._soon, []
+            releases, self._releases = self._releases, []
+            gone = []
+            for session_id, _ in releases:
+                self._sessions.discard(session_id)
+                self._decoding.discard(session_id)
+                exc = RuntimeError(f"session {session_id!r} was released")
+                for opening in [o for o in self._waiting if o.session_id == session_id]:
+                    self._waiting.remove(opening)
+                    gone.append((opening.owner, exc))
+                opening = self._prefilling.pop(session_id, None)
+                if opening is not None:
+                    gone.append((opening.owner, exc))
+                _, verify = self._verifies.pop(session_id, (None, None))
+                if verify is not None:
+                    _settle(verify, exc=exc)
+        for owner, exc in gone:
+            owner.failed(exc)
+        for fn in soon:
+            fn()
+        for session_id, future in releases:
+            self.verifier.release(session_id)
+            _settle(future)
+        self._admit()
+        self.step()
+        return True
+
+    def _gather_stragglers(self) -> None:
+        """Under the lock, with Verify calls pending and nothing else to run: while only some called sessions
+        have their Verify in, wait for the others up to min(max_wait, half a step) (see module doc)."""
+        if not self._verifies or self._prefilling or self._releases or self._soon or self._driven():
+            return
+        deadline = time.monotonic() + min(self.max_wait, 0.5 * self._step_seconds)
+        while (len(self._verifies) < len(self._decoding) and not self._closed
+               and (remaining := deadline - time.monotonic()) > 0):
+            self._cond.wait(remaining)
+
+    def _admissible(self) -> bool:
+        head = self._waiting[0]
+        return self.verifier.can_admit(len(head.prompt), head.sampling)
+
+    def _admit(self) -> None:
+        """Admit waiting sessions in arrival order while the pool can reserve them; then tell their owners."""
+        admitted, refused = [], []
+        with self._cond:
+            while self._waiting:
+                head = self._waiting[0]
+                if head.owner.abandoned():  # its caller went away while it waited
+                    self._waiting.popleft()
+                    self._sessions.discard(head.session_id)
+                    continue
+                if not self.verifier.can_admit(len(head.prompt), head.sampling):
+                    break  # wait for blocks; later arrivals do not overtake it
+                self._waiting.popleft()
+                try:
+                    self.verifier.admit(head.session_id, head.prompt, head.sampling, head.features)
+                except Exception as exc:  # an invalid request
+                    self._sessions.discard(head.session_id)
+                    refused.append((head, exc))
+                    continue
+                self._prefilling[head.session_id] = head
+                admitted.append(head)
+        for opening, exc in refused:
+            opening.owner.failed(exc)
+        for opening in admitted:
+            if not opening.owner.admitted():  # gone meanwhile: its blocks go back
+                self.drop(opening.session_id)
+
+    def _pick_prefills(self, verify_tokens: int) -> list[str]:
+        """Prefilling sessions whose next chunk fits the step's token budget (at least one if nothing else)."""
+        budget = self.max_batch_tokens - verify_tokens
+        chosen = []
+        for session_id in self._prefilling:
+            chunk = self.verifier.next_chunk(session_id)
+            if (chosen or verify_tokens) and chunk > budget:
+                break
+            chosen.append(session_id)
+            budget -= chunk
+        return chosen
+
+    # ------------------------------------------------------------- the step
+    def step(self) -> None:
+        """One step on the loop thread: the driver's trees and the callers' Verifys, prompt chunks in what the
+        token budget leaves -> one forward with acceptance for all -> the driver commits, the futures resolve."""
+        driven = self.driver.draft() if self.driver is not None else []
+        with self._cond:
+            calls = {sid: (tree, f) for sid, (tree, f) in self._verifies.items() if _claim(f)}
+            self._verifies = {}
+            verifies = driven + [(sid, tree) for sid, (tree, _) in calls.items()]
+            rows = sum(tree.num_nodes + 1 for _, tree in verifies)
+            prefills = self._pick_prefills(rows)
+        if not verifies and not prefills:
+            return
+        chunk_tokens = sum(self.verifier.next_chunk(sid) for sid in prefills)
+        started = time.perf_counter()
+        try:
+            firsts, results = self.verifier.step(prefills, verifies)
+        except Exception as exc:  # a model failure: every session of the step gets it
+            log.exception("batched step failed")
+            firsts, results = exc, [exc] * len(verifies)
+        else:
+            seconds = time.perf_counter() - started
+            self._step_seconds = 0.8 * self._step_seconds + 0.2 * seconds
+            self.stats.record(seconds, len(verifies), rows, len(prefills), chunk_tokens, len(firsts))
+        if self.driver is not None:
+            self.driver.commit(results[: len(driven)])
+        for (_, future), result in zip(calls.values(), results[len(driven) :], strict=True):
+            if isinstance(result, Exception):
+                _settle(future, exc=result)
+            else:
+                _settle(future, result)
+        self._prefilled(prefills, firsts)
+
+    def _prefilled(self, prefills: list[str], firsts: dict[str, int] | Exception) -> None:
+        """Tell the owners of the step's prompt chunks whose prefill finished (or failed with the step)."""
+        told = []
+        with self._cond:
+            for session_id in prefills:
+                opening = self._prefilling.get(session_id)
+                if opening is None:  # dropped by the driver during this step's commit
+                    continue
+                if isinstance(firsts, Exception):
+                    del self._prefilling[session_id]
+                    self._sessions.discard(session_id)
+                    self.verifier.release(session_id)
+                    told.append((opening, firsts))
+                elif session_id in firsts:
+                    del self._prefilling[session_id]
+                    if not opening.driven:
+                        self._decoding.add(session_id)
+                    told.append((opening, PrefillResult(firsts[session_id], time.perf_counter() - opening.started,
+                                                        self.verifier.take_prompt_features(session_id))))
+        for opening, outcome in told:
+            if isinstance(outcome, Exception):
+                opening.owner.failed(outcome)
+            else:
+                opening.owner.prefilled(outcome)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for opening in [*self._waiting, *self._prefilling.values()]:
+            opening.owner.failed(exc)
+        for _, future in self._verifies.values():
+            if not future.cancelled():
+                _settle(future, exc=exc)
+        for _, future in self._releases:
+            _settle(future)
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._verifies.clear()
+        self._releases.clear()
+        self._soon.clear()
