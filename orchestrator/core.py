@@ -352,8 +352,6 @@ class _Admission:
     def admitted(self) -> bool:
         """KV reserved: open the drafter (inline: the proposer's prepare runs here) while the prompt prefills."""
         request = self.request
-        if request.status is Status.FINISHED:
-            return False
         request.status = Status.PREFILLING
         try:
             request.link.open(request.prompt, request.sampling)
@@ -364,8 +362,7 @@ class _Admission:
         return True
 
     def prefilled(self, result: PrefillResult) -> None:
-        if self.request.status is not Status.FINISHED:
-            self.core._start_decoding(self.request, result.first_token, result.seconds, result.features)
+        self.core._start_decoding(self.request, result.first_token, result.seconds, result.features)
 
     def failed(self, exc: BaseException) -> None:
         self.core._finish(self.request, exc)

@@ -21,6 +21,7 @@ from drafter_service.proposer import DraftSessionState, Proposer, make_proposer
 from orchestrator.drafter_link import only
 from orchestrator.engine import Engine
 from orchestrator.policy import StaticPolicy
+from specmesh.blocks import BlockAllocator
 from specmesh.contract import Budget
 from specmesh.model_runner import ModelRunner
 from specmesh.sampling import SamplingParams
@@ -191,6 +192,15 @@ def engine_for(
 def window_for(proposer: Proposer) -> LookaheadConfig | None:
     """The verifier window a proposer asks for (lookahead), as orchestrator/embedded.py configures it."""
     return LookaheadConfig(*proposer.feedback_window) if proposer.feedback_window is not None else None
+
+
+def fragment(allocator: BlockAllocator, rng: random.Random) -> None:
+    """Leave the pool's free blocks scattered: allocate everything in small tables, free every other one."""
+    tables = []
+    while allocator.num_free:
+        tables.append(allocator.allocate(allocator.block_size * min(rng.randint(1, 3), allocator.num_free)))
+    for table in tables[::2]:
+        allocator.free(table)
 
 
 def greedy(max_new_tokens: int, **kw) -> SamplingParams:

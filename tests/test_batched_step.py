@@ -16,9 +16,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from spec_helpers import fragment
 
 from specmesh import fast_llama
-from specmesh.blocks import BlockAllocator
 from specmesh.fast_llama import FastKVCache
 from specmesh.kv_pool import compact
 from specmesh.model_runner import TreeMask, tree_attend_mask
@@ -26,14 +26,6 @@ from specmesh.padded_attention import PAD_LIMIT
 from specmesh.tree import TokenTree, ancestor_mask
 from verifier_service.verification import verify_greedy, verify_greedy_chains
 from verifier_service.verifier import packed_runs
-
-
-def _fragment(allocator: BlockAllocator, rng: random.Random) -> None:
-    tables = []
-    while allocator.num_free:
-        tables.append(allocator.allocate(allocator.block_size * min(rng.randint(1, 3), allocator.num_free)))
-    for table in tables[::2]:
-        allocator.free(table)
 
 
 def _fill(runner, caches, rng: random.Random, lengths) -> None:
@@ -54,7 +46,7 @@ def test_batched_compaction_equals_per_session_keep(model_sets, fragmented):
     rng = random.Random(11)
     pool = runner.new_pool(num_blocks=400, block_size=4)
     if fragmented:
-        _fragment(pool.allocator, rng)
+        fragment(pool.allocator, rng)
     num = 7
     prefix = [rng.randint(1, 20) for _ in range(num)]
     rows = [rng.randint(1, 9) for _ in range(num)]
@@ -96,7 +88,7 @@ def test_padded_attention_equals_one_forward_per_session(model_sets, monkeypatch
     monkeypatch.setattr(fast_llama, "PAD_LIMIT", PAD_LIMIT if limit is None else limit * runner.kv_size)
     pool = runner.new_pool(num_blocks=400, block_size=4)
     if fragmented:
-        _fragment(pool.allocator, rng)
+        fragment(pool.allocator, rng)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 16))] for _ in range(6)]
     prompts.append([rng.randrange(128) for _ in range(30)])
     paged = [pool.open(len(p) + 40) for p in prompts]

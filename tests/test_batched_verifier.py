@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from spec_helpers import engine_for, greedy, make_prompts, window_for
+from spec_helpers import engine_for, fragment, greedy, make_prompts, window_for
 
 from drafter_service.proposer import make_proposer, proposer_names, proposer_spec
 from specmesh.blocks import BlockAllocator
@@ -53,15 +53,6 @@ def random_tree(rng: random.Random, vocab: int, max_nodes: int = 10, truth: list
             parents.append(rng.randrange(-1, i))
             tokens.append(rng.randrange(vocab))
     return TokenTree(np.array(tokens, np.int64), np.array(parents, np.int64), np.ones(n))
-
-
-def fragment(allocator: BlockAllocator, rng: random.Random) -> None:
-    """Leave the pool's free blocks scattered: allocate everything in small tables, free every other one."""
-    tables = []
-    while allocator.num_free:
-        tables.append(allocator.allocate(allocator.block_size * min(rng.randint(1, 3), allocator.num_free)))
-    for table in tables[::2]:
-        allocator.free(table)
 
 
 # ----------------------------------------------------------- forward_batch

@@ -117,6 +117,7 @@ class _Opening:
     owner: SessionOwner
     features: bool = False  # report the session's target features
     driven: bool = False  # the driver's (no Verify calls: never waited for as a straggler)
+    blocks: int = 0  # KV blocks its admission reserves (set when queued)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -266,8 +267,8 @@ class StepLoop:
         self._enqueue(_Opening(session_id, list(prompt), sampling, owner, features, driven=True))
 
     def drop(self, session_id: str) -> None:
-        """End a driver's session on the loop thread (waiting, prefilling or decoding): its blocks go back to the
-        pool now. No-op for an unknown one."""
+        """End a session on the loop thread (waiting, prefilling or decoding; a driver's, or one whose step
+        failed), its owner not told: its blocks go back to the pool now. No-op for an unknown one."""
         with self._cond:
             self._sessions.discard(session_id)
             self._waiting = deque(o for o in self._waiting if o.session_id != session_id)
@@ -318,7 +319,8 @@ class StepLoop:
     def _enqueue(self, opening: _Opening) -> None:
         """Queue a new session, or raise why it cannot wait (see ``open``)."""
         self.verifier.check_request(opening.prompt, opening.sampling)  # fixed configuration: no lock needed
-        need = self.verifier.allocator.blocks_for(self.verifier.reservation(len(opening.prompt), opening.sampling))
+        need = opening.blocks = self.verifier.allocator.blocks_for(
+            self.verifier.reservation(len(opening.prompt), opening.sampling))
         with self._cond:
             self._check_open()
             if opening.session_id in self._sessions:
@@ -339,12 +341,10 @@ class StepLoop:
         next round."""
         free, blocked = self.verifier.allocator.num_free, 0
         for opening in self._waiting:
-            blocks = self.verifier.allocator.blocks_for(self.verifier.reservation(len(opening.prompt),
-                                                                                  opening.sampling))
-            if blocked or blocks > free:
+            if blocked or opening.blocks > free:
                 blocked += 1
             else:
-                free -= blocks
+                free -= opening.blocks
         return (blocked > 0 or need > free) and blocked >= self.max_waiting
 
     # ------------------------------------------------------------- the loop
@@ -496,9 +496,7 @@ class StepLoop:
                 if opening is None:  # dropped by the driver during this step's commit
                     continue
                 if isinstance(firsts, Exception):
-                    del self._prefilling[session_id]
-                    self._sessions.discard(session_id)
-                    self.verifier.release(session_id)
+                    self.drop(session_id)
                     told.append((opening, firsts))
                 elif session_id in firsts:
                     del self._prefilling[session_id]
