@@ -14,7 +14,9 @@ the same requests in one process, one after the other:
 of four, from a proposer that costs nothing) with 1 request, on short prompts (the last --host-prompt-tokens
 of each: attention over a long context is the model's work, not the engine's); ms per step = wall time of
 the level / verifier steps (prefill steps included; every request is prompt + 128 tokens), µs per extra
-request = (ms/step at 64 - ms/step at 1) / 63.
+request = (ms/step at 64 - ms/step at 1) / 63. Each step is split into the model's arithmetic (the forward's wall
+time less the forward's own index and mask building: what a device would run; ``ForwardClock``) and the
+engine's host time (the rest), reported as "host ms/step" and "host µs/extra".
 (b) tokens/s at 1, 16 and 64 requests in flight, closed loop over the prompts, for ``ar`` and
 ``prompt_lookup_tree``.
 
@@ -96,20 +98,54 @@ def fixed_tree_proposer():
     return FixedTree()
 
 
+class ForwardClock:
+    """Wall time spent in the target's forward, less the forward's own host work (building the attention's
+    indices and masks): ``model_s`` is what a device would run, the rest of a step is the engine's host time.
+    On the CPU the forward is synchronous, so its wall time is its cost; on a GPU (launches are asynchronous)
+    the split is only meaningful with ``torch.cuda.synchronize`` per step, which this does not add."""
+
+    def __init__(self, runner) -> None:
+        from specmesh import fast_llama
+
+        self.model_s = 0.0
+        forward = runner.forward_batch
+
+        def timed_forward(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.model_s += time.perf_counter() - start
+
+        runner.forward_batch = timed_forward
+        for cls in (fast_llama._SdpaAttention, fast_llama._KernelAttention):  # their constructors: host work
+            init = cls.__init__
+
+            def timed_init(obj, *args, _init=init, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _init(obj, *args, **kwargs)
+                finally:
+                    self.model_s -= time.perf_counter() - start
+
+            cls.__init__ = timed_init
+
+
 # ------------------------------------------------------------------ drivers
-def run_core(core, method, prompts, concurrency: int, sampling) -> dict:
+def run_core(core, method, prompts, concurrency: int, sampling, clock: ForwardClock | None = None) -> dict:
     """Closed loop on the engine core through callbacks (``bench --concurrency``'s driver): ``concurrency``
     requests in flight, a finished request submits the next prompt (on the core thread). No client threads."""
     from orchestrator.requests import CoreEngine
     from specmesh.app.bench_load import run_level_on_core
 
-    steps = core.stats.steps
+    steps, model_s = core.stats.steps, clock.model_s if clock else 0.0
     level = [(str(i), prompt, sampling.max_new_tokens) for i, prompt in enumerate(prompts)]
     records, wall = run_level_on_core(CoreEngine(core, method), None, level, sampling, concurrency)
-    return {"wall_s": wall, "steps": core.stats.steps - steps, "outputs": {r["index"]: r["tokens"] for r in records}}
+    return {"wall_s": wall, "steps": core.stats.steps - steps, "outputs": {r["index"]: r["tokens"] for r in records},
+            "model_s": clock.model_s - model_s if clock else None}
 
 
-def run_threads(engine, verifier, prompts, concurrency: int, sampling) -> dict:
+def run_threads(engine, verifier, prompts, concurrency: int, sampling, clock: ForwardClock | None = None) -> dict:
     """Closed loop on the per-request engine: one client thread per request in flight."""
     queue = list(enumerate(prompts))
     lock = threading.Lock()
@@ -123,14 +159,15 @@ def run_threads(engine, verifier, prompts, concurrency: int, sampling) -> dict:
                 index, prompt = queue.pop(0)
             outputs[index] = engine.generate(prompt, sampling).token_ids
 
-    steps = verifier.stats.steps
+    steps, model_s = verifier.stats.steps, clock.model_s if clock else 0.0
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"wall_s": time.perf_counter() - start, "steps": verifier.stats.steps - steps, "outputs": outputs}
+    return {"wall_s": time.perf_counter() - start, "steps": verifier.stats.steps - steps, "outputs": outputs,
+            "model_s": clock.model_s - model_s if clock else None}
 
 
 # ------------------------------------------------------------------ the benchmark
@@ -146,6 +183,7 @@ def main() -> int:
                         "the host work; (b) uses whole prompts, as the vLLM peer does")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="requests in flight")
     p.add_argument("--engines", nargs="+", choices=["core", "threads"], default=["threads", "core"])
+    p.add_argument("--parts", nargs="+", choices=["a", "b"], default=["a", "b"], help="which parts to run")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--json", type=Path, default=None, help="write the report here (and the table beside it, .md)")
     args = p.parse_args()
@@ -158,6 +196,7 @@ def main() -> int:
     from orchestrator.drafter_link import only
     from orchestrator.engine import Engine
     from orchestrator.policy import StaticPolicy, resolve_budget
+    from specmesh.app.host_allocator import tune_host_allocator
     from specmesh.fast_llama import make_runner
     from specmesh.models import load_model, load_tokenizer
     from specmesh.sampling import SamplingParams
@@ -165,8 +204,10 @@ def main() -> int:
     from verifier_service.verifier import LocalVerifier
 
     torch.set_num_threads(args.threads)
+    tune_host_allocator()  # as the specmesh command does
     model_dir = build_model(args.model_dir)
     runner = make_runner(load_model(model_dir, torch.float32, "cpu"))
+    clock = ForwardClock(runner)
     prompts = load_prompts(args.prompts, load_tokenizer(model_dir), max(args.num_prompts, max(args.levels)))
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     kv_gb = 1.0
@@ -192,21 +233,26 @@ def main() -> int:
             try:
                 run_core(core, Method(only(drafter, name), policy), level_prompts[:2], 2,
                          SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
-                return run_core(core, Method(only(drafter, name), policy), level_prompts, concurrency, sampling)
+                return run_core(core, Method(only(drafter, name), policy), level_prompts, concurrency, sampling,
+                                clock)
             finally:
                 core.close()
         verifier = StepLoop(local)
         try:
             engine = Engine(verifier, only(drafter, name), policy, overlap=False)
             run_threads(engine, verifier, level_prompts[:2], 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
-            return run_threads(engine, verifier, level_prompts, concurrency, sampling)
+            return run_threads(engine, verifier, level_prompts, concurrency, sampling, clock)
         finally:
             verifier.close()
 
     rows, reference = [], {}
     short = [p[-args.host_prompt_tokens:] for p in prompts]
-    plan = [("a", "ar", n, short[:n]) for n in args.levels] + [("a", "fixed_tree", 1, short[:1])]
-    plan += [("b", name, n, prompts[: args.num_prompts]) for name in ("ar", "prompt_lookup_tree") for n in args.levels]
+    plan = []
+    if "a" in args.parts:
+        plan += [("a", "ar", n, short[:n]) for n in args.levels] + [("a", "fixed_tree", 1, short[:1])]
+    if "b" in args.parts:
+        plan += [("b", name, n, prompts[: args.num_prompts]) for name in ("ar", "prompt_lookup_tree")
+                 for n in args.levels]
     for part, name, n, level_prompts in plan:
         for kind in args.engines:
             out = run(kind, name, level_prompts, n)
@@ -219,18 +265,23 @@ def main() -> int:
             row = {"part": part, "engine": kind, "method": name, "concurrency": n, "requests": len(level_prompts),
                    "tokens": tokens, "wall_s": out["wall_s"], "steps": out["steps"],
                    "ms_per_step": out["wall_s"] / out["steps"] * 1e3, "tokens_per_s": tokens / out["wall_s"],
+                   "model_ms_per_step": out["model_s"] / out["steps"] * 1e3,
+                   "host_ms_per_step": (out["wall_s"] - out["model_s"]) / out["steps"] * 1e3,
                    "greedy_match_ar": match}
             rows.append(row)
             print(f"({part}) {kind:7s} {name:18s} x{n:<3d} {row['ms_per_step']:7.3f} ms/step "
-                  f"{row['tokens_per_s']:8.0f} tok/s  steps {out['steps']}", file=sys.stderr)
+                  f"(host {row['host_ms_per_step']:6.3f}) {row['tokens_per_s']:8.0f} tok/s  steps {out['steps']}",
+                  file=sys.stderr)
     for kind in args.engines:
-        plain = {r["concurrency"]: r["ms_per_step"] for r in rows
-                 if r["part"] == "a" and r["engine"] == kind and r["method"] == "ar"}
-        lo, hi = min(plain), max(plain)
+        plain = {r["concurrency"]: r for r in rows if r["part"] == "a" and r["engine"] == kind and r["method"] == "ar"}
+        lo, hi = min(plain, default=0), max(plain, default=0)
         if hi > lo:
-            per_extra = (plain[hi] - plain[lo]) / (hi - lo) * 1e3
+            per_extra = {key: (plain[hi][key] - plain[lo][key]) / (hi - lo) * 1e3
+                         for key in ("ms_per_step", "model_ms_per_step", "host_ms_per_step")}
             rows.append({"part": "a", "engine": kind, "method": "ar", "concurrency": f"per extra request ({lo}->{hi})",
-                         "us_per_extra_request": per_extra})
+                         "us_per_extra_request": per_extra["ms_per_step"],
+                         "model_us_per_extra_request": per_extra["model_ms_per_step"],
+                         "host_us_per_extra_request": per_extra["host_ms_per_step"]})
     report = {"command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "python": platform.python_version(), "torch": torch.__version__, "threads": args.threads,
               "model_dir": str(model_dir), "max_new_tokens": args.max_new_tokens, "rows": rows}
@@ -245,14 +296,17 @@ def main() -> int:
 
 
 def render(report: dict) -> str:
-    lines = ["| part | engine | method | requests in flight | ms/step | µs/extra request | tokens/s | greedy = ref |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| part | engine | method | requests in flight | ms/step | host ms/step | model ms/step | µs/extra request "
+             "| host µs/extra | tokens/s | greedy = ref |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     def fmt(r: dict, key: str, digits: int) -> str:
         return "–" if r.get(key) is None else f"{r[key]:.{digits}f}"
 
     for r in report["rows"]:
         lines.append(f"| ({r['part']}) | {r['engine']} | {r['method']} | {r['concurrency']} | {fmt(r, 'ms_per_step', 3)} | "
-                     f"{fmt(r, 'us_per_extra_request', 0)} | {fmt(r, 'tokens_per_s', 0)} | {fmt(r, 'greedy_match_ar', 2)} |")
+                     f"{fmt(r, 'host_ms_per_step', 3)} | {fmt(r, 'model_ms_per_step', 3)} | "
+                     f"{fmt(r, 'us_per_extra_request', 0)} | {fmt(r, 'host_us_per_extra_request', 0)} | "
+                     f"{fmt(r, 'tokens_per_s', 0)} | {fmt(r, 'greedy_match_ar', 2)} |")
     return "\n".join(lines)
 
 

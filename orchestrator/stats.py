@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is built per request and step, and a frozen init costs 5x (2.5 µs)
 class StepStats:
     num_proposed: int  # tree nodes sent to the verifier
     tree_depth: int

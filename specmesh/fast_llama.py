@@ -186,19 +186,19 @@ class _SdpaAttention:
         index = [np.concatenate([c.host_slots[a:b] for c, a, b in zip(caches, starts, ends, strict=True)])]
         if padded.any():
             chosen = np.flatnonzero(padded)
-            layout = padded_layout([caches[r].host_slots for r in chosen], starts[chosen], num_new[chosen],
-                                   cu[chosen], [attends[r] for r in chosen], total)
+            layout = padded_layout([caches[r].table for r in chosen], self.pool.block_size, starts[chosen],
+                                   num_new[chosen], cu[chosen], [attends[r] for r in chosen], total)
             rows = None
             if not padded.all():  # the packed rows the padded call answers
                 rows = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in chosen])
-            parts = [layout.key_slots, layout.query_rows, layout.out_rows, rows]
+            parts = [layout.key_blocks, layout.unwritten, layout.query_rows, layout.out_rows, rows]
             index += [p for p in parts if p is not None]
         pieces = list(torch.from_numpy(np.concatenate(index)).to(self.runner.device).split([len(p) for p in index]))
         self.write_slots = pieces.pop(0)
         if padded.any():
-            key_slots, query_rows, out_rows, rows = (None if p is None else pieces.pop(0) for p in parts)
+            key_blocks, unwritten, query_rows, out_rows, rows = (None if p is None else pieces.pop(0) for p in parts)
             mask = None if layout.mask is None else torch.from_numpy(layout.mask).to(self.runner.device)
-            self.padded = (layout, key_slots, query_rows, out_rows, mask, rows)
+            self.padded = (layout, key_blocks, unwritten, query_rows, out_rows, mask, rows)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [heads, T, head_dim]; k/v: [kv_heads, T, head_dim] -> [T, heads * head_dim]."""
@@ -219,9 +219,9 @@ class _SdpaAttention:
             )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size))  # [n, heads * head_dim]
         if self.padded is None:
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, heads * head_dim]
-        layout, key_slots, query_rows, out_rows, mask, padded_rows = self.padded
-        attn = padded_sdpa(q, self.pool.keys[layer], self.pool.values[layer], layout, key_slots, query_rows,
-                           out_rows, mask, runner.scale)  # [padded sessions' rows, heads * head_dim]
+        layout, key_blocks, unwritten, query_rows, out_rows, mask, padded_rows = self.padded
+        attn = padded_sdpa(q, self.pool.keys[layer], self.pool.values[layer], layout, key_blocks, unwritten,
+                           query_rows, out_rows, mask, runner.scale)  # [padded sessions' rows, heads * head_dim]
         if padded_rows is None:
             return attn
         out = attn.new_empty(q.shape[1], runner.q_size)

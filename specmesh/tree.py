@@ -53,8 +53,8 @@ class TokenTree:
             (source,) * n,
         )
 
-    @property
-    def num_nodes(self) -> int:
+    @cached_property
+    def num_nodes(self) -> int:  # read several times per tree and step: computed once
         return int(self.tokens.shape[0])
 
     def __len__(self) -> int:
@@ -183,6 +183,8 @@ class TokenTree:
     def validate(self, vocab_size: int, max_nodes: int | None = None, max_depth: int | None = None) -> TokenTree:
         """Raise InvalidTreeError unless the tree keeps the contract; returns self."""
         n = self.num_nodes
+        if n == 0 and self.__dict__.get("_valid_empty") and (max_nodes is None or max_nodes >= 0):
+            return self  # an empty tree passed once (no element can change): every plain step's shared tree
         for name in ("tokens", "parents", "draft_probs"):
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.shape[0] != n:
@@ -197,6 +199,7 @@ class TokenTree:
         if max_nodes is not None and n > max_nodes:
             raise InvalidTreeError(f"tree has {n} nodes, more than the limit {max_nodes}")
         if n == 0:
+            self.__dict__["_valid_empty"] = True  # frozen: the instance dict, as cached_property does
             return self
         idx = np.arange(n)
         bad = (self.parents < -1) | (self.parents >= idx)

@@ -4,7 +4,7 @@
   fragmented tables) leaves every session's cache as ``keep`` one session at a time does.
 - The padded SDPA path (many sessions with short contexts in one call: decode rows, chains,
   trees, dense masks, sessions of different lengths, mixed with long per-session ones) gives the
-  logits and KV entries of one forward per session.
+  logits and KV entries of one forward per session, in a pool whose unwritten slots hold NaN.
 - ``verify_greedy_chains`` equals ``verify_greedy`` on every chain (the empty tree included).
 - ``packed_runs`` lists the rows of its runs in order.
 """
@@ -87,6 +87,8 @@ def test_padded_attention_equals_one_forward_per_session(model_sets, monkeypatch
     # mixed: sessions up to 18 positions share the padded call, longer ones (and those crossing it) keep their own
     monkeypatch.setattr(fast_llama, "PAD_LIMIT", PAD_LIMIT if limit is None else limit * runner.kv_size)
     pool = runner.new_pool(num_blocks=400, block_size=4)
+    pool.keys.fill_(float("nan"))  # what an unwritten slot may hold (the pool is torch.empty): it must never leak
+    pool.values.fill_(float("nan"))
     if fragmented:
         fragment(pool.allocator, rng)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 16))] for _ in range(6)]

@@ -127,7 +127,7 @@ class _Session:
         return self.pending < 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Row:
     """One request's part of a batched forward."""
 
@@ -140,12 +140,13 @@ class _Row:
     input_ids: np.ndarray | None = None  # [num_new]
     positions: np.ndarray | None = None  # [num_new]
     attend: TreeMask | None = None  # verify: the rows' tree mask; None = causal
+    # verify: logits rows the step needs, [pending, tree nodes..., the window's top level]: a lower level's
+    # prediction is never used (its successor in the column is already fed), so its LM head is skipped
+    num_out: int = 0
 
-    @property
-    def num_out(self) -> int:
-        """Verify: logits rows the step needs, [pending, tree nodes..., the window's top level]: a lower level's
-        prediction is never used (its successor in the column is already fed), so its LM head is skipped."""
-        return 1 + self.tree.num_nodes + self.span
+    def __post_init__(self) -> None:
+        if self.tree is not None:
+            self.num_out = 1 + self.tree.num_nodes + self.span
 
 
 class LocalVerifier:
@@ -441,6 +442,9 @@ class LocalVerifier:
         if prefix_len + 1 + tree.max_depth + 1 > self.info.max_positions:
             raise InvalidTreeError("tree would run past the target's context length")
         window = session.window
+        if window is None and not tree.num_nodes:  # plain decoding: the pending token alone, causal
+            self._check_capacity(session, prefix_len + 1)
+            return _Row(session, start, 1, prefix_len, tree, 0, np.array([session.pending]), np.array([prefix_len]))
         if window is None:  # no lookahead: [pending, tree]
             span, levels = 0, 1
             input_ids = np.empty(1 + tree.num_nodes, np.int64)
@@ -450,10 +454,7 @@ class LocalVerifier:
             span, levels = window_span(prefix_len, self.lookahead, self.info.max_positions), self._levels
             guesses = window_inputs(window, span)  # [levels * span]
             input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
-        capacity = getattr(session.cache, "capacity", None)
-        if capacity is not None and prefix_len + len(input_ids) > capacity:
-            raise ValueError(f"the step needs {prefix_len + len(input_ids)} KV positions, more than the session "
-                             f"reserved at admission ({capacity}: prompt + max_new_tokens + the largest tree)")
+        self._check_capacity(session, prefix_len + len(input_ids))
         if rows_are_causal(tree.num_nodes, tree.is_chain, span, levels):  # one chain in row order: causal
             positions = np.arange(prefix_len, prefix_len + len(input_ids))
             attend = None
@@ -465,6 +466,13 @@ class LocalVerifier:
             # builds the dense mask on its device (SDPA, HF)
             attend = TreeMask(prefix_len, torch.from_numpy(ancestor_mask(branch_parents(tree.parents, span, levels))))
         return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids, positions, attend)
+
+    @staticmethod
+    def _check_capacity(session: _Session, positions: int) -> None:
+        capacity = getattr(session.cache, "capacity", None)
+        if capacity is not None and positions > capacity:
+            raise ValueError(f"the step needs {positions} KV positions, more than the session reserved at admission "
+                             f"({capacity}: prompt + max_new_tokens + the largest tree)")
 
     @staticmethod
     def _compact(rows: Sequence[_Row], acceptances: Sequence[Acceptance]) -> None:

@@ -39,6 +39,7 @@ from ray.serve.handle import DeploymentHandle
 
 from specmesh import rpc, serving
 from specmesh.app.autoscaling import DRAFT_BUSY, DRAFT_LATENCY_MS, KV_USAGE, SESSIONS
+from specmesh.app.host_allocator import tune_host_allocator
 
 log = logging.getLogger("specmesh.deploy")
 
@@ -184,6 +185,7 @@ async def host_servicer(kind: str, options: list[str], build_servicer: Callable,
     """`specmesh <kind>`'s servicer, built from its command-line ``options`` as the command builds it (the model
     loaded off the event loop), served and announced: (servicer, HostedService)."""
     args = parse_options(kind, options, REPLICA_OPTIONS)
+    tune_host_allocator()  # as the specmesh command does (host_allocator.py)
     serving.setup_logging(args)
     serving.setup_tracing(args)
     security = _or_runtime_error(serving.server_security, args)
