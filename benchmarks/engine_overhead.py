@@ -196,8 +196,8 @@ def main() -> int:
     from orchestrator.drafter_link import only
     from orchestrator.engine import Engine
     from orchestrator.policy import StaticPolicy, resolve_budget
-    from specmesh.app.host_allocator import tune_host_allocator
     from specmesh.fast_llama import make_runner
+    from specmesh.host_runtime import freeze_heap, tune_host_allocator
     from specmesh.models import load_model, load_tokenizer
     from specmesh.sampling import SamplingParams
     from verifier_service.step_loop import StepLoop
@@ -208,6 +208,7 @@ def main() -> int:
     model_dir = build_model(args.model_dir)
     runner = make_runner(load_model(model_dir, torch.float32, "cpu"))
     clock = ForwardClock(runner)
+    freeze_heap()  # as the specmesh commands do once their models are loaded
     prompts = load_prompts(args.prompts, load_tokenizer(model_dir), max(args.num_prompts, max(args.levels)))
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     kv_gb = 1.0

@@ -25,6 +25,7 @@ from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, l
 from orchestrator.requests import CoreEngine, Method, RequestOutput
 from specmesh import models
 from specmesh.fast_llama import make_runner
+from specmesh.host_runtime import freeze_heap
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_model, load_tokenizer
 from verifier_service.lookahead import LookaheadConfig
@@ -219,8 +220,10 @@ def load_stack(args: argparse.Namespace) -> EmbeddedStack:
         device = models.resolve_device(args.device)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
-    return EmbeddedStack.load(
+    stack = EmbeddedStack.load(
         target, draft, models.torch_dtype(args.dtype, device), models.draft_dtype(args.draft_dtype, args.dtype, device),
         runner=args.runner, attention=args.attention, store_spec=getattr(args, "ngram_store", None),
         lookahead=getattr(args, "lookahead", None), device=device, kv_cache_gb=getattr(args, "kv_cache_gb", None),
     )
+    freeze_heap()  # the models are loaded: the GC never walks them again (specmesh/host_runtime.py)
+    return stack

@@ -7,7 +7,7 @@ of a short context; gathering every session's keys from the paged pool into
 keys instead. The copy grows with the context while the per-call overhead does not, so the fast
 runner batches only the sessions whose keys are small (``PAD_LIMIT``) and keeps one SDPA per session
 for the rest. Measured on this project's 2-core VM (1-layer, 128-wide Llama, 64 decoding sessions of
-mixed lengths, glibc tuned as ``specmesh/app/host_allocator.py`` does), a whole verify step: padded
+mixed lengths, glibc tuned as ``specmesh/host_runtime.py`` does), a whole verify step: padded
 12 % faster at 32-48 positions, 6 % slower at 80-120, 12 % slower at 150-225 and 1.7x slower at
 600-900; so the limit is the break-even, ~80 positions of 128 key elements.
 

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from specmesh import rpc, tracing
+from specmesh.host_runtime import freeze_heap
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,6 +133,7 @@ def serve(
             if task is not None:
                 task.cancel()
 
+    freeze_heap()  # everything is built: the GC never walks it again (host_runtime.py)
     try:
         asyncio.run(main())
     except OSError as exc:  # cannot listen: one line, not a traceback

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specmesh.app.host_allocator import tune_host_allocator
+from specmesh.host_runtime import tune_host_allocator
 from specmesh.models import int_at_least, positive_int
 
 non_negative_int = int_at_least(0)
@@ -362,7 +362,7 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tune_host_allocator()  # host_allocator.py: no page faults on the step's tensors
+    tune_host_allocator()  # host_runtime.py: no page faults on the step's tensors
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser([command] if command in COMMANDS else []).parse_args(argv)

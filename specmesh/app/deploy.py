@@ -39,7 +39,7 @@ from ray.serve.handle import DeploymentHandle
 
 from specmesh import rpc, serving
 from specmesh.app.autoscaling import DRAFT_BUSY, DRAFT_LATENCY_MS, KV_USAGE, SESSIONS
-from specmesh.app.host_allocator import tune_host_allocator
+from specmesh.host_runtime import freeze_heap, tune_host_allocator
 
 log = logging.getLogger("specmesh.deploy")
 
@@ -185,11 +185,12 @@ async def host_servicer(kind: str, options: list[str], build_servicer: Callable,
     """`specmesh <kind>`'s servicer, built from its command-line ``options`` as the command builds it (the model
     loaded off the event loop), served and announced: (servicer, HostedService)."""
     args = parse_options(kind, options, REPLICA_OPTIONS)
-    tune_host_allocator()  # as the specmesh command does (host_allocator.py)
+    tune_host_allocator()  # as the specmesh command does (host_runtime.py)
     serving.setup_logging(args)
     serving.setup_tracing(args)
     security = _or_runtime_error(serving.server_security, args)
     servicer = await asyncio.to_thread(_or_runtime_error, build_servicer, args)
+    freeze_heap()  # built: the GC never walks it again (specmesh/host_runtime.py)
     hosted = await HostedService.start(kind, servicer, add_to_server, service_name, security, membership, heartbeat_s)
     return servicer, hosted
 

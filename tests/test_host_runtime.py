@@ -1,4 +1,5 @@
-"""The glibc tuning of processes that run a model: it takes effect, once, and never where the user chose.
+"""The host runtime of processes that run a model: glibc's tuning takes effect, once, and never where the user
+chose; the heap freeze hides what was built from the cyclic GC, unless turned off.
 
 Each case runs in a fresh interpreter (the thresholds are process-wide). The effect is read back from
 glibc itself: an 8 MiB block (above glibc's default mmap threshold, below the tuned one) is mapped on its
@@ -18,7 +19,7 @@ import pytest
 PROBE = """
 import ctypes, ctypes.util, json, os, sys
 os.environ.update(json.loads(sys.argv[1]))
-from specmesh.app.host_allocator import MMAP_THRESHOLD, tune_host_allocator
+from specmesh.host_runtime import MMAP_THRESHOLD, tune_host_allocator
 first, again = tune_host_allocator(), tune_host_allocator()
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -66,3 +67,22 @@ def test_tuned_once_and_a_large_block_stays_in_the_heap():
 def test_left_alone_where_the_user_chose(env):
     # the variables are set after start-up, so glibc itself still runs on its defaults: the block is mapped
     assert _probe(env) == {"first": False, "again": False, "mapped": 1}
+
+
+FREEZE_PROBE = """
+import gc, json, os, sys
+os.environ.update(json.loads(sys.argv[1]))
+from specmesh.host_runtime import freeze_heap
+built = [[i] for i in range(1000)]  # what start-up built
+frozen = freeze_heap()
+print(json.dumps({"frozen": frozen, "count": gc.get_freeze_count() >= len(built)}))
+"""
+
+
+@pytest.mark.parametrize(("env", "frozen"), [({}, True), ({"SPECMESH_GC_FREEZE": "0"}, False)], ids=["on", "off"])
+def test_freeze_heap_hides_what_was_built(env, frozen):
+    clean = {k: v for k, v in os.environ.items() if k != "SPECMESH_GC_FREEZE"}
+    out = subprocess.run([sys.executable, "-c", FREEZE_PROBE, json.dumps(env)], env=clean, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"frozen": frozen, "count": frozen}
