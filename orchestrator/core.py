@@ -1,4 +1,5 @@
-"""The engine core: every request of an in-process verifier, stepped by one loop on one thread.
+"""The engine core: every request of one verifier (in process, or a replica over gRPC), stepped by one loop on
+one thread.
 
 Requests are data, not threads (vLLM V1's EngineCore, SGLang's scheduler). A front end
 ``submit``s a request with a ``RequestOutput`` (where its events go: a thread-safe queue for
@@ -6,8 +7,9 @@ a blocking consumer, ``call_soon_threadsafe`` into an asyncio queue for a server
 ``cancel`` it by id; the loop's thread does everything else.
 
 The loop is the verifier's ``StepLoop`` (verifier_service/step_loop.py), the same one that
-serves a verifier replica's gRPC calls; the core is its driver. ``StepLoop.step`` is the whole
-of one engine step, top to bottom:
+serves a verifier replica's gRPC calls; the core is its driver. (Over a replica it is a
+``RemoteStepLoop``, orchestrator/remote_loop.py: the same step with the forward one Verify call per
+request, sent together.) ``StepLoop.step`` is the whole of one engine step, top to bottom:
 
     EngineCore.draft        every running request's tree (drafted now, or ahead during the last step)
     -> the callers' Verifys, prompt chunks within the token budget
@@ -35,22 +37,28 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 from orchestrator.drafter_link import DrafterLink, PendingDraft
 from orchestrator.engine import GenerationResult, StepEvent
 from orchestrator.overlap import predraft_budget, reusable_subtree
+from orchestrator.remote_loop import RemoteStepLoop
 from orchestrator.requests import Method, Predraft, Request, RequestOutput, Status
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
-from orchestrator.tracing_steps import STEP_SPAN, step_attributes, step_start_attributes
+from orchestrator.tracing_steps import PREFILL_SPAN, STEP_SPAN, step_attributes, step_start_attributes
 from specmesh import tracing
 from specmesh.contract import Budget, PrefillResult, VerifyCosts, VerifyResult
 from specmesh.feedback import TargetFeatures
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
+from verifier_service.remote import VerifierClient
 from verifier_service.step_loop import StepLoop
-from verifier_service.verifier import LocalVerifier
+
+if TYPE_CHECKING:  # torch: `serve` over replicas runs no model and never imports it
+    from verifier_service.verifier import LocalVerifier
 
 log = logging.getLogger("specmesh.core")
 EMPTY_TREE = TokenTree.empty()  # every plain step's tree: one shared instance (its derived arrays computed once)
@@ -61,22 +69,29 @@ class EngineCore:
     """Every request of one in-process verifier, stepped by a ``StepLoop`` whose driver this is (see module doc).
     Thread-safe: ``submit`` / ``cancel`` / ``close`` from any thread; the driver's methods run on the loop's."""
 
-    def __init__(self, verifier: LocalVerifier, decode: Callable[[list[int]], str] | None = None,
+    def __init__(self, verifier: LocalVerifier | VerifierClient, decode: Callable[[list[int]], str] | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_waiting: int = DEFAULT_MAX_WAITING,
                  costs: VerifyCosts | None = None, name: str = "engine-core") -> None:
-        """``decode``: token ids -> text, for stop strings; ``max_batch_tokens``: rows of one forward (prompt
+        """``verifier``: the target in this process (a ``StepLoop`` steps it), or a verifier replica whose
+        ``fetch_info`` succeeded (a ``RemoteStepLoop`` sends it the steps: orchestrator/remote_loop.py).
+        ``decode``: token ids -> text, for stop strings; ``max_batch_tokens``: rows of one forward (prompt
         chunks fill what the running requests leave); ``max_waiting``: requests waiting for KV blocks before
-        the next is refused; ``costs``: the forward's measured costs, for load-aware policies."""
+        the next is refused (both: in process; a replica has its own); ``costs``: the forward's measured costs,
+        for load-aware policies (a replica's: what it reported)."""
         self.verifier = verifier
         self.info = verifier.info
         self.decode = decode
-        self.costs = costs
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # every unfinished request (submitters add, the loop removes)
         self._running: dict[str, Request] = {}  # decoding; the loop thread's
         self._step: tuple[list[Request], list, float, int, Future | None] | None = None  # draft() -> commit()
         self._drafting: ThreadPoolExecutor | None = None  # overlap: drafts ahead while a forward runs
-        self.loop = StepLoop(verifier, max_batch_tokens, max_waiting, costs=costs, driver=self, name=name)
+        if isinstance(verifier, VerifierClient):
+            self.costs = costs or verifier.costs
+            self.loop = RemoteStepLoop(verifier, self, name)
+        else:
+            self.costs = costs
+            self.loop = StepLoop(verifier, max_batch_tokens, max_waiting, costs=costs, driver=self, name=name)
         self.stats = self.loop.stats  # what /metrics and benchmarks read (VerifierMetrics)
 
     # --------------------------------------------------------------- front end
@@ -89,8 +104,8 @@ class EngineCore:
         prompt = [int(t) for t in prompt]
         request_id = request_id or uuid.uuid4().hex
         committed: list[int] = []
-        link = DrafterLink(method.drafters, request_id, self.info.vocab_size, committed, background=False,
-                           strict=method.strict)
+        link = DrafterLink(method.drafters, request_id, self.info.vocab_size, committed,
+                           background=method.background, strict=method.strict)
         stats = RequestStats(prompt_tokens=len(prompt), acceptance=sampling.acceptance)
         request = Request(request_id, prompt, sampling, method, output,
                           StopChecker(sampling, self.info.eos_token_ids, self.decode),
@@ -130,6 +145,24 @@ class EngineCore:
     @property
     def num_waiting(self) -> int:
         return self.loop.num_waiting
+
+    def traced(self, request_id: str, call: str):
+        """A context manager making current the span a remote loop's call for the request belongs under, so the
+        gRPC call's span joins the request's trace: "prefill" opens the request's prefill span (ended when the
+        first token commits), "verify" its step span (ended at the step's commit), "release" the request's own.
+        Nothing while the request is not traced (on the loop thread)."""
+        request = self._requests.get(request_id)
+        if request is None or request.trace is None or not request.trace.is_recording():
+            return nullcontext()
+        if call == "prefill":
+            request.prefill_span = tracing.start_child(request.trace, PREFILL_SPAN, {
+                "specmesh.session.id": request_id, "specmesh.prefill.prompt_tokens": len(request.prompt)})
+            return tracing.use(request.prefill_span)
+        if call == "verify":
+            started_ns = self._step[3] if self._step is not None else None
+            request.step_span = tracing.start_child(request.trace, STEP_SPAN, start_ns=started_ns)
+            return tracing.use(request.step_span)
+        return tracing.use(request.trace)
 
     def _cancel(self, request_id: str) -> None:
         request = self._requests.get(request_id)
@@ -213,7 +246,8 @@ class EngineCore:
     def _start_predrafts(self, running: list[Request], drafts) -> Future | None:
         """Start drafting, on the drafting thread, the next tree of every overlapping request, from its committed
         tokens + this step's tree's main line (one call for all of them; the links run inline there). Only that
-        thread touches those requests' links until ``_join_predrafts``."""
+        thread touches those requests' links until ``_join_predrafts``. A background link's request (a remote
+        drafter) is asked from here: its call runs on the drafting pool, and one hop fewer is ~0.1 ms a step."""
         jobs = []
         for request, (tree, _, _) in zip(running, drafts, strict=True):
             if not (request.method.overlap and request.link.active):
@@ -226,6 +260,11 @@ class EngineCore:
             hypothesis = tree.tokens[path].tolist()
             request.ahead = Predraft(hypothesis, budget, threading.Event())
             jobs.append(request)
+        # a background link's calls run on the drafting pool: asking it here does not hold the step up
+        inline = [r for r in jobs if r.method.background]
+        if inline:
+            _draft_ahead(inline)
+        jobs = [r for r in jobs if not r.method.background]
         if not jobs:
             return None
         if self._drafting is None:
@@ -235,12 +274,11 @@ class EngineCore:
     def _join_predrafts(self, ahead: Future | None) -> None:
         """The forward is over: a greedy request's pre-draft stops where it is (its contents never change greedy
         output); a sampled one runs to its budget (a seed then reproduces). Waits for the drafting thread."""
-        if ahead is None:
-            return
         for request in self._running.values():
             if request.ahead is not None and request.sampling.greedy:
                 request.ahead.stop.set()
-        ahead.result()
+        if ahead is not None:
+            ahead.result()
 
     def _take_predraft(self, request: Request, verified: VerifyResult) -> dict:
         """Collect the request's pre-draft: the part that drafts past what this step committed becomes its next
@@ -266,6 +304,9 @@ class EngineCore:
         """The prefill finished: commit the first token and hand the prompt's features to the drafter."""
         request.status = Status.RUNNING
         self._running[request.request_id] = request
+        if request.prefill_span is not None:
+            request.prefill_span.end()
+            request.prefill_span = None
         request.stats.prefill_seconds = seconds
         if features is not None:
             request.link.add_features(features)
@@ -310,7 +351,12 @@ class EngineCore:
         )
         if request.trace is not None:  # the step as the request's child span (nothing while tracing is off)
             attrs = step_start_attributes(len(request.stats.steps), request.link.drafter_name)
-            tracing.child_span(request.trace, STEP_SPAN, started_ns, time.time_ns(), attrs | step_attributes(step))
+            if request.step_span is not None:  # opened when the step's Verify was sent (a remote loop's)
+                request.step_span.set_attributes(attrs | step_attributes(step))
+                request.step_span.end()
+                request.step_span = None
+            else:
+                tracing.child_span(request.trace, STEP_SPAN, started_ns, time.time_ns(), attrs | step_attributes(step))
         request.stats.steps.append(step)
         emitted = request.stopper.push(result.tokens)
         request.result.text_limit = request.stopper.text_limit
@@ -326,9 +372,16 @@ class EngineCore:
         with self._lock:
             self._requests.pop(request.request_id, None)
         self._running.pop(request.request_id, None)
-        self.loop.drop(request.request_id)
-        try:
-            request.link.close(len(request.stopper.generated))
+        for span in (request.prefill_span, request.step_span):  # a remote call still open: the request ended
+            if span is not None:
+                if error is not None:
+                    tracing.record_error(span, error)
+                span.end()
+        request.prefill_span = request.step_span = None
+        with tracing.use(request.trace) if request.trace is not None else nullcontext():
+            self.loop.drop(request.request_id)  # a remote loop's Release joins the request's trace
+        try:  # a background link's closing calls are queued on its worker: the loop does not wait for them
+            request.link.close(len(request.stopper.generated), wait=not request.method.background)
         except Exception:  # closing is best effort (a strict link may raise on its sync)
             log.debug("closing the drafter of %s failed", request.request_id, exc_info=True)
         stats, stopper = request.stats, request.stopper
@@ -354,8 +407,10 @@ class _Admission:
         request = self.request
         request.status = Status.PREFILLING
         try:
-            request.link.open(request.prompt, request.sampling)
-            request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)
+            with tracing.use(request.trace) if request.trace is not None else nullcontext():
+                request.link.open(request.prompt, request.sampling)  # a remote drafter's stream: in the trace
+            if not request.method.background:  # a background open's failure shows at its first draft instead
+                request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)
         except Exception as exc:
             self.core._finish(request, exc)
             return False
@@ -374,13 +429,15 @@ class _Admission:
 def draft_batch(items: Sequence[tuple[Request, Budget, list[int], threading.Event | None]]) -> list[PendingDraft | None]:
     """Ask each (request, budget, hypothesis, stop)'s drafter for a tree from its committed tokens + hypothesis:
     the calls to one drafter that takes many at once (``LocalDrafter.propose_many``: a draft model runs one
-    forward per level for all of them) in one call, others one by one (inline links). Each item's PendingDraft
+    forward per level for all of them) in one call, others one by one (inline links; background ones start on
+    the drafting pool, all before any is collected). Each item's PendingDraft
     for ``DrafterLink.collect`` (None: no drafter)."""
     pendings: list[PendingDraft | None] = [None] * len(items)
     groups: dict[int, tuple[object, list]] = {}
     for i, (request, budget, hypothesis, stop) in enumerate(items):
         drafter = request.link.drafter
-        if drafter is not None and hasattr(drafter, "propose_many"):
+        # a background link's calls go through its worker, in order (its drafter may still be opening there)
+        if drafter is not None and hasattr(drafter, "propose_many") and not request.method.background:
             groups.setdefault(id(drafter), (drafter, []))[1].append((i, request.link.prepare(budget, hypothesis, stop)))
         else:
             pendings[i] = request.link.start(budget, hypothesis, stop)

@@ -226,24 +226,29 @@ class DrafterLink:
             except Exception as exc:
                 self.fail(exc)
 
-    def close(self, num_emitted: int) -> None:
+    def close(self, num_emitted: int, wait: bool = True) -> None:
         """Stop drafting ahead, close the drafter in use and the worker. Before closing, the drafter's context
         is brought to exactly the first ``num_emitted`` committed tokens (a stop may cut the last step), with
         the last feedback, so proposers that learn from finished sessions see them (bounded by SYNC_TIMEOUT_S,
-        best effort)."""
+        best effort). ``wait=False`` (a background worker): both calls are queued on the worker, in that order,
+        and the caller goes on (an engine core's loop must not wait for a remote drafter)."""
         self._stop_predraft()
         in_use, self._in_use = self._in_use, None
         if in_use is not None:
             emitted = self.committed[:num_emitted]
             rollback, new = self.view.edit(emitted)
             budget = Budget(0, 0, deadline=time.monotonic() + SYNC_TIMEOUT_S)
+            sync = self.worker.propose(in_use.drafter, self.session_id, new, budget, rollback,
+                                       self._feedback(len(emitted)))
+            closing = self.worker.close(in_use.drafter, self.session_id)
+            if not wait:
+                return
             try:
-                self.worker.propose(in_use.drafter, self.session_id, new, budget, rollback,
-                                    self._feedback(len(emitted))).result()
+                sync.result()
             except Exception as exc:  # learning from this session is lost; the request is not
                 log.debug("context sync before close failed: %s: %s", type(exc).__name__, exc)
             try:
-                self.worker.close(in_use.drafter, self.session_id).result()
+                closing.result()
             except Exception:  # closing is best effort: the drafter may be gone
                 pass
 

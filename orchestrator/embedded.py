@@ -1,13 +1,14 @@
 """Embedded mode: drafter, verifier and orchestrator in one process, no servers.
 
 This is the one place where the embedded wiring is chosen; the gRPC and Ray
-deployments build the same Engine from remote Drafter/Verifier implementations.
+deployments run their requests on the same engine core, over verifier replicas
+(orchestrator/remote_loop.py) and remote drafters.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -174,12 +175,12 @@ class EmbeddedBackend:
         self.draft_timeout = draft_timeout
         self.model = str(stack.target_dir or "")
 
-    def attempts(self, plan, deadline: float | None) -> Iterator[Engine]:
-        yield self._engine(plan)
-
-    def submit(self, plan, output: RequestOutput, trace=None) -> Callable[[], None]:
+    def submit(self, plan, output: RequestOutput, trace=None, deadline: float | None = None,
+               tried: set[str] | None = None, decode: Callable[[list[int]], str] | None = None) -> Callable[[], None]:
         """Queue the request on the stack's engine core (its events go to ``output``, on the core thread; ``trace``:
-        its span); returns its cancel. ValueError / CapacityError for a request the core cannot take."""
+        its span); returns its cancel. ValueError / CapacityError for a request the core cannot take. One
+        verifier and drafters in this process: ``deadline`` (the service enforces it), ``tried`` and ``decode``
+        (the core decodes with the stack's tokenizer) are not needed here."""
         engine = self._engine(plan)
         request_id = engine.core.submit(plan.prompt, plan.sampling, engine.method, output, trace=trace)
         return lambda: engine.core.cancel(request_id)

@@ -3,7 +3,7 @@ where its events go.
 
 - ``Request``: one request's record (status, prompt, sampling, ``Method``, ``StopChecker``, ``DrafterLink``,
   committed tokens, stats, the tree drafted ahead), owned by the core thread.
-- ``Method``: drafter candidates, policy, target features, strict, overlap.
+- ``Method``: drafter candidates, policy, target features, strict, overlap, background drafting.
 - ``RequestOutput``: the two callbacks a front end gives (``event`` per step, ``finish`` once), called on the core
   thread; ``QueueOutput`` for a blocking consumer; ``CoreEngine``, the per-request engine's ``stream`` /
   ``generate`` over a core.
@@ -50,6 +50,9 @@ class Method:
     features: bool = False
     strict: bool = False
     overlap: bool = False  # PEARL: draft the next tree while this step's forward runs (see EngineCore.draft)
+    # drafter calls run on the drafting pool shared by every request, not inline on the core's thread: remote
+    # drafters (their round trips then overlap each other's instead of adding up)
+    background: bool = False
 
 
 class RequestOutput(Protocol):
@@ -80,6 +83,9 @@ class Request:
     retry_empty: bool = False  # the verifier refused the last tree: verify the pending token alone once
     draft_cpu_counted: float = 0.0
     trace: object | None = None  # the request's span (tracing.start_request_span): each step adds a child
+    # a remote loop's calls (orchestrator/remote_loop.py): the spans they are sent under, open until answered
+    prefill_span: object | None = None
+    step_span: object | None = None
     ahead: Predraft | None = None  # overlap: what is being drafted ahead during this step's forward
     ready: tuple[TokenTree, Budget, float] | None = None  # overlap: next step's tree, drafted ahead (+ seconds)
     predrafted: bool = False  # this step's tree was drafted ahead

@@ -1,5 +1,5 @@
-"""The request path every front end shares: check a request, admit it, run its engine on a worker thread,
-stream its steps.
+"""The request path every front end shares: check a request, admit it, submit it to an engine core, stream
+its steps.
 
 The gRPC ``Generate`` service (orchestrator/server.py) and the OpenAI-compatible HTTP API
 (orchestrator/http_api.py) are shells over ``GenerationService``: each turns its request into a
@@ -9,24 +9,25 @@ exceptions below to its own status codes:
     ValueError                  bad input                       INVALID_ARGUMENT / 400
     Overloaded                  too many requests in flight     RESOURCE_EXHAUSTED / 429
     CapacityError               no KV room (embedded verifier)  RESOURCE_EXHAUSTED / 429
-    rpc.UpstreamError           a verifier failed               its code (UNAVAILABLE / 503, ...)
+    rpc.UpstreamError           a verifier failed, or the       its code (UNAVAILABLE / 503, ...)
+                                request's deadline passed
     UnknownSessionError         the verifier lost the session   UNAVAILABLE / 503
 
-Where the engines come from is a ``Backend``: verifier and drafter replicas over gRPC
-(``RemoteBackend``, `specmesh serve --verifier ...`) or models in this process
-(``orchestrator.embedded.EmbeddedBackend``, `specmesh serve --embedded`). Both build the same ``Engine``.
+Where the requests run is a ``Backend``: verifier and drafter replicas over gRPC (``RemoteBackend``,
+`specmesh serve --verifier ...`: an engine core per replica, orchestrator/remote_loop.py) or models in this
+process (``orchestrator.embedded.EmbeddedBackend``, `specmesh serve --embedded`). Either way a request is data
+held by an engine core (orchestrator/core.py), whose one thread steps it with every other: no thread per
+request. Its events reach the service's event loop through ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import logging
 import random
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,9 +37,11 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import DEFAULT_PROPOSER, make_proposer, proposer_names
 from drafter_service.remote import DrafterClient
 from orchestrator.acceptance import acceptance_of, request_sampling
-from orchestrator.engine import Engine, GenerationResult, StepEvent
+from orchestrator.core import EngineCore
+from orchestrator.engine import GenerationResult, StepEvent
 from orchestrator.metrics import ServeMetrics
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
+from orchestrator.requests import Method, RequestOutput
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import TextStream
 from specmesh import rpc, tracing
@@ -47,7 +50,6 @@ from specmesh.sampling import SamplingParams
 from verifier_service.remote import VerifierClient
 
 log = logging.getLogger("specmesh.serve")
-_DONE = object()
 
 # a token of a byte-level BPE covers a few bytes on average (up to ~16 for long code identifiers): a text
 # prompt of more bytes than this per context position cannot fit, whatever it says
@@ -109,17 +111,22 @@ class Final:
 
 
 class Backend(Protocol):
-    """Where a request's engines come from."""
+    """Where requests run: engine cores, in this process or over gRPC replicas."""
 
     info: ModelInfo  # the target's vocabulary, context and end tokens
     max_tree_nodes: int  # the verifiers' largest tree: budgets are clamped to it
     draft_timeout: float  # a drafter slower than this per step is failed over (seconds)
 
-    def attempts(self, plan: Plan, deadline: float | None) -> Iterator[Engine]:
-        """Engines to try in order; the next is tried only when one fails retryably before its first token."""
+    def submit(self, plan: Plan, output: RequestOutput, trace, deadline: float | None, tried: set[str],
+               decode: Callable[[list[int]], str]) -> Callable[[], None]:
+        """Queue the request on an engine core (its events go to ``output``, on the core's thread; ``trace``: its
+        span; ``deadline``: absolute time.monotonic() bounding its drafter streams); returns its cancel.
+        ``tried``: the verifiers tried already for it (the one chosen is added); ``decode``: token ids -> text,
+        for stop strings. ValueError / CapacityError / UpstreamError for a request it cannot take."""
 
     def retryable(self, exc: Exception) -> bool:
-        """Whether the failure of an engine that emitted nothing should move the request to the next one."""
+        """Whether a request that failed with ``exc`` before its first token should be submitted again (to a
+        verifier it has not tried)."""
 
     def healthy(self) -> bool:
         """Whether a request could be served now (at least one verifier up)."""
@@ -134,9 +141,10 @@ def least_loaded(clients: Sequence, rng: random.Random) -> list:
 
 
 class RemoteBackend:
-    """Verifier and drafter replicas over gRPC. A request sticks to one verifier (its KV cache), least-loaded
-    first, moving to the next only when one is unavailable or full before the first token; its drafter
-    candidates are the drafter replicas, least-loaded first, then prompt lookup in this process."""
+    """Verifier and drafter replicas over gRPC, an engine core per verifier replica (orchestrator/remote_loop.py).
+    A request sticks to one verifier (its KV cache), least-loaded first, moving to the next only when one is
+    unavailable or full before the first token; its drafter candidates are the drafter replicas, least-loaded
+    first, then prompt lookup in this process."""
 
     def __init__(self, verifiers: Sequence[VerifierClient], drafters: Sequence[DrafterClient],
                  max_tree_nodes: int = 256, draft_timeout: float = 1.0, model: str = "") -> None:
@@ -151,27 +159,54 @@ class RemoteBackend:
         self.draft_timeout = draft_timeout
         self._local = LocalDrafter(make_proposer("prompt_lookup"))  # last resort before plain decoding
         self._rng = random.Random()
+        self._lock = threading.Lock()
+        self._cores: dict[VerifierClient, EngineCore] = {}  # created on a replica's first request
 
     def set_replicas(self, verifiers: Sequence[VerifierClient], drafters: Sequence[DrafterClient]) -> None:
         """Replace the replica sets (a Ray Serve deployment scaled, a replica died); requests in flight keep the
-        clients they hold. ``verifiers``: fetched, serving this backend's vocabulary; empty = every request fails
-        UNAVAILABLE until one comes back."""
+        replicas they run on. ``verifiers``: fetched, serving this backend's vocabulary; empty = every request
+        fails UNAVAILABLE until one comes back. The engine core of a replica that left stops once idle."""
         self.verifiers, self.drafters = list(verifiers), list(drafters)
+        with self._lock:
+            gone = [c for c in self._cores if c not in self.verifiers and self._cores[c].num_sessions == 0]
+            cores = [self._cores.pop(c) for c in gone]
+        for core in cores:
+            core.close()
 
-    def attempts(self, plan: Plan, deadline: float | None) -> Iterator[Engine]:
+    def submit(self, plan: Plan, output: RequestOutput, trace, deadline: float | None, tried: set[str],
+               decode: Callable[[list[int]], str]) -> Callable[[], None]:
+        verifiers = [v for v in least_loaded(self.verifiers, self._rng) if v.address not in tried]
+        if not verifiers:
+            raise rpc.UpstreamError("serve", grpc.StatusCode.UNAVAILABLE, "no verifier to run the request on")
+        verifier = verifiers[0]
+        tried.add(verifier.address)
+        core = self._core(verifier, decode)
+        request_id = core.submit(plan.prompt, plan.sampling, self._method(plan, verifier, deadline), output,
+                                 trace=trace)
+        return lambda: core.cancel(request_id)
+
+    def _core(self, verifier: VerifierClient, decode: Callable[[list[int]], str]) -> EngineCore:
+        with self._lock:
+            core = self._cores.get(verifier)
+            if core is None:
+                core = self._cores[verifier] = EngineCore(verifier, decode, name=f"core-{verifier.address}")
+            return core
+
+    def _method(self, plan: Plan, verifier: VerifierClient, deadline: float | None) -> Method:
+        """The request's drafters (the replicas, then prompt lookup here), its policy sized for the verifier's
+        load; their calls run on the drafting pool."""
         base = build_policy(plan.policy, plan.max_nodes, plan.max_depth, self.draft_timeout, plan.restart_depth)
         drafting = plan.proposer is not None and plan.max_nodes > 0
         # a feature-based proposer (Falcon heads): the verifier reports the target's features of the session and
-        # the engine forwards them to the drafter (DrafterInfo.feature_proposers)
+        # the core forwards them to the drafter (DrafterInfo.feature_proposers)
         features = drafting and any(c.wants_features(plan.proposer) for c in self.drafters)
-        for verifier in least_loaded(self.verifiers, self._rng):
-            candidates = []
-            if drafting:
-                candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
-                              for c in least_loaded(self.drafters, self._rng)]
-                candidates.append(("local prompt_lookup", lambda: self._local))
-            policy = load_aware(base, verifier.costs)  # trees sized for this replica's load
-            yield Engine(verifier.bind(deadline), candidates, policy, None, overlap=plan.overlap, features=features)
+        candidates = []
+        if drafting:
+            candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
+                          for c in least_loaded(self.drafters, self._rng)]
+            candidates.append(("local prompt_lookup", lambda: self._local))
+        policy = load_aware(base, verifier.costs)  # trees sized for this replica's load
+        return Method(candidates, policy, features, overlap=plan.overlap, background=True)
 
     def retryable(self, exc: Exception) -> bool:
         if isinstance(exc, rpc.UpstreamError) and exc.code in (grpc.StatusCode.UNAVAILABLE,
@@ -202,7 +237,7 @@ class _LoopOutput:
 
 
 class GenerationService:
-    """Admission, request checks and the worker threads that run engines; one per server process."""
+    """Admission, request checks and the requests' streams; one per server process."""
 
     def __init__(
         self,
@@ -230,7 +265,6 @@ class GenerationService:
         self.overlap, self.policy, self.restart_depth = overlap, policy, restart_depth
         self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_POSITION * self.info.max_positions
         self.metrics = metrics if metrics is not None else ServeMetrics(model_name)
-        self._executor = ThreadPoolExecutor(max_concurrent, thread_name_prefix="engine")
         self.max_requests = max_concurrent + max_queued  # beyond this: Overloaded
         self.num_requests = 0  # admitted and not finished; touched only on the event loop
 
@@ -285,125 +319,74 @@ class GenerationService:
 
     # ------------------------------------------------------------- requests
     async def stream(self, plan: Plan, deadline: float | None = None) -> AsyncIterator[Chunk | Final]:
-        """The request's Chunks as steps commit, then its Final. ``deadline``: absolute time.monotonic().
-        Closing the iterator early (the client went away) stops the engine at its next step, which releases
-        the verifier session and the drafter."""
+        """The request's Chunks as steps commit, then its Final. ``deadline``: absolute time.monotonic(); past
+        it the request ends with DEADLINE_EXCEEDED. Closing the iterator early (the client went away) cancels
+        it: the core ends it at its next step, which releases the verifier session and the drafter. A request
+        that fails retryably before its first token (a replica down or full) is submitted again, to a verifier
+        it has not tried. The request span is not made current anywhere (no thread runs the request): the core
+        records each step as its child."""
         if self.num_requests >= self.max_requests:
             raise Overloaded(f"{self.num_requests} requests in flight or queued; try again later")
-        if getattr(self.backend, "submit", None) is not None:  # an engine core steps it: no thread of its own
-            self.num_requests += 1
-            try:
-                async for item in self._stream_on_core(plan):
-                    yield item
-            finally:
-                self.num_requests -= 1
-            return
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-        metrics = self.metrics.request()
-        context = contextvars.copy_context()  # the caller's trace context (a gRPC or HTTP server span)
-
-        def emit(item: Chunk) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def work() -> Final:
-            try:
-                return context.run(self._work, plan, deadline, cancelled, emit, metrics)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
-
         self.num_requests += 1
-        future = loop.run_in_executor(self._executor, work)
-        try:
-            while (item := await queue.get()) is not _DONE:
-                yield item
-            yield await future
-        finally:
-            self.num_requests -= 1
-            cancelled.set()  # the client went away, or we are done: the engine stops at its next step
-            if not future.done():  # abandoned: its outcome (an abort) needs no one, but is not left unread
-                future.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    async def _stream_on_core(self, plan: Plan) -> AsyncIterator[Chunk | Final]:
-        """A request on an engine core (``backend.submit``): its events arrive on this event loop through
-        ``call_soon_threadsafe``; leaving early cancels it. The request span is not made current anywhere (no
-        thread runs the request): the core records each step as its child."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
         metrics = self.metrics.request()
         span = tracing.start_request_span(plan.operation, self.model_name, plan.sampling, len(plan.prompt))
         text = TextStream(self.decode, plan.sampling.stop)
         result = GenerationResult([], "error", RequestStats(prompt_tokens=len(plan.prompt)))
-        cancel, finished = None, False
+        tried: set[str] = set()
+        cancel, finished, emitted, retried = None, False, False, None
         metrics.started()
         try:
-            # building the request's proposer may open a store: off the event loop
-            cancel = await loop.run_in_executor(None, self.backend.submit, plan, _LoopOutput(loop, queue), span)
-            while True:
-                item = await queue.get()
-                if isinstance(item, StepEvent):
-                    yield self._chunk(item, text.push(item.tokens, item.text_limit), metrics)
-                    continue
-                result, error = item
-                finished = True
-                if error is not None:
-                    raise error
-                tracing.record_request_result(span, result.finish_reason, result.stats.num_generated,
-                                              result.stats.summary())
-                yield Final(result, text.flush(result.text_limit))
-                return
+            while not finished:
+                queue: asyncio.Queue = asyncio.Queue()
+                output = _LoopOutput(loop, queue)
+                # building the request's proposer may open a store or ask a drafter: off the event loop
+                try:
+                    cancel = await loop.run_in_executor(None, self.backend.submit, plan, output, span, deadline,
+                                                        tried, self.decode)
+                except rpc.UpstreamError:
+                    if retried is not None:  # no verifier left to try: the last one's failure says why
+                        raise retried from None
+                    raise
+                while True:
+                    item = await self._next(queue, deadline)
+                    if isinstance(item, StepEvent):
+                        emitted = True
+                        yield self._chunk(item, text.push(item.tokens, item.text_limit), metrics)
+                        continue
+                    result, error = item
+                    cancel = None  # ended: nothing to cancel
+                    if error is not None:
+                        if not emitted and self.backend.retryable(error):
+                            retried = error
+                            break  # the next verifier
+                        raise error
+                    finished = True
+                    tracing.record_request_result(span, result.finish_reason, result.stats.num_generated,
+                                                  result.stats.summary())
+                    yield Final(result, text.flush(result.text_limit))
+                    break
         except Exception as exc:
             tracing.record_error(span, exc)
             raise
         finally:
-            if cancel is not None and not finished:
-                cancel()  # the client went away: the core ends the request at its next step
+            self.num_requests -= 1
+            if cancel is not None:
+                cancel()  # the client went away, or the deadline passed: the core ends it at its next step
                 result = GenerationResult([], "aborted", result.stats)
             metrics.finished(result.finish_reason, len(plan.prompt), result.stats.num_generated)
             span.end()
 
-    def _work(self, plan: Plan, deadline, cancelled: threading.Event, emit: Callable[[Chunk], None],
-              metrics) -> Final:
-        """Worker thread: run the request under its trace span, feeding the metrics."""
-        metrics.started()
-        result = GenerationResult([], "error", RequestStats(prompt_tokens=len(plan.prompt)))
+    @staticmethod
+    async def _next(queue: asyncio.Queue, deadline: float | None):
+        """The request's next event, or UpstreamError(DEADLINE_EXCEEDED) once ``deadline`` passed."""
+        if deadline is None:
+            return await queue.get()
         try:
-            with tracing.request_span(plan.operation, self.model_name, plan.sampling, len(plan.prompt)) as span:
-                final = self._run(plan, deadline, cancelled, emit, metrics)
-                result = final.result
-                tracing.record_request_result(span, result.finish_reason, result.stats.num_generated,
-                                              result.stats.summary())
-            return final
-        finally:
-            metrics.finished(result.finish_reason, len(plan.prompt), result.stats.num_generated)
-
-    def _run(self, plan: Plan, deadline, cancelled: threading.Event, emit: Callable[[Chunk], None],
-             metrics) -> Final:
-        """Run the engines the backend offers until one serves the request (see Backend.attempts)."""
-        error: Exception | None = None
-        for engine in self.backend.attempts(plan, deadline):
-            if cancelled.is_set():  # gone while queued: do not even prefill
-                return Final(GenerationResult([], "aborted", RequestStats(prompt_tokens=len(plan.prompt))), "")
-            engine.decode = self.decode  # stop strings are matched on text
-            result = GenerationResult([], "", RequestStats())
-            text = TextStream(self.decode, plan.sampling.stop)
-            emitted = False
-            try:
-                with contextlib.closing(engine.stream(plan.prompt, plan.sampling, result)) as events:
-                    for event in events:
-                        emitted = True
-                        emit(self._chunk(event, text.push(event.tokens, result.text_limit), metrics))
-                        if cancelled.is_set():
-                            break  # closing the stream releases the verifier session and the drafter
-                return Final(result, text.flush(result.text_limit))
-            except Exception as exc:
-                if emitted or not self.backend.retryable(exc):
-                    raise
-                error = exc
-        if error is not None:
-            raise error
-        raise rpc.UpstreamError("serve", grpc.StatusCode.UNAVAILABLE, "no verifier to run the request on")
+            return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+            raise rpc.UpstreamError("serve", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "the request's deadline passed") from None
 
     @staticmethod
     def _chunk(event: StepEvent, text: str, metrics) -> Chunk:

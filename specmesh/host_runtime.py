@@ -25,6 +25,7 @@ they serve (``specmesh.serving.serve``); ``generate``/``bench`` once their model
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -40,6 +41,7 @@ MMAP_THRESHOLD = 64 << 20  # allocations below this come from the heap (larger o
 TRIM_THRESHOLD = 1 << 30  # free memory kept at the top of a heap before it is given back
 
 _done: bool | None = None
+_unfreeze_at_exit = False
 
 
 def tune_host_allocator() -> bool:
@@ -77,6 +79,10 @@ def freeze_heap() -> bool:
         return False
     gc.collect()
     gc.freeze()
+    global _unfreeze_at_exit
+    if not _unfreeze_at_exit:  # at exit the frozen objects go back to the collector, so finalization frees them
+        _unfreeze_at_exit = True  # (else extension types report them as leaks: nanobind's "leaked instances")
+        atexit.register(gc.unfreeze)
     return True
 
 

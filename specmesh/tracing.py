@@ -251,6 +251,24 @@ def start_request_span(operation: str, model: str, sampling, prompt_tokens: int)
                                                                                       prompt_tokens))
 
 
+def start_child(parent: trace.Span, name: str, attributes: Mapping[str, object] | None = None,
+                start_ns: int | None = None) -> trace.Span:
+    """A span under ``parent``, started (at ``start_ns``, ``time.time_ns()``, or now) and not made current; end it
+    with ``.end()``. The API's non-recording span while ``parent`` does not record."""
+    if not parent.is_recording():
+        return trace.INVALID_SPAN
+    return tracer().start_span(name, context=trace.set_span_in_context(parent), attributes=attributes,
+                               start_time=start_ns)
+
+
+def use(span: trace.Span):
+    """A context manager making ``span`` current inside the block without ending it (the calls made there are its
+    children: a gRPC call's client span, a drafter call copied to a worker); nothing when it does not record."""
+    if not span.is_recording():
+        return nullcontext()
+    return trace.use_span(span, end_on_exit=False)
+
+
 def record_error(span: trace.Span, exc: BaseException) -> None:
     """What ``span``'s context manager does with an exception, for a span ended by hand."""
     if span.is_recording():

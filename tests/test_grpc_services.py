@@ -152,6 +152,48 @@ def test_client_cancellation_frees_verifier_and_drafter_sessions(client, mesh):
     assert sh.wait_until(lambda: sum(sh.drafter_sessions(d) for d in mesh["drafters"]) == 0)
 
 
+def test_requests_in_flight_are_data_not_threads(mesh, ar):
+    """`serve` steps every request on one engine core per verifier (orchestrator/remote_loop.py): 40 requests in
+    flight at once add no thread each to its process (only its default executor's few, for tokenizing and
+    submitting), keep their greedy tokens, and leaving them early frees every verifier session."""
+    import os
+    import threading
+
+    num, first = 40, 8
+    tasks = f"/proc/{mesh['serve'].proc.pid}/task"
+    idle = len(os.listdir(tasks))
+    started, leave = threading.Barrier(num + 1, timeout=120), threading.Event()
+    got: dict[int, list[int]] = {}
+
+    def request(i: int) -> None:
+        with Client(mesh["serve"].address, timeout=120) as c:
+            stream = c.stream(PROMPTS[i % len(PROMPTS)], max_new_tokens=1500, ignore_eos=True, proposer="none")
+            tokens = []
+            for chunk in stream:
+                tokens += chunk.token_ids
+                if len(tokens) >= first:
+                    break
+            got[i] = tokens
+            started.wait()  # all in flight now
+            leave.wait(120)
+            stream.close()
+
+    clients = [threading.Thread(target=request, args=(i,)) for i in range(num)]
+    for t in clients:
+        t.start()
+    started.wait()
+    busy = len(os.listdir(tasks))
+    leave.set()
+    for t in clients:
+        t.join(timeout=120)
+    assert busy - idle <= min(32, (os.cpu_count() or 1) + 4) + 4 < num, (idle, busy)
+    for i, tokens in got.items():
+        want = ar(PROMPTS[i % len(PROMPTS)], first)
+        assert tokens[: len(want)] == want
+    assert len(got) == num
+    assert sh.wait_until(lambda: sh.verifier_sessions(mesh["verifier"]) == 0)
+
+
 def test_deadline_is_enforced_and_frees_sessions(client, mesh):
     with pytest.raises(grpc.RpcError) as err:
         client.generate(PROMPTS[0], max_new_tokens=1500, ignore_eos=True, timeout=0.3)

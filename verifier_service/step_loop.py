@@ -38,14 +38,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from specmesh.contract import CapacityError, PrefillResult, VerifyCosts, VerifyResult
 from specmesh.metrics import COUNT_BUCKETS, SECONDS_BUCKETS, Buckets
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
-from verifier_service.verifier import LocalVerifier
+
+if TYPE_CHECKING:  # the loop only calls it: importing it (torch) is its owner's business
+    from verifier_service.verifier import LocalVerifier
 
 DEFAULT_MAX_WAIT_MS = 5.0
 log = logging.getLogger("specmesh.step_loop")
