@@ -169,7 +169,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait at start-up for every verifier to answer (default: 60)")
     p.add_argument("--max-concurrent", type=models.positive_int, default=64,
-                   help="requests decoded at once (default: 64)")
+                   help="requests in flight, beside --max-queued: beyond their sum, RESOURCE_EXHAUSTED / HTTP 429 "
+                        "(how many decode at once is the verifiers' KV pool's to say; default: 64)")
     p.add_argument("--max-prompt-bytes", type=models.positive_int, default=None, metavar="BYTES",
                    help="refuse a text prompt larger than this before tokenizing it (default: "
                         f"{PROMPT_BYTES_PER_POSITION} bytes per position of the model's context)")
