@@ -5,25 +5,27 @@ behind gRPC instead of a ``LocalVerifier``; it offers the core what ``StepLoop``
 ``call_soon``, ``close``) and steps the same way, one thread for every request on that replica:
 
     EngineCore.draft        every running request's tree (remote drafters asked together, see below)
-    -> one Verify call per request, all sent before any answer is awaited
-    -> EngineCore.commit    commit, stream, stop checks, as the loop's answers come back
+    -> one Verify call per request, all in flight at once
+    -> EngineCore.commit    commit, stream, stop checks, once every answer is in
 
-The replica's own step loop puts the Verify calls that arrive together into one forward, so a core step is
-one forward there. Prefills are not part of a step: each is sent when its request is opened, and its answer
-(on a gRPC thread) is handed to the loop thread, which starts the request decoding at its next round. A
-request dropped while its Prefill is in flight has the call cancelled and, once it has ended, its session
-released: a Release must never overtake the Prefill it frees.
+The thread runs an asyncio event loop of its own with a ``grpc.aio`` channel to the replica: a step's calls
+leave together and their answers come back on this thread, with no thread per call or per request (grpcio's
+synchronous futures take one channel lock per call, shared with a polling thread that is started anew every
+step: measured, starting 16 of them was 45 % of a core's time). The replica's own step loop puts the Verify
+calls that arrive together into one forward, so a core step is one forward there. Prefills are not part of a
+step: each is a task started when its request is opened; its answer is handed to the driver at the loop's
+next round. A request dropped while its Prefill is in flight has the call cancelled and its session released
+once it has ended: a Release must never overtake the Prefill it frees.
 
-No thread per request: Verify and Prefill are gRPC futures; remote drafters' calls run on the drafting
-pool shared by every request (``DrafterLink`` with ``background``), so a step waits for the slowest
-drafter, not for their sum. The requests of one core move in step: a request whose tree is late holds the
-step up to its drafter's deadline (``--draft-timeout-ms``), after which its link fails over, as the
-per-request engine does.
+Remote drafters' calls run on the drafting pool shared by every request (``DrafterLink`` with
+``background``), so a step waits for the slowest drafter, not for their sum. The requests of one core move in
+step: a request whose tree is late holds the step up to its drafter's deadline (``--draft-timeout-ms``), after
+which its link fails over, as the per-request engine does.
 """
 
 from __future__ import annotations
 
-import contextvars
+import asyncio
 import logging
 import threading
 import time
@@ -31,35 +33,44 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from specmesh.contract import PrefillResult, VerifyResult
+from specmesh.contract import VerifyResult
 from specmesh.sampling import SamplingParams
-from verifier_service.remote import RemoteVerifier, VerifierClient
+from specmesh.tree import TokenTree
+from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_service.remote import RELEASE_TIMEOUT, RemoteVerifier, VerifierClient
 from verifier_service.step_loop import BatchStats, SessionOwner, StepDriver
 
 log = logging.getLogger("specmesh.remote_loop")
 
 
 class RemoteStepLoop:
-    """One thread stepping a driver's requests on one verifier replica (see module doc)."""
+    """One thread (an asyncio loop) stepping a driver's requests on one verifier replica (see module doc)."""
 
     def __init__(self, client: VerifierClient, driver: StepDriver, name: str = "remote-core") -> None:
         """``client``: a replica whose ``fetch_info`` succeeded; ``driver``: the engine core, whose
         ``traced(session_id, call)`` says which span each call is sent under (one trace per request)."""
         self.client = client
-        self.verifier = RemoteVerifier(client, None)  # every call bounded by the client's call timeout
+        self.verifier = RemoteVerifier(client, None)  # messages, answers, errors; every call bounded by call_timeout
         self.info = client.info
         self.costs = client.costs
         self.driver = driver
         self.stats = BatchStats()
-        self._cond = threading.Condition()  # reentrant use: the driver calls back in on the loop thread
+        self._lock = threading.Lock()  # what other threads hand in: functions to run, sessions to open, close
         self._soon: list[Callable[[], None]] = []
-        self._opens: list[tuple[str, list[int], SamplingParams, SessionOwner, bool]] = []  # to open next round
-        self._prefilling: dict[str, tuple[grpc.Future, SessionOwner]] = {}  # Prefill in flight
-        self._answered: list[tuple[str, grpc.Future]] = []  # Prefills answered, for the loop thread
-        self._sessions: set[str] = set()  # opened and not dropped
+        self._opens: list[tuple[str, list[int], SamplingParams, SessionOwner, bool]] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._sessions: set[str] = set()  # opened and not dropped
+        # the loop thread's own
+        self._prefilling: dict[str, tuple[asyncio.Task, SessionOwner]] = {}  # Prefill in flight
+        self._answered: list[tuple[str, asyncio.Task]] = []  # Prefills answered, for the next round
+        self._releases: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._stub: verifier_pb2_grpc.VerifierStub | None = None
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
         self._thread.start()
+        started.wait()
 
     # ------------------------------------------------------------ the driver's
     def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, owner: SessionOwner,
@@ -67,35 +78,37 @@ class RemoteStepLoop:
         """Queue a session (any thread): at the loop's next round ``owner.admitted()``, then its Prefill is
         sent. ValueError for an id in use, RuntimeError once closed; the replica checks the rest (its refusal
         reaches ``owner.failed``)."""
-        with self._cond:
+        with self._lock:
             self._check_open()
             if session_id in self._sessions:
                 raise ValueError(f"session {session_id!r} already exists")
             self._sessions.add(session_id)
             self._opens.append((session_id, list(prompt), sampling, owner, features))
-            self._cond.notify()
+        self._notify()
 
     def drop(self, session_id: str) -> None:
         """End a session on the loop thread, its owner not told: a queued one is forgotten, a Prefill in flight
-        is cancelled (and released once it ended), a decoding session released. No-op for an unknown one."""
-        with self._cond:
+        is cancelled (and released once it ended), a decoding session released. No-op for an unknown one. The
+        Release joins the trace current here."""
+        with self._lock:
             self._sessions.discard(session_id)
             self._opens = [o for o in self._opens if o[0] != session_id]
-            prefilling = self._prefilling.pop(session_id, None)
-        if prefilling is not None:
-            call, _ = prefilling
-            call.cancel()
-            context = contextvars.copy_context()  # the Release joins the caller's trace from the gRPC thread too
-            call.add_done_callback(lambda _: context.run(self.verifier.release, session_id, False))
-        else:
-            self.verifier.release(session_id, wait=False)
+        entry = self._prefilling.pop(session_id, None)
+        prefill = None
+        if entry is not None:
+            prefill = entry[0]
+            prefill.cancel()
+        if self._loop is not None and not self._loop.is_closed():
+            task = self._loop.create_task(self._release(session_id, prefill))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread at the start of its next round."""
-        with self._cond:
+        with self._lock:
             self._check_open()
             self._soon.append(fn)
-            self._cond.notify()
+        self._notify()
 
     # ----------------------------------------------------------------- state
     @property
@@ -104,9 +117,9 @@ class RemoteStepLoop:
 
     def close(self) -> None:
         """Stop the loop; the driver's requests end with RuntimeError (their sessions released)."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify()
+        self._notify()
         self._thread.join(timeout=10)
 
     @property
@@ -122,120 +135,155 @@ class RemoteStepLoop:
         if self._closed:
             raise RuntimeError("the engine core is closed")
 
-    # ------------------------------------------------------------- the loop
-    def _loop(self) -> None:
-        while True:
+    def _notify(self) -> None:
+        loop = self._loop
+        if loop is not None:
             try:
-                if not self._iterate():
-                    return
-            except Exception as exc:  # a bug here must not leave every request hanging
-                log.exception("remote step loop round failed")
-                self.driver.stop(exc)
+                loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the loop has closed: nothing left to wake
+                pass
 
-    def _iterate(self) -> bool:
+    # ------------------------------------------------------------- the loop
+    def _run(self, started: threading.Event) -> None:
+        asyncio.run(self._main(started))
+
+    async def _main(self, started: threading.Event) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        channel = self.client.aio_channel()
+        self._stub = verifier_pb2_grpc.VerifierStub(channel)
+        started.set()
+        try:
+            while True:
+                try:
+                    if not await self._round():
+                        break
+                except Exception as exc:  # a bug here must not leave every request hanging
+                    log.exception("remote step loop round failed")
+                    self.driver.stop(exc)
+            if self._releases:  # the sessions just ended, released before the channel goes
+                await asyncio.wait(set(self._releases), timeout=RELEASE_TIMEOUT)
+        finally:
+            await channel.close()
+
+    def _idle(self) -> bool:
+        with self._lock:
+            return not (self._closed or self._soon or self._opens or self._answered or self.driver.pending())
+
+    async def _round(self) -> bool:
         """One round: queued functions, new sessions' Prefills sent, answered Prefills handed over, one step."""
-        with self._cond:
-            while not (self._closed or self._soon or self._opens or self._answered or self.driver.pending()):
-                self._cond.wait()
-            if self._closed:
-                self._close_all()
-                return False
+        while self._idle():
+            self._wake.clear()
+            if self._idle():
+                await self._wake.wait()
+        with self._lock:
+            closed = self._closed
             soon, self._soon = self._soon, []
             opens, self._opens = self._opens, []
-            answered, self._answered = self._answered, []
+        if closed:
+            self._close_all()
+            return False
+        answered, self._answered = self._answered, []
         for fn in soon:
             fn()
         for session_id, prompt, sampling, owner, features in opens:
             self._send_prefill(session_id, prompt, sampling, owner, features)
-        for session_id, call in answered:
-            self._prefilled(session_id, call)
+        for session_id, task in answered:
+            self._prefilled(session_id, task)
         if self.driver.pending():
-            self.step()
+            await self.step()
         return True
 
+    # ------------------------------------------------------------- prefills
     def _send_prefill(self, session_id: str, prompt: list[int], sampling: SamplingParams, owner: SessionOwner,
                       features: bool) -> None:
         if session_id not in self._sessions:  # dropped before it was sent
             return
         if not owner.admitted():  # it went away (its drafter failed to open, strictly): nothing was sent
-            with self._cond:
+            with self._lock:
                 self._sessions.discard(session_id)
             return
         if session_id not in self._sessions:  # dropped while being admitted
             return
-        with self.driver.traced(session_id, "prefill"):
-            call = self.verifier.start_prefill(session_id, prompt, sampling, features)
-        with self._cond:
-            self._prefilling[session_id] = (call, owner)
-        call.add_done_callback(lambda done: self._answer_in(session_id, done))
+        request = self.verifier.prefill_request(session_id, prompt, sampling, features)
+        with self.driver.traced(session_id, "prefill"):  # the task's context: the call's span joins the trace
+            task = self._loop.create_task(self._call(self._stub.Prefill, request))
+        self._prefilling[session_id] = (task, owner)
+        task.add_done_callback(lambda done: self._answer_in(session_id, done))
 
-    def _answer_in(self, session_id: str, call: grpc.Future) -> None:
-        """A Prefill's answer, on a gRPC thread: for the loop thread's next round."""
-        with self._cond:
-            if session_id in self._prefilling:
-                self._answered.append((session_id, call))
-                self._cond.notify()
+    def _answer_in(self, session_id: str, task: asyncio.Task) -> None:
+        entry = self._prefilling.get(session_id)
+        if entry is not None and entry[0] is task:
+            self._answered.append((session_id, task))
+            self._wake.set()
 
-    def _prefilled(self, session_id: str, call: grpc.Future) -> None:
-        with self._cond:
-            entry = self._prefilling.pop(session_id, None)
-        if entry is None or entry[0] is not call:  # dropped meanwhile (drop released it)
+    def _prefilled(self, session_id: str, task: asyncio.Task) -> None:
+        entry = self._prefilling.pop(session_id, None)
+        if entry is None or entry[0] is not task:  # dropped meanwhile (drop releases it)
             return
         owner = entry[1]
         try:
-            result: PrefillResult = self.verifier.prefill_answer(call)
-        except Exception as exc:  # refused (full, invalid), or the replica failed: the session is released
-            with self._cond:
+            outcome = task.result()
+            if isinstance(outcome, grpc.RpcError):  # refused (full, invalid), or the replica failed
+                raise self.verifier.call_error(outcome, "prefill")
+            result = self.verifier.prefill_result(outcome)
+        except Exception as exc:  # the session is released; its owner hears why
+            with self._lock:
                 self._sessions.discard(session_id)
-            self.verifier.release(session_id, wait=False)
+            self._loop.create_task(self._release(session_id, None))
             owner.failed(exc)
             return
         owner.prefilled(result)
 
-    def step(self) -> None:
-        """The driver's trees, sent as one Verify each before any answer is read (the last one a blocking call,
-        answered on this thread: one thread hop fewer); its commit in their order."""
+    # ------------------------------------------------------------- the step
+    async def step(self) -> None:
+        """The driver's trees, one Verify each, all in flight at once; its commit in their order."""
         verifies = self.driver.draft()
         if not verifies:
             return
         started = time.perf_counter()
-        calls: list[tuple[grpc.Future | None, Exception | None]] = []  # a gRPC future is an exception too
-        for session_id, tree in verifies[:-1]:
-            try:
-                with self.driver.traced(session_id, "verify"):
-                    calls.append((self.verifier.start_verify(session_id, tree), None))
-            except Exception as exc:  # could not even be sent (a closed channel)
-                calls.append((None, exc))
-        session_id, tree = verifies[-1]
-        try:
-            with self.driver.traced(session_id, "verify"):
-                last: VerifyResult | Exception = self.verifier.verify(session_id, tree)
-        except Exception as exc:  # that request's alone
-            last = exc
-        results: list[VerifyResult | Exception] = []
-        for call, unsent in calls:
-            if unsent is not None:
-                results.append(unsent)
-                continue
-            try:
-                results.append(self.verifier.verify_answer(call))
-            except Exception as exc:  # that request's alone
-                results.append(exc)
-        results.append(last)
+        results = await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
         self.stats.record(time.perf_counter() - started, len(verifies),
                           sum(tree.num_nodes + 1 for _, tree in verifies), 0, 0, 0)
         self.driver.commit(results)
 
+    async def _verify(self, session_id: str, tree: TokenTree) -> VerifyResult | Exception:
+        """One request's Verify, sent under its step's span; its result or what its failure stands for."""
+        try:
+            request = self.verifier.verify_request(session_id, tree)
+            with self.driver.traced(session_id, "verify"):
+                outcome = await self._call(self._stub.Verify, request)
+        except Exception as exc:  # could not be sent: that request's alone
+            return exc
+        if isinstance(outcome, grpc.RpcError):
+            return self.verifier.call_error(outcome, "verify")
+        return self.verifier.verify_result(outcome)
+
+    async def _call(self, method, request, timeout: float | None = None):
+        """The answer of a unary call, or the grpc.RpcError it failed with (returned, not raised)."""
+        try:
+            return await method(request, timeout=timeout or self.client.call_timeout,
+                                metadata=self.client._metadata)
+        except grpc.RpcError as exc:
+            return exc
+
+    async def _release(self, session_id: str, prefill: asyncio.Task | None) -> None:
+        """Free a session on the replica once its Prefill (if one was in flight) has ended; best effort (the
+        replica's idle reaper frees what this cannot)."""
+        if prefill is not None:
+            await asyncio.wait([prefill])
+        if not self.verifier.forget(session_id):
+            return
+        outcome = await self._call(self._stub.Release, verifier_pb2.ReleaseRequest(session_id=session_id),
+                                   RELEASE_TIMEOUT)
+        if isinstance(outcome, grpc.RpcError):
+            log.warning("release of %s on %s failed: %s", session_id, self.client.address, outcome.code().name)
+
     def _close_all(self) -> None:
-        """Closed: cancel the Prefills in flight; the driver ends its requests (each releasing its session)."""
-        with self._cond:
-            pending = list(self._prefilling.values())
-            self._opens.clear()
-            self._soon.clear()
-            self._answered.clear()
-        for call, _ in pending:
-            call.cancel()
+        """Closed: the Prefills in flight are cancelled (drop), the driver ends its requests (each released)."""
+        self._answered.clear()
         self.driver.stop(RuntimeError("the engine core is closed"))
+        for session_id in list(self._prefilling):
+            self.drop(session_id)
 
 
 __all__ = ["RemoteStepLoop"]

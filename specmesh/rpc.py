@@ -420,7 +420,8 @@ class ReplicaChannel:
 
     def __init__(self, address: str, security: Security, stub_class, retry_methods: Sequence[tuple[str, str]]) -> None:
         self.address = address
-        self._channel = insecure_or_secure_channel(address, security, channel_options(retry_methods))
+        self._security, self._options = security, channel_options(retry_methods)
+        self._channel = insecure_or_secure_channel(address, security, self._options)
         self._stub = stub_class(self._channel)
         self._metadata = security.metadata()
         self._lock = threading.Lock()
@@ -439,6 +440,11 @@ class ReplicaChannel:
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """A ``grpc.aio`` channel to the same replica with the same credentials and options, for calls made on
+        the running event loop (create it there)."""
+        return insecure_or_secure_channel(self.address, self._security, self._options, aio=True)
 
     def close(self) -> None:
         self._channel.close()

@@ -74,19 +74,6 @@ class RemoteVerifier:
         except grpc.RpcError as exc:
             raise self._error(exc.code(), exc.details(), invalid) from None
 
-    def _start(self, method, request) -> grpc.Future:
-        """``method``'s call without waiting for it (its answer: ``_answer``)."""
-        c = self.client
-        return method.future(request, timeout=rpc.call_timeout(self.deadline, c.call_timeout), metadata=c._metadata)
-
-    def _answer(self, call: grpc.Future, invalid: type[ValueError] = ValueError):
-        try:
-            return call.result()
-        except grpc.RpcError as exc:
-            raise self._error(exc.code(), exc.details(), invalid) from None
-        except grpc.FutureCancelledError:
-            raise self._error(grpc.StatusCode.CANCELLED, "the call was cancelled", invalid) from None
-
     def _error(self, code: grpc.StatusCode, details: str, invalid: type[ValueError]) -> Exception:
         """The exception a failed call stands for (the same as the in-process verifier's where one exists)."""
         if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -97,42 +84,44 @@ class RemoteVerifier:
 
     def prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
                 features: bool = False) -> PrefillResult:
-        request = verifier_pb2.PrefillRequest(session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling),
-                                              return_features=features)
-        self._open.add(session_id)
-        self.client._add_sessions(1)
-        msg = self._call(self.client._stub.Prefill, request)
-        return PrefillResult(msg.first_token, msg.seconds, self._features(msg))
+        msg = self._call(self.client._stub.Prefill, self.prefill_request(session_id, prompt, sampling, features))
+        return self.prefill_result(msg)
 
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
-        """A blocking call: gRPC answers it on the calling thread, one thread hop fewer than a future's answer
-        (~0.3 ms a step on a 2-core VM)."""
-        request = verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
-        return self._verify_result(self._call(self.client._stub.Verify, request, invalid=InvalidTreeError))
+        msg = self._call(self.client._stub.Verify, self.verify_request(session_id, tree), invalid=InvalidTreeError)
+        return self.verify_result(msg)
 
-    # the calls without waiting (the engine core's remote loop sends a step's calls together)
-    def start_prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                      features: bool = False) -> grpc.Future:
-        """Send a Prefill; ``prefill_answer`` reads its outcome. The session counts as open from here on (a
-        ``release`` after the call ended frees it, whatever its outcome)."""
-        request = verifier_pb2.PrefillRequest(session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling),
-                                              return_features=features)
+    # the messages and answers as data, for a caller that makes the calls itself (the engine core's remote loop
+    # sends a step's Verifys together on its own event loop: orchestrator/remote_loop.py)
+    def prefill_request(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                        features: bool = False) -> verifier_pb2.PrefillRequest:
+        """The Prefill to send; the session counts as open from here on (a ``release`` after the call ended frees
+        it, whatever its outcome)."""
         self._open.add(session_id)
         self.client._add_sessions(1)
-        return self._start(self.client._stub.Prefill, request)
+        return verifier_pb2.PrefillRequest(session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling),
+                                           return_features=features)
 
-    def prefill_answer(self, call: grpc.Future) -> PrefillResult:
-        msg = self._answer(call)
+    def prefill_result(self, msg: verifier_pb2.PrefillResponse) -> PrefillResult:
         return PrefillResult(msg.first_token, msg.seconds, self._features(msg))
 
-    def start_verify(self, session_id: str, tree: TokenTree) -> grpc.Future:
-        request = verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
-        return self._start(self.client._stub.Verify, request)
+    @staticmethod
+    def verify_request(session_id: str, tree: TokenTree) -> verifier_pb2.VerifyRequest:
+        return verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
 
-    def verify_answer(self, call: grpc.Future) -> VerifyResult:
-        return self._verify_result(self._answer(call, invalid=InvalidTreeError))
+    def call_error(self, exc: grpc.RpcError, call: str) -> Exception:
+        """What a failed ``call`` ("prefill", "verify") stands for (``_error``)."""
+        return self._error(exc.code(), exc.details(), InvalidTreeError if call == "verify" else ValueError)
 
-    def _verify_result(self, msg: verifier_pb2.VerifyResponse) -> VerifyResult:
+    def forget(self, session_id: str) -> bool:
+        """Stop counting a session as open; True when it was (its Release is then the caller's to send)."""
+        if session_id not in self._open:
+            return False
+        self._open.discard(session_id)
+        self.client._add_sessions(-1)
+        return True
+
+    def verify_result(self, msg: verifier_pb2.VerifyResponse) -> VerifyResult:
         feedback = None
         if msg.HasField("feedback"):
             try:
@@ -153,23 +142,12 @@ class RemoteVerifier:
             log.warning("verifier %s sent malformed target features (%s); ignored", self.client.address, exc)
             return None
 
-    def release(self, session_id: str, wait: bool = True) -> None:
-        """Best effort: the verifier also frees idle sessions by itself. ``wait=False``: send it and return (a
-        failure is logged when it comes)."""
-        if session_id not in self._open:
-            return
-        self._open.discard(session_id)
-        self.client._add_sessions(-1)
-        request = verifier_pb2.ReleaseRequest(session_id=session_id)
-        if not wait:
-            call = self.client._stub.Release.future(request, timeout=RELEASE_TIMEOUT, metadata=self.client._metadata)
-            call.add_done_callback(lambda done: self._released(session_id, done))
+    def release(self, session_id: str) -> None:
+        """Best effort: the verifier also frees idle sessions by itself."""
+        if not self.forget(session_id):
             return
         try:
-            self._call(self.client._stub.Release, request, timeout=RELEASE_TIMEOUT)
+            self._call(self.client._stub.Release, verifier_pb2.ReleaseRequest(session_id=session_id),
+                       timeout=RELEASE_TIMEOUT)
         except Exception as exc:  # the replica may be gone; its TTL reaper frees the cache
             log.warning("release of %s on %s failed: %s", session_id, self.client.address, exc)
-
-    def _released(self, session_id: str, call: grpc.Future) -> None:
-        if not call.cancelled() and call.exception() is not None:  # the replica may be gone: its reaper frees it
-            log.warning("release of %s on %s failed: %s", session_id, self.client.address, call.exception())
