@@ -13,8 +13,8 @@ leave together and their answers come back on this thread, with no thread per ca
 synchronous futures take one channel lock per call, shared with a polling thread that is started anew every
 step: measured, starting 16 of them was 45 % of a core's time). The replica's own step loop puts the Verify
 calls that arrive together into one forward, so a core step is one forward there. Prefills are not part of a
-step: each is a task started when its request is opened; its answer is handed to the driver at the loop's
-next round. A request dropped while its Prefill is in flight has the call cancelled and its session released
+step: each is a task started as soon as its request is opened, and its answer is handed to the driver as it
+lands, even while a step's calls are out. A request dropped while its Prefill is in flight has the call cancelled and its session released
 once it has ended: a Release must never overtake the Prefill it frees.
 
 Remote drafters' calls run on the drafting pool shared by every request (``DrafterLink`` with
@@ -62,7 +62,6 @@ class RemoteStepLoop:
         self._sessions: set[str] = set()  # opened and not dropped
         # the loop thread's own
         self._prefilling: dict[str, tuple[asyncio.Task, SessionOwner]] = {}  # Prefill in flight
-        self._answered: list[tuple[str, asyncio.Task]] = []  # Prefills answered, for the next round
         self._releases: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -84,7 +83,7 @@ class RemoteStepLoop:
                 raise ValueError(f"session {session_id!r} already exists")
             self._sessions.add(session_id)
             self._opens.append((session_id, list(prompt), sampling, owner, features))
-        self._notify()
+        self._notify(self._send_prefills)  # at once, even while a step's calls are out: its first token is latency
 
     def drop(self, session_id: str) -> None:
         """End a session on the loop thread, its owner not told: a queued one is forgotten, a Prefill in flight
@@ -135,11 +134,12 @@ class RemoteStepLoop:
         if self._closed:
             raise RuntimeError("the engine core is closed")
 
-    def _notify(self) -> None:
+    def _notify(self, fn: Callable[[], None] | None = None) -> None:
+        """Wake the loop (from any thread), or have it run ``fn`` as soon as it is free to."""
         loop = self._loop
         if loop is not None:
             try:
-                loop.call_soon_threadsafe(self._wake.set)
+                loop.call_soon_threadsafe(fn or self._wake.set)
             except RuntimeError:  # the loop has closed: nothing left to wake
                 pass
 
@@ -167,10 +167,10 @@ class RemoteStepLoop:
 
     def _idle(self) -> bool:
         with self._lock:
-            return not (self._closed or self._soon or self._opens or self._answered or self.driver.pending())
+            return not (self._closed or self._soon or self._opens or self.driver.pending())
 
     async def _round(self) -> bool:
-        """One round: queued functions, new sessions' Prefills sent, answered Prefills handed over, one step."""
+        """One round: queued functions, new sessions' Prefills sent, one step."""
         while self._idle():
             self._wake.clear()
             if self._idle():
@@ -178,22 +178,24 @@ class RemoteStepLoop:
         with self._lock:
             closed = self._closed
             soon, self._soon = self._soon, []
-            opens, self._opens = self._opens, []
         if closed:
             self._close_all()
             return False
-        answered, self._answered = self._answered, []
         for fn in soon:
             fn()
-        for session_id, prompt, sampling, owner, features in opens:
-            self._send_prefill(session_id, prompt, sampling, owner, features)
-        for session_id, task in answered:
-            self._prefilled(session_id, task)
+        self._send_prefills()
         if self.driver.pending():
             await self.step()
         return True
 
     # ------------------------------------------------------------- prefills
+    def _send_prefills(self) -> None:
+        """Send the Prefill of every session opened since (on the loop thread, between or during steps)."""
+        with self._lock:
+            opens, self._opens = self._opens, []
+        for session_id, prompt, sampling, owner, features in opens:
+            self._send_prefill(session_id, prompt, sampling, owner, features)
+
     def _send_prefill(self, session_id: str, prompt: list[int], sampling: SamplingParams, owner: SessionOwner,
                       features: bool) -> None:
         if session_id not in self._sessions:  # dropped before it was sent
@@ -208,15 +210,11 @@ class RemoteStepLoop:
         with self.driver.traced(session_id, "prefill"):  # the task's context: the call's span joins the trace
             task = self._loop.create_task(self._call(self._stub.Prefill, request))
         self._prefilling[session_id] = (task, owner)
-        task.add_done_callback(lambda done: self._answer_in(session_id, done))
-
-    def _answer_in(self, session_id: str, task: asyncio.Task) -> None:
-        entry = self._prefilling.get(session_id)
-        if entry is not None and entry[0] is task:
-            self._answered.append((session_id, task))
-            self._wake.set()
+        task.add_done_callback(lambda done: self._prefilled(session_id, done))
 
     def _prefilled(self, session_id: str, task: asyncio.Task) -> None:
+        """A Prefill's answer, handed to its owner as it lands (a step's calls may be out: a request that starts
+        decoding now is drafted from the next step on)."""
         entry = self._prefilling.pop(session_id, None)
         if entry is None or entry[0] is not task:  # dropped meanwhile (drop releases it)
             return
@@ -232,7 +230,12 @@ class RemoteStepLoop:
             self._loop.create_task(self._release(session_id, None))
             owner.failed(exc)
             return
-        owner.prefilled(result)
+        try:
+            owner.prefilled(result)
+        except Exception as exc:  # a bug there must not leave the request hanging
+            log.exception("starting %s after its prefill failed", session_id)
+            owner.failed(exc)
+        self._wake.set()  # it decodes from the next step on: the loop may be idle
 
     # ------------------------------------------------------------- the step
     async def step(self) -> None:
@@ -280,7 +283,6 @@ class RemoteStepLoop:
 
     def _close_all(self) -> None:
         """Closed: the Prefills in flight are cancelled (drop), the driver ends its requests (each released)."""
-        self._answered.clear()
         self.driver.stop(RuntimeError("the engine core is closed"))
         for session_id in list(self._prefilling):
             self.drop(session_id)
