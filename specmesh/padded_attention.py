@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specmesh.kv_pool import gather_blocks
+
 PAD_LIMIT = 10240  # key elements (positions x kv_heads x head_dim) per session and layer up to which to pad
 PAD_MAX_NEW = 16  # sessions feeding more rows (prompt chunks, large trees) keep their own call
 
@@ -115,8 +117,7 @@ def padded_sdpa(
     block_size = key_len * g // len(key_blocks)
 
     def gather(pool: torch.Tensor) -> torch.Tensor:  # [G, kv_heads, key_len, head_dim]
-        rows = pool.view(kv_heads, -1, block_size * head_dim).index_select(1, key_blocks)
-        rows = rows.view(kv_heads, g * key_len, head_dim)
+        rows = gather_blocks(pool, key_blocks, block_size)  # [kv_heads, G * key_len, head_dim]
         if unwritten is not None:
             rows.index_fill_(1, unwritten, 0)
         return rows.view(kv_heads, g, key_len, head_dim).transpose(0, 1)
