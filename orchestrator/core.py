@@ -37,7 +37,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from orchestrator.drafter_link import DrafterLink, PendingDraft
@@ -66,7 +65,8 @@ PLAIN = (EMPTY_TREE, Budget(0, 0), 0.0)  # (tree, budget, draft seconds) of a re
 
 
 class EngineCore:
-    """Every request of one in-process verifier, stepped by a ``StepLoop`` whose driver this is (see module doc).
+    """Every request of one verifier, stepped by a ``StepLoop`` (in process) or a ``RemoteStepLoop`` (a replica)
+    whose driver this is (see module doc).
     Thread-safe: ``submit`` / ``cancel`` / ``close`` from any thread; the driver's methods run on the loop's."""
 
     def __init__(self, verifier: LocalVerifier | VerifierClient, decode: Callable[[list[int]], str] | None = None,
@@ -153,7 +153,7 @@ class EngineCore:
         Nothing while the request is not traced (on the loop thread)."""
         request = self._requests.get(request_id)
         if request is None or request.trace is None or not request.trace.is_recording():
-            return nullcontext()
+            return tracing.use(None)
         if call == "prefill":
             request.prefill_span = tracing.start_child(request.trace, PREFILL_SPAN, {
                 "specmesh.session.id": request_id, "specmesh.prefill.prompt_tokens": len(request.prompt)})
@@ -378,7 +378,7 @@ class EngineCore:
                     tracing.record_error(span, error)
                 span.end()
         request.prefill_span = request.step_span = None
-        with tracing.use(request.trace) if request.trace is not None else nullcontext():
+        with tracing.use(request.trace):
             self.loop.drop(request.request_id)  # a remote loop's Release joins the request's trace
         try:  # a background link's closing calls are queued on its worker: the loop does not wait for them
             request.link.close(len(request.stopper.generated), wait=not request.method.background)
@@ -407,7 +407,7 @@ class _Admission:
         request = self.request
         request.status = Status.PREFILLING
         try:
-            with tracing.use(request.trace) if request.trace is not None else nullcontext():
+            with tracing.use(request.trace):
                 request.link.open(request.prompt, request.sampling)  # a remote drafter's stream: in the trace
             if not request.method.background:  # a background open's failure shows at its first draft instead
                 request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)

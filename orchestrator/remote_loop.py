@@ -51,8 +51,6 @@ class RemoteStepLoop:
         ``traced(session_id, call)`` says which span each call is sent under (one trace per request)."""
         self.client = client
         self.verifier = RemoteVerifier(client, None)  # messages, answers, errors; every call bounded by call_timeout
-        self.info = client.info
-        self.costs = client.costs
         self.driver = driver
         self.stats = BatchStats()
         self._lock = threading.Lock()  # what other threads hand in: functions to run, sessions to open, close
@@ -97,10 +95,7 @@ class RemoteStepLoop:
         if entry is not None:
             prefill = entry[0]
             prefill.cancel()
-        if self._loop is not None and not self._loop.is_closed():
-            task = self._loop.create_task(self._release(session_id, prefill))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+        self._release_soon(session_id, prefill)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread at the start of its next round."""
@@ -227,7 +222,7 @@ class RemoteStepLoop:
         except Exception as exc:  # the session is released; its owner hears why
             with self._lock:
                 self._sessions.discard(session_id)
-            self._loop.create_task(self._release(session_id, None))
+            self._release_soon(session_id, None)
             owner.failed(exc)
             return
         try:
@@ -268,6 +263,15 @@ class RemoteStepLoop:
                                 metadata=self.client._metadata)
         except grpc.RpcError as exc:
             return exc
+
+    def _release_soon(self, session_id: str, prefill: asyncio.Task | None) -> None:
+        """Release a session from a task of the loop's (in the current context: the Release joins its trace);
+        the loop waits for these before its channel closes."""
+        if self._loop is None or self._loop.is_closed():
+            return
+        task = self._loop.create_task(self._release(session_id, prefill))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _release(self, session_id: str, prefill: asyncio.Task | None) -> None:
         """Free a session on the replica once its Prefill (if one was in flight) has ended; best effort (the

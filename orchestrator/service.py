@@ -327,7 +327,6 @@ class GenerationService:
         records each step as its child."""
         if self.num_requests >= self.max_requests:
             raise Overloaded(f"{self.num_requests} requests in flight or queued; try again later")
-        self.num_requests += 1
         loop = asyncio.get_running_loop()
         metrics = self.metrics.request()
         span = tracing.start_request_span(plan.operation, self.model_name, plan.sampling, len(plan.prompt))
@@ -335,6 +334,7 @@ class GenerationService:
         result = GenerationResult([], "error", RequestStats(prompt_tokens=len(plan.prompt)))
         tried: set[str] = set()
         cancel, finished, emitted, retried = None, False, False, None
+        self.num_requests += 1  # the finally below gives it back
         metrics.started()
         try:
             while not finished:

@@ -261,10 +261,11 @@ def start_child(parent: trace.Span, name: str, attributes: Mapping[str, object] 
                                start_time=start_ns)
 
 
-def use(span: trace.Span):
+def use(span: trace.Span | None):
     """A context manager making ``span`` current inside the block without ending it (the calls made there are its
-    children: a gRPC call's client span, a drafter call copied to a worker); nothing when it does not record."""
-    if not span.is_recording():
+    children: a gRPC call's client span, a drafter call copied to a worker); nothing when it is None or does not
+    record."""
+    if span is None or not span.is_recording():
         return nullcontext()
     return trace.use_span(span, end_on_exit=False)
 
