@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         StoreConfig,
         tokenizer_fingerprint,
     )
+    from specmesh.atomic_io import check_writable
     from specmesh.models import demo_model, load_tokenizer
 
     try:
@@ -118,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         files = corpus_files(args.paths, args.glob or DEFAULT_GLOBS)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"specmesh ingest: {exc}") from None
+    if args.out:  # a bad path is refused now, not after the whole corpus is tokenized
+        try:
+            check_writable(args.out)
+        except OSError as exc:
+            raise SystemExit(f"specmesh ingest: --out {args.out}: {exc.strerror or exc}") from None
     if not files:
         raise SystemExit("specmesh ingest: no files to ingest")
     tokenizer = load_tokenizer(args.tokenizer or demo_model("target"))
@@ -144,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # a dead Redis, an unwritable file: one line, no traceback
         raise SystemExit(f"specmesh ingest: {type(exc).__name__}: {exc}") from None
     if args.out:
-        store.save(args.out)
+        try:  # written whole or not at all: with --append, a full disk leaves the old snapshot as it was
+            store.save(args.out)
+        except OSError as exc:
+            raise SystemExit(f"specmesh ingest: --out {args.out}: {exc.strerror or exc} "
+                             "(the file is unchanged)") from None
     where = args.store or str(args.out)
     print(f"[specmesh] ingested {stats['tokens']} tokens from {stats['documents']} documents "
           f"({stats['files']} files) into {where} (namespace {namespace}) in {stats['seconds']:.1f} s",

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from specmesh.atomic_io import atomic_write
+
 log = logging.getLogger("specmesh.ngram_store")
 
 Continuation = tuple[int, ...]
@@ -159,12 +161,13 @@ class MemoryNGramStore:
 
     # ----------------------------------------------------------- snapshots
     def save(self, path: str | Path) -> None:
-        """Write the store to a file (gzip'd JSON: config, namespace, every context's counts)."""
+        """Write the store to a file (gzip'd JSON: config, namespace, every context's counts), whole or not at
+        all: a failed write (a full disk) raises OSError and leaves the file that was there readable."""
         with self._lock:
             table = {pack(ctx).hex(): {m.hex(): c for m, c in counts.items()} for ctx, counts in self._table.items()}
         doc = {"format": SNAPSHOT_FORMAT, "config": dataclasses.asdict(self.config), "namespace": self.namespace,
                "table": table}
-        with gzip.open(path, "wt", encoding="utf-8") as f:
+        with atomic_write(path) as raw, gzip.open(raw, "wt", encoding="utf-8") as f:
             json.dump(doc, f)
 
     @classmethod

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (`specmesh serve --http HOST:PORT`), a FastAPI shell over GenerationService.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template; 400 when it
-has none), ``GET /v1/models``, ``GET /health`` (200 while a verifier is up, else 503), ``GET /metrics``
-(Prometheus). Streaming is server-sent events ending in ``data: [DONE]``, with
+has none), ``GET /v1/models``, ``GET /health`` (200 while a verifier is up, else 503; 503 while draining),
+``GET /metrics`` (Prometheus), ``GET /openapi.json`` (behind the token when there is one; ``/docs`` and
+``/redoc`` only without). The transport (TLS, timeouts, connection cap, drain) is orchestrator/http_server.py. Streaming is server-sent events ending in ``data: [DONE]``, with
 ``stream_options.include_usage``.
 
 Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``, ``max_nodes``,
@@ -13,8 +14,8 @@ Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (malformed
 JSON, wrong types, unsupported options such as ``n > 1`` or ``logprobs``, a prompt past the context), 401 a
-missing or wrong bearer token when the server has tokens, 404 an unknown model, 429 the queue is full, 503
-no verifier is up. A client that disconnects mid-stream cancels its request: the engine stops at its next
+missing or wrong bearer token when the server has tokens (checked before the body is read), 404 an unknown
+model, 413 a body past the limit, 429 the queue is full, 503 no verifier is up or the server is draining. A client that disconnects mid-stream cancels its request: the engine stops at its next
 step and releases the verifier's KV.
 """
 
@@ -26,32 +27,35 @@ import dataclasses
 import hmac
 import json
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from orchestrator.service import Chunk, Final, GenerateRequest, GenerationService, Overloaded, Plan
 from specmesh import rpc
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.sampling import SamplingParams
-from specmesh.serving import split_host_port
 
 log = logging.getLogger("specmesh.http")
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request sets none (0 = greedy)
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (chat: the rest of the context)
+BODY_BYTES_PER_PROMPT_BYTE = 2  # a body may be this many times the prompt limit (JSON escapes, chat framing)...
+BODY_OVERHEAD_BYTES = 1 << 20  # ...plus this much for the other fields
+OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a worker thread, not on the event loop
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -65,7 +69,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.status == 413:
+            headers["Connection"] = "close"  # the rest of the body is not read
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -157,6 +163,8 @@ class ChatRequest(_Common):
 
 def _refuse_unsupported(body: _Common) -> None:
     """A clear 400 for every OpenAI option specmesh cannot honour, instead of silently ignoring it."""
+    if body.n is not None and body.n < 1:
+        raise ApiError(400, f"n must be at least 1, got {body.n}", param="n")
     if body.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported: send one request per choice", param="n")
     if body.presence_penalty or body.frequency_penalty:
@@ -169,6 +177,8 @@ def _refuse_unsupported(body: _Common) -> None:
         if body.logprobs is not None:
             raise ApiError(400, "logprobs are not supported: the verifier does not return token log-probabilities",
                            param="logprobs")
+        if body.best_of is not None and body.best_of < 1:
+            raise ApiError(400, f"best_of must be at least 1, got {body.best_of}", param="best_of")
         if body.best_of not in (None, 1):
             raise ApiError(400, "best_of > 1 is not supported", param="best_of")
         if body.suffix:
@@ -181,6 +191,48 @@ def _refuse_unsupported(body: _Common) -> None:
             raise ApiError(400, "tools are not supported", param="tools")
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def invalid_body(errors: Sequence[dict]) -> ApiError:
+    """The 400 for a body that failed validation (pydantic's error list; the first error is reported)."""
+    first = errors[0] if errors else {}
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        message, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), []
+    else:
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
+    return ApiError(400, message, param=".".join(where) or None)
+
+
+async def read_body(request: Request, model: type[Body], limit: int) -> Body:
+    """The request's JSON body as ``model``: refused (413) past ``limit`` bytes, by its Content-Length before any
+    of it is read and while it streams in otherwise; large bodies are parsed on a worker thread so the event
+    loop keeps serving."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit)
+    body = bytearray()
+    try:
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise _too_large(None, limit)
+    except ClientDisconnect:  # gone, or closed by the read timeout: nobody reads this answer
+        raise ApiError(400, "the client disconnected before its request arrived") from None
+    try:
+        if len(body) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(model.model_validate_json, body)
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise invalid_body(exc.errors()) from None
+
+
+def _too_large(size: int | None, limit: int) -> ApiError:
+    return ApiError(413, f"the request body {f'({size} bytes) ' if size else ''}is larger than the {limit} bytes "
+                         "this server accepts (derived from --max-prompt-bytes)", code="request_too_large")
 
 
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
@@ -233,13 +285,26 @@ def _sse(payload: dict | str) -> bytes:
 
 # ---------------------------------------------------------------------------------------------------- the app
 class OpenAIApi:
-    """The routes' state: the service, the chat template, the accepted tokens."""
+    """The routes' state: the service, the chat template, the accepted tokens, the body limit; ``draining``
+    (readiness and new generation requests answer 503) and the generation requests in flight."""
 
     def __init__(self, service: GenerationService, chat_template: ChatTemplate | None, tokens: Sequence[str] = (),
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, max_body_bytes: int | None = None) -> None:
         self.service, self.chat_template, self.tokens = service, chat_template, tuple(tokens)
         self.request_timeout = request_timeout
+        self.max_body_bytes = max_body_bytes or (BODY_BYTES_PER_PROMPT_BYTE * service.max_prompt_bytes
+                                                 + BODY_OVERHEAD_BYTES)
         self.created = int(time.time())
+        self.draining = False
+        self.in_flight = 0
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def accepting(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica", "server_error",
+                           code="service_unavailable")
 
     def authorize(self, request: Request) -> None:
         if not self.tokens:
@@ -385,14 +450,38 @@ def _event_stream(plan: Plan, first: Chunk | Final, stream: AsyncIterator[Chunk 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+class CountInFlight:
+    """ASGI middleware counting the generation requests in flight (streams until their last byte): what a
+    drain waits for."""
+
+    def __init__(self, app, api: OpenAIApi) -> None:
+        self.app, self.api = app, api
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        self.api.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.api.in_flight -= 1
+
+
 def build_app(service: GenerationService, chat_template: ChatTemplate | None = None, tokens: Sequence[str] = (),
-              request_timeout: float | None = None) -> FastAPI:
-    """The FastAPI app; ``tokens``: bearer tokens accepted (none = no authentication; /health and /metrics
-    are always open, as in vLLM); ``request_timeout``: seconds a request may run (None = unbounded)."""
-    api = OpenAIApi(service, chat_template, tokens, request_timeout)
+              request_timeout: float | None = None, max_body_bytes: int | None = None) -> FastAPI:
+    """The FastAPI app (its OpenAIApi is ``app.state.api``); ``tokens``: bearer tokens accepted (none = no
+    authentication; /health and /metrics are always open, as in vLLM; with tokens, /openapi.json needs one and
+    the /docs and /redoc pages are off, since a browser cannot send it); ``request_timeout``: seconds a request
+    may run (None = unbounded); ``max_body_bytes``: the largest body accepted (default: derived from the
+    service's prompt limit)."""
+    api = OpenAIApi(service, chat_template, tokens, request_timeout, max_body_bytes)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding",
-                  version="0.1.0")
+                  version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.api = api
     auth = [Depends(api.authorize)]
+    generation = [*auth, Depends(api.accepting)]  # checked before the body is read
+
+    app.add_middleware(CountInFlight, api=api)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -400,13 +489,7 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            message, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), []
-        else:
-            message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
-        return ApiError(400, message, param=".".join(where) or None).response()
+        return invalid_body(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -419,13 +502,13 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return api_error(exc).response()
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest) -> Response:
-        return await api.completions(body)
+    @app.post("/v1/completions", dependencies=generation, openapi_extra=_request_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await api.completions(await read_body(request, CompletionRequest, api.max_body_bytes))
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatRequest) -> Response:
-        return await api.chat(body)
+    @app.post("/v1/chat/completions", dependencies=generation, openapi_extra=_request_body(ChatRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await api.chat(await read_body(request, ChatRequest, api.max_body_bytes))
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
@@ -435,6 +518,8 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
 
     @app.get("/health")
     async def health() -> Response:
+        if api.draining:
+            return ApiError(503, "the server is shutting down", "server_error", code="service_unavailable").response()
         if await asyncio.get_running_loop().run_in_executor(None, service.healthy):
             return JSONResponse({"status": "ok"})
         return ApiError(503, "no verifier is serving", "server_error", code="service_unavailable").response()
@@ -443,35 +528,40 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    _add_docs(app, auth, public=not api.tokens)
     return app
 
 
-# ---------------------------------------------------------------------------------------------------- serving
-def bind(address: str) -> socket.socket:
-    """A listening socket on HOST:PORT (port 0 = any free port); OSError when the port is taken."""
-    host, port = split_host_port(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
+def _request_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI description of a route that reads its body itself (read_body)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: `specmesh serve` handles SIGTERM (drain the gRPC side, then
-    this)."""
+def _add_docs(app: FastAPI, auth: list, public: bool) -> None:
+    """/openapi.json (behind the token when there is one) and, only when the API is public, /docs and /redoc."""
+    schema: dict = {}
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
+    def openapi() -> dict:
+        if not schema:
+            schema.update(get_openapi(title=app.title, version=app.version, description=app.description,
+                                      routes=app.routes))
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return schema
 
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(openapi())
 
-async def serve_http(app: FastAPI, sock: socket.socket, grace: float = 10.0) -> None:
-    """Serve ``app`` on ``sock`` until cancelled; then stop accepting and give open requests ``grace`` s."""
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=grace)
-    server = _Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        server.should_exit = True
-        await task
-        raise
+    if public:
+        @app.get("/docs", include_in_schema=False)
+        async def docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+        @app.get("/redoc", include_in_schema=False)
+        async def redoc() -> HTMLResponse:
+            return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")

@@ -1,11 +1,12 @@
 """`specmesh serve`: the Generate gRPC service (and, with --http, the OpenAI-compatible HTTP API) over
 remote verifiers and drafters, or over models in this process (--embedded).
 
-Both front ends are shells over orchestrator/service.py's GenerationService: each request runs the same
-Engine as embedded mode, on a worker thread, wired to one verifier replica (sticky for the request: it
-holds the KV cache) and to its drafter candidates: the drafter replicas in least-loaded order, then a
-local prompt-lookup proposer, which the engine fails over along. The client's deadline bounds every hop;
-a client that cancels stops the engine, which releases the verifier session and closes the drafter stream.
+Both front ends are shells over orchestrator/service.py's GenerationService: each request is data on the
+engine core of one verifier replica (sticky for the request: it holds the KV cache; orchestrator/remote_loop.py
+runs that core's steps), with its drafter candidates: the drafter replicas in least-loaded order, then a
+local prompt-lookup proposer, which the core fails over along. The client's deadline bounds every hop;
+a client that cancels ends its request, which releases the verifier session and closes the drafter stream.
+The HTTP port's transport (TLS, timeouts, connection cap, drain on SIGTERM) is orchestrator/http_server.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, pro
 from drafter_service.remote import DrafterClient
 from orchestrator import http_api
 from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments
+from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
 from orchestrator.metrics import ServeMetrics
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY
 from orchestrator.service import (
@@ -180,6 +182,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="HTTP API: seconds a request may run before it is cut off (default: none; gRPC clients "
                         "set their own deadline)")
+    h = p.add_argument_group("HTTP port", "limits of --http (its TLS is the gRPC port's --tls-cert/--tls-key/"
+                                          "--tls-ca: HTTPS, with client certificates when --tls-ca is given)")
+    h.add_argument("--http-read-timeout", type=models.positive_float, default=HttpLimits.read_timeout,
+                   metavar="SECONDS", help="a request's headers and body must arrive within this many seconds of "
+                                           f"its first byte, else the connection closes (default: "
+                                           f"{HttpLimits.read_timeout:g})")
+    h.add_argument("--http-keep-alive", type=models.positive_float, default=HttpLimits.keep_alive,
+                   metavar="SECONDS", help=f"idle keep-alive connections close after this (default: "
+                                           f"{HttpLimits.keep_alive:g})")
+    h.add_argument("--http-max-connections", type=models.positive_int, default=HttpLimits.max_connections,
+                   metavar="N", help="open HTTP connections at most; more are closed as they are accepted "
+                                     f"(default: {HttpLimits.max_connections}, lowered to fit the open-file limit)")
+    h.add_argument("--http-insecure", action="store_true",
+                   help="serve --http in plaintext even though --tls-cert secures gRPC (e.g. behind a proxy that "
+                        "terminates TLS); without it the HTTP port uses the same certificate")
     add_metrics_argument(p)
     add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
     serving.add_server_arguments(p)
@@ -203,6 +220,23 @@ def load_tokenizer(args: argparse.Namespace, verifier_model: str):
     return path, load_text_tokenizer(path)  # without transformers where it can: serve runs no model
 
 
+def _upstream_hint(exc: rpc.UpstreamError, upstream: rpc.Security) -> str:
+    """What to check when a verifier did not answer Info: a TLS handshake a verifier refuses (no client
+    certificate for one that requires it, an unknown CA) shows only as UNAVAILABLE or a deadline."""
+    if exc.code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ""
+    hint = (" (serve's own credentials for verifiers and drafters: --upstream-token-file or "
+            f"${rpc.UPSTREAM_TOKEN_ENV}, --upstream-tls-ca/-cert/-key")
+    if exc.code != grpc.StatusCode.UNAUTHENTICATED:
+        if upstream.ca is None and upstream.cert is None:
+            hint += "; a verifier that listens with TLS needs --upstream-tls-ca"
+        elif upstream.cert is None:
+            hint += ("; a verifier started with --tls-ca requires a client certificate: --upstream-tls-cert "
+                     "and --upstream-tls-key")
+    return hint + ")"
+
+
 def _remote_backend(args: argparse.Namespace, security: rpc.Security):
     """The verifier and drafter replicas of --verifier / --drafter: (backend, tokenizer directory, tokenizer)."""
     upstream = serving.upstream_security(args, security)  # the client's credentials are never forwarded
@@ -212,11 +246,7 @@ def _remote_backend(args: argparse.Namespace, security: rpc.Security):
         try:
             infos.append(client.fetch_info(args.connect_timeout))
         except rpc.UpstreamError as exc:
-            hint = ""
-            if exc.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE):
-                hint = (" (serve's own credentials for verifiers and drafters: --upstream-token-file or "
-                        f"${rpc.UPSTREAM_TOKEN_ENV}, --upstream-tls-ca/-cert/-key)")
-            raise SystemExit(f"specmesh serve: {exc}{hint}") from None
+            raise SystemExit(f"specmesh serve: {exc}{_upstream_hint(exc, upstream)}") from None
     if len({i.vocab_size for i in infos}) > 1:
         raise SystemExit("specmesh serve: the verifiers serve models with different vocabularies")
     drafters = [DrafterClient(a, upstream) for a in args.drafter]
@@ -266,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     http_socket = None
     if args.http:  # bound first: a port in use is reported before any model is loaded
         try:
-            http_socket = http_api.bind(args.http)
+            http_socket = bind(args.http)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"specmesh serve: --http {args.http}: {exc}") from None
     backend, tokenizer_dir, tokenizer = _embedded_backend(args) if args.embedded else _remote_backend(args, security)
@@ -276,15 +306,26 @@ def run(args: argparse.Namespace) -> int:
     service = build_service(args, backend, tokenizer, model_name, metrics)
     if args.metrics:
         start_metrics_server(args.metrics, metrics.registry)
-    background = None
+    http = None
     if http_socket is not None:
         chat = ChatTemplate.load(tokenizer_dir)
         app = http_api.build_app(service, chat, security.tokens, args.request_timeout)
-        host, port = http_socket.getsockname()[:2]
-        log.info("OpenAI-compatible API on http://%s:%d/v1 (chat template: %s)", host, port,
-                 "yes" if chat else "none")
-
-        def background():
-            return http_api.serve_http(app, http_socket, args.grace)
+        http = HttpServer(app, http_socket, HttpLimits(args.http_read_timeout, args.http_keep_alive,
+                                                       args.http_max_connections),
+                          http_tls(args, security), in_flight=lambda: app.state.api.in_flight,
+                          on_drain=app.state.api.drain)
+        log.info("OpenAI-compatible API on %s/v1 (chat template: %s%s)", http.url, "yes" if chat else "none",
+                 ", bearer token required" if security.tokens else "")
     return serving.serve(args, security, GenerateServicer(service), generate_pb2_grpc.add_GenerateServicer_to_server,
-                         GENERATE_SERVICE, background)
+                         GENERATE_SERVICE, http and http.run, http and http.drain)
+
+
+def http_tls(args: argparse.Namespace, security: rpc.Security) -> TlsFiles | None:
+    """The HTTP port's TLS: the gRPC port's certificate, unless --http-insecure says plaintext on purpose."""
+    if security.cert is None:
+        return None
+    if args.http_insecure:
+        log.warning("--http-insecure: the HTTP port is plaintext%s while gRPC uses TLS",
+                    "" if security.tokens else " and unauthenticated")
+        return None
+    return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)

@@ -171,6 +171,17 @@ def int_at_least(minimum: int):
 positive_int = int_at_least(1)
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+positive_float.__name__ = "float"
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """The target model's options (`specmesh verifier`, and the target half of generate/bench)."""
     p.add_argument("--target", type=Path, default=None,

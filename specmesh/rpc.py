@@ -380,9 +380,11 @@ async def run_server(
     grace_seconds: float = 10.0,
     on_started: Callable[[int], None] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    also_drain: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT: then health turns NOT_SERVING, in-flight RPCs get
-    ``grace_seconds`` to finish, and the server stops. ``on_started(port)`` runs once listening."""
+    ``grace_seconds`` to finish, and the server stops. ``on_started(port)`` runs once listening;
+    ``also_drain(grace_seconds)`` drains another listener of the process (the HTTP port) at the same time."""
     started = await start_server(server, address, security, service_names)
     if on_started is not None:
         on_started(started.port)
@@ -396,7 +398,8 @@ async def run_server(
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     if stopping.is_set():
         log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_seconds)
-        await started.drain(grace_seconds)
+        await asyncio.gather(started.drain(grace_seconds),
+                             *([also_drain(grace_seconds)] if also_drain is not None else []))
     if on_stop is not None:
         await on_stop()
     waiter.cancel()

@@ -118,9 +118,11 @@ def serve(
     add_to_server: Callable,
     service_name: str,
     background: Callable[[], Awaitable[None]] | None = None,
+    drain: Callable[[float], Awaitable[None]] | None = None,
 ) -> int:
     """Serve ``servicer`` (registered with its generated ``add_..._to_server``) until SIGTERM/SIGINT;
-    ``background()`` runs beside it and is cancelled at shutdown."""
+    ``background()`` runs beside it and is cancelled at shutdown, after ``drain(grace)`` (run beside the gRPC
+    drain) returned."""
 
     async def main() -> None:
         server = rpc.new_server(security, args.reuse_port)
@@ -128,7 +130,7 @@ def serve(
         task = asyncio.ensure_future(background()) if background is not None else None
         try:
             await rpc.run_server(server, args.listen, security, [service_name], args.grace,
-                                 write_ready_file(args.ready_file))
+                                 write_ready_file(args.ready_file), also_drain=drain)
         finally:
             if task is not None:
                 task.cancel()

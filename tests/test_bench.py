@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -157,9 +158,10 @@ def test_bench_always_accept_drafter(pair, tmp_path):
 
 def test_bench_sampling_has_no_greedy_match(pair, tmp_path):
     report = _bench(
-        pair, tmp_path / "out.json", "--methods", "prompt_lookup:max_nodes=4,max_depth=4",
+        pair, tmp_path / "results" / "out.json", "--methods", "prompt_lookup:max_nodes=4,max_depth=4",
         "--limit", "1", "--temperature", "0.7", "--top-p", "0.95", "--max-new-tokens", "6",
     )  # fmt: skip
+    assert [p.name for p in (tmp_path / "results").iterdir()] == ["out.json"]  # directory made, no temporary left
     assert list(report["methods"]) == ["ar", "prompt_lookup:max_nodes=4,max_depth=4"]  # ar is always added
     assert report["config"]["methods"][1]["options"] == {"max_nodes": 4, "max_depth": 4}
     for agg in report["methods"].values():
@@ -219,6 +221,21 @@ def test_bench_default_methods_without_draft(pair, tmp_path):
 def test_bench_usage_errors_exit_cleanly(pair, tmp_path, methods, draft, message):
     with pytest.raises(SystemExit, match=f"specmesh bench: .*{message}"):
         _bench(pair, tmp_path / "out.json", "--methods", *methods, draft=draft)
+
+
+@pytest.mark.parametrize("where", ["a_file/out.json", "a_dir", "read_only/out.json"])
+def test_bench_refuses_an_unwritable_json_before_the_first_prompt(pair, tmp_path, capsys, where):
+    (tmp_path / "a_file").write_text("x")  # a file where a directory should be: unwritable for root too
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "read_only").mkdir(mode=0o500)
+    if where.startswith("read_only") and os.access(tmp_path / "read_only", os.W_OK):
+        pytest.skip("running as root: a read-only directory is writable")
+    out = tmp_path / where
+    with pytest.raises(SystemExit, match=f"^specmesh bench: --json {out}: [^\\n]+$"):
+        _bench(pair, out, "--methods", "ar", "prompt_lookup", "--limit", "1")
+    captured = capsys.readouterr()
+    assert "warm-up" not in captured.err and "prompt" not in captured.err and not captured.out  # nothing ran
+    assert not any((tmp_path / "a_dir").iterdir()) and not any((tmp_path / "read_only").iterdir())
 
 
 def test_parse_method():

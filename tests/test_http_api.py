@@ -8,6 +8,7 @@ float64, so greedy outputs can be compared with the engine's token for token); t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import socket
@@ -23,6 +24,7 @@ import torch
 
 from orchestrator import http_api
 from orchestrator.embedded import EmbeddedBackend, EmbeddedStack
+from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
 from orchestrator.service import GenerationService
 from specmesh.app.local_mesh import ServiceProcess
 from specmesh.chat import ChatTemplate
@@ -36,19 +38,22 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
 
 
 class AppThread:
-    """uvicorn serving an app on 127.0.0.1 from a thread of this process, until ``stop``."""
+    """The HTTP server of `specmesh serve --http` serving an app on 127.0.0.1 from a thread of this process,
+    until ``stop`` (at once) or ``drain`` (as SIGTERM does)."""
 
-    def __init__(self, app) -> None:
-        sock = http_api.bind("127.0.0.1:0")
+    def __init__(self, app, limits: HttpLimits | None = None, tls: TlsFiles | None = None) -> None:
+        sock = bind("127.0.0.1:0")
+        self.server = HttpServer(app, sock, limits or HttpLimits(), tls, in_flight=lambda: app.state.api.in_flight,
+                                 on_drain=app.state.api.drain)
         self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = self.server.url
         self._loop = asyncio.new_event_loop()
         self._task = None
         started = threading.Event()
 
         def main() -> None:
             asyncio.set_event_loop(self._loop)
-            self._task = self._loop.create_task(http_api.serve_http(app, sock, grace=1.0))
+            self._task = self._loop.create_task(self.server.run())
             self._loop.call_soon(started.set)
             try:
                 self._loop.run_until_complete(self._task)
@@ -62,6 +67,10 @@ class AppThread:
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._task.cancel)
         self._thread.join(10)
+
+    def drain(self, grace: float) -> concurrent.futures.Future:
+        """Start draining (as SIGTERM does); the future is done when the server has stopped."""
+        return asyncio.run_coroutine_threadsafe(self.server.drain(grace), self._loop)
 
 
 @pytest.fixture(scope="module")

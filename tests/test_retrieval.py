@@ -27,6 +27,7 @@ from drafter_service.remote import DrafterClient
 from drafter_service.retrieval import RetrievalProposer
 from drafter_service.tree_builders import weighted_paths_tree
 from specmesh import rpc
+from specmesh.app import cli
 from specmesh.app.local_mesh import LocalRedis
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback, VerifyFeedback
@@ -183,3 +184,41 @@ def test_ingest_fills_a_snapshot_and_redis(tmp_path, redis_server):
     bad = subprocess.run([sys.executable, "-m", "specmesh", "ingest", str(tmp_path / "missing"), "--tokenizer",
                           sh.TARGET, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no such file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# the CLI with every write past a file size limit failing (RLIMIT_FSIZE: EFBIG, SIGXFSZ ignored), as on a
+# disk that fills up part way through a file; the limit is the first argument
+FULL_DISK = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+             "limit = int(sys.argv.pop(1)); resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); "
+             "runpy.run_module('specmesh', run_name='__main__', alter_sys=True)")
+
+
+def test_ingest_append_on_a_full_disk_keeps_the_old_snapshot(tmp_path):
+    tokenizer = load_tokenizer(sh.TARGET)
+    old = MemoryNGramStore(StoreConfig(), tokenizer_fingerprint(tokenizer.get_vocab()))
+    old.add(np.random.default_rng(0).integers(0, len(tokenizer), 3000).tolist())
+    out = tmp_path / "store.ngrams"
+    old.save(out)
+    before = out.read_bytes()
+    corpus = tmp_path / "a.py"
+    corpus.write_text("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n")
+
+    run = subprocess.run([sys.executable, "-c", FULL_DISK, str(len(before) // 2), "ingest", str(corpus),
+                          "--tokenizer", sh.TARGET, "--quiet", "--out", str(out), "--append"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(f"specmesh ingest: --out {out}: File too large")
+    assert out.read_bytes() == before  # not truncated, not half rewritten: the old snapshot as it was
+    assert MemoryNGramStore.load(out)._table == old._table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py", "store.ngrams"]  # no temporary left
+
+
+@pytest.mark.parametrize("where", ["a_file/store.ngrams", "a_dir", "missing/store.ngrams"])
+def test_ingest_refuses_an_unwritable_out_before_tokenizing(tmp_path, where):
+    (tmp_path / "a_file").write_text("def f(): pass\n")
+    (tmp_path / "a_dir").mkdir()
+    out = tmp_path / where
+    # no tokenizer there: refusing the path first is what keeps this from failing on the tokenizer
+    with pytest.raises(SystemExit, match=f"^specmesh ingest: --out {out}: "):
+        cli.main(["ingest", str(tmp_path / "a_file"), "--out", str(out), "--tokenizer", str(tmp_path / "none")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"] and not any((tmp_path / "a_dir").iterdir())

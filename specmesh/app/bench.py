@@ -77,6 +77,7 @@ from specmesh.app.bench_runners import (
     measured_run,
     method_runner,
 )
+from specmesh.atomic_io import check_writable, write_text_atomic
 from specmesh.sampling import SamplingParams
 
 # Options of HF methods when the spec leaves them unset (specmesh budgets default per proposer in the
@@ -660,10 +661,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("specmesh bench: --repeats and --passes must be >= 1")
     if args.concurrency is not None and min(args.concurrency) < 1:
         raise SystemExit("specmesh bench: --concurrency values must be >= 1")
+    try:  # a bad --json path is refused now, not after the whole run (a missing directory is created)
+        check_writable(args.json, make_parents=True)
+    except OSError as exc:
+        raise SystemExit(f"specmesh bench: --json {args.json}: {exc.strerror or exc}") from None
     report = run_bench(args)
     report["table"] = markdown_table(report) if args.concurrency is None else load_table(report["load"])
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(report["table"])
+    print(report["table"])  # first: a write that still fails (a full disk) loses the JSON, not the table
+    try:
+        write_text_atomic(args.json, json.dumps(report, indent=1))
+    except OSError as exc:
+        raise SystemExit(f"specmesh bench: --json {args.json}: {exc.strerror or exc} "
+                         "(the file is unchanged)") from None
     return 0

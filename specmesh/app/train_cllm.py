@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafter_service.ingest import DEFAULT_GLOBS, corpus_files, documents
+from specmesh.atomic_io import atomic_write
 
 AR_TEXTS = ("corpus", "model")
 
@@ -274,8 +275,8 @@ def train_cllm(cfg: CllmConfig) -> dict:
         bar.update(1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             cfg.out_dir.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "rng": rng},
-                       checkpoint)
+            with atomic_write(checkpoint) as f:  # killed mid-save, the last checkpoint still resumes
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "rng": rng}, f)
     bar.close()
     model.eval()
     after = evaluate(model, heldout, cfg)

@@ -47,6 +47,7 @@ from drafter_service.falcon_head import (
     target_tables,
 )
 from drafter_service.ingest import DEFAULT_GLOBS, corpus_files, documents
+from specmesh.atomic_io import atomic_write
 
 GLANCE_START = 0.4  # λ at the first epoch, falling linearly to 0 (the schedule)
 NOISE = 0.1  # U(-NOISE, NOISE) on input features
@@ -241,7 +242,8 @@ def _features(cfg: FalconTrainConfig, runner, tokenizer) -> dict:
             "train_feats": dump_features(runner, train), "held_feats": dump_features(runner, held, progress=False)}
     data["dump_seconds"] = time.perf_counter() - start
     cfg.work.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path)
+    with atomic_write(path) as f:  # a cut-short write never passes for a cache to reuse
+        torch.save(data, f)
     return data
 
 
@@ -333,10 +335,9 @@ def _intermediate(runner) -> int:
 
 def _checkpoint(path: Path, head: FalconHead, head_cfg: FalconConfig, optimizer, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"config": asdict(head_cfg), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                "state": state, "torch_rng": torch.get_rng_state()}, tmp)
-    tmp.replace(path)
+    with atomic_write(path) as f:
+        torch.save({"config": asdict(head_cfg), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                    "state": state, "torch_rng": torch.get_rng_state()}, f)
 
 
 # ------------------------------------------------------------------------------------------- command line
