@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -51,6 +52,10 @@ from specmesh.sampling import SamplingParams
 
 log = logging.getLogger("specmesh.http")
 
+try:
+    VERSION = importlib.metadata.version("specmesh")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown"
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request sets none (0 = greedy)
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (chat: the rest of the context)
 BODY_BYTES_PER_PROMPT_BYTE = 2  # a body may be this many times the prompt limit (JSON escapes, chat framing)...
@@ -159,6 +164,21 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: rendered messages already hold theirs
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def _refuse_unsupported(body: _Common) -> None:
@@ -362,17 +382,43 @@ class OpenAIApi:
 
         return _event_stream(plan, first, stream, chunk, [chunk(echo)] if echo else [], body.stream_options)
 
+    # ------------------------------------------------------------------------------------------ tokenizer
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ApiError(400, f"the model {self.service.model_name!r} has no chat template (none in its "
+                                "tokenizer_config.json or chat_template.jinja; `serve --chat-template` gives one); "
+                                "use /v1/completions", param="messages")
+        try:
+            return self.chat_template.render([m.model_dump(exclude_none=True) for m in messages],
+                                             add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        text = body.prompt if body.prompt is not None else self.render_chat(body.messages, body.add_generation_prompt)
+        if len(text.encode()) > self.service.max_prompt_bytes:
+            raise ApiError(400, f"the prompt is larger than {self.service.max_prompt_bytes} bytes", param="prompt")
+        special = body.add_special_tokens and body.prompt is not None
+        ids = list(self.service.tokenizer.encode(text, add_special_tokens=special))
+        return {"count": len(ids), "max_model_len": self.service.info.max_positions, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            self.check_model(body.model)
+        vocab = self.service.info.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be below the vocabulary size {vocab}", param="tokens")
+        return {"prompt": self.service.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
     # ------------------------------------------------------------------------------------------ chat
     async def chat(self, body: ChatRequest) -> Response:
         self.check_model(body.model)
         _refuse_unsupported(body)
-        if self.chat_template is None:
-            raise ApiError(400, f"the model {self.service.model_name!r} has no chat template (none in its "
-                                "tokenizer_config.json or chat_template.jinja); use /v1/completions", param="messages")
-        try:
-            prompt = self.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+        prompt = self.render_chat(body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context (OpenAI's)
         request = GenerateRequest(_sampling(body, max_tokens or 1), prompt=prompt, operation="chat",
                                   add_special_tokens=False, **_speculation(body))
@@ -516,6 +562,19 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
             "id": service.model_name, "object": "model", "created": api.created, "owned_by": "specmesh",
             "max_model_len": service.info.max_positions}]}
 
+    @app.post("/tokenize", dependencies=auth, openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize(request: Request) -> dict:
+        body = await read_body(request, TokenizeRequest, api.max_body_bytes)
+        return await asyncio.to_thread(api.tokenize, body)
+
+    @app.post("/detokenize", dependencies=auth, openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict:
+        return api.detokenize(await read_body(request, DetokenizeRequest, api.max_body_bytes))
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
     @app.get("/health")
     async def health() -> Response:
         if api.draining:
@@ -547,7 +606,7 @@ def _add_docs(app: FastAPI, auth: list, public: bool) -> None:
             schema.update(get_openapi(title=app.title, version=app.version, description=app.description,
                                       routes=app.routes))
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest):
+            for model in (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest):
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body

@@ -38,7 +38,7 @@ from orchestrator.service import (
 )
 from orchestrator.stats import RequestStats, StepStats
 from specmesh import models, rpc, serving
-from specmesh.chat import ChatTemplate
+from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.metrics import add_metrics_argument, start_metrics_server
 from specmesh.text_tokenizer import load_text_tokenizer
@@ -145,15 +145,34 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
 
 # ---------------------------------------------------------------------- CLI
+DEFAULT_LISTEN = "127.0.0.1:50050"
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:50050",
-                   help="address of the gRPC Generate service (default: 127.0.0.1:50050)")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="serve this model in this process with the OpenAI-compatible API on --host/--port, as "
+                        "`vllm serve MODEL` does: a local Hugging Face directory or ORG/NAME on the hub (from its "
+                        "local cache, downloaded when missing); the same as --embedded --target MODEL --http "
+                        "HOST:PORT, with the gRPC port only when --listen asks for it")
+    p.add_argument("--host", default=None,
+                   help=f"with MODEL: the HTTP API's address (default: {DEFAULT_HOST}; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=models.int_at_least(0), default=None,
+                   help=f"with MODEL: the HTTP API's port (default: {DEFAULT_PORT}; 0 = any free port)")
+    p.add_argument("--listen", default=None,
+                   help=f"address of the gRPC Generate service (default: {DEFAULT_LISTEN}; with MODEL: none unless "
+                        "given)")
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /health, /metrics); default: off")
+                        "/v1/models, /tokenize, /detokenize, /version, /health, /metrics); default: off (with MODEL: "
+                        "--host:--port)")
     p.add_argument("--model-name", default=None,
                    help="the model's id in the HTTP API (the `model` field requests must name) and in traces and "
-                        "metrics (default: the name of the target's directory)")
+                        "metrics (default: MODEL or --target as given for a hub id, the directory's name for a "
+                        "local one, `demo` for the bundled demo pair)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template of /v1/chat/completions: a Jinja file or the template itself (default: "
+                        "the model's, from chat_template.jinja or tokenizer_config.json)")
     p.add_argument("--verifier", action="append", default=[], metavar="HOST:PORT",
                    help="a verifier replica (repeatable); each request sticks to one, least-loaded first")
     p.add_argument("--drafter", action="append", default=[], metavar="HOST:PORT",
@@ -284,12 +303,30 @@ def build_service(args: argparse.Namespace, backend, tokenizer, model_name: str,
                              max_prompt_bytes=args.max_prompt_bytes, metrics=metrics)
 
 
+def resolve_addresses(args: argparse.Namespace) -> None:
+    """MODEL, --host/--port, --http, --listen as one picture: MODEL means --embedded --target MODEL with HTTP on
+    --host:--port (127.0.0.1:8000) and gRPC only when --listen is given; otherwise gRPC on --listen (default
+    127.0.0.1:50050) and HTTP with --http or --host/--port."""
+    if args.model is not None:
+        if args.target is not None or args.verifier:
+            raise SystemExit("specmesh serve: MODEL serves that model in this process: drop --target/--verifier")
+        args.embedded, args.target = True, args.model
+    elif args.listen is None:
+        args.listen = DEFAULT_LISTEN
+    if args.host is not None or args.port is not None or args.model is not None:
+        if args.http:
+            raise SystemExit("specmesh serve: give the HTTP address as --http HOST:PORT or as --host/--port, not both")
+        host = args.host or DEFAULT_HOST
+        args.http = f"{f'[{host}]' if ':' in host else host}:{DEFAULT_PORT if args.port is None else args.port}"
+
+
 def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args)
     serving.setup_tracing(args)  # before any server or channel
+    resolve_addresses(args)
     if args.embedded == bool(args.verifier):
-        raise SystemExit("specmesh serve: give the verifier replicas (--verifier HOST:PORT, repeatable) or "
-                         "--embedded to run the models in this process")
+        raise SystemExit("specmesh serve: give a MODEL to serve, the verifier replicas (--verifier HOST:PORT, "
+                         "repeatable) or --embedded to run the bundled demo pair in this process")
     if not args.embedded and args.target is not None:
         raise SystemExit("specmesh serve: --target is an --embedded option (the verifiers load the model)")
     security = serving.server_security(args)
@@ -298,9 +335,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             http_socket = bind(args.http)
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"specmesh serve: --http {args.http}: {exc}") from None
+            raise SystemExit(f"specmesh serve: HTTP {args.http}: {exc}") from None
+    if args.listen and not args.reuse_port:  # the same for the gRPC port
+        try:
+            serving.check_port_free(args.listen)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"specmesh serve: --listen {args.listen}: {exc}") from None
     backend, tokenizer_dir, tokenizer = _embedded_backend(args) if args.embedded else _remote_backend(args, security)
-    model_name = args.model_name or Path(backend.model or tokenizer_dir).name
+    model_name = args.model_name or models.served_name(args.target if args.embedded else backend.model or tokenizer_dir)
     metrics = ServeMetrics(model_name)
     backend.register_metrics(metrics.registry)
     service = build_service(args, backend, tokenizer, model_name, metrics)
@@ -308,7 +350,10 @@ def run(args: argparse.Namespace) -> int:
         start_metrics_server(args.metrics, metrics.registry)
     http = None
     if http_socket is not None:
-        chat = ChatTemplate.load(tokenizer_dir)
+        try:
+            chat = ChatTemplate.load(tokenizer_dir, args.chat_template)
+        except ChatTemplateError as exc:
+            raise SystemExit(f"specmesh serve: {exc}") from None
         app = http_api.build_app(service, chat, security.tokens, args.request_timeout)
         http = HttpServer(app, http_socket, HttpLimits(args.http_read_timeout, args.http_keep_alive,
                                                        args.http_max_connections),
@@ -316,6 +361,9 @@ def run(args: argparse.Namespace) -> int:
                           on_drain=app.state.api.drain)
         log.info("OpenAI-compatible API on %s/v1 (chat template: %s%s)", http.url, "yes" if chat else "none",
                  ", bearer token required" if security.tokens else "")
+    if not args.listen:  # MODEL without --listen: the HTTP API alone
+        return serving.serve_http_only(args, http.run, http.drain, http_socket.getsockname()[1])
+    log.info("gRPC Generate service on %s%s", args.listen, "" if http else " (no HTTP API: --http or --port)")
     return serving.serve(args, security, GenerateServicer(service), generate_pb2_grpc.add_GenerateServicer_to_server,
                          GENERATE_SERVICE, http and http.run, http and http.drain)
 

@@ -26,6 +26,18 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _override_source(override: str) -> str:
+    """A --chat-template value: a file's text, or the value itself when it reads as a Jinja template."""
+    file = Path(override).expanduser()
+    if "{" not in override and len(override) < 4096:
+        try:
+            return file.read_text()
+        except OSError as exc:
+            raise ChatTemplateError(f"--chat-template {override}: not a readable file ({exc.strerror}) nor a "
+                                    "Jinja template") from None
+    return override
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
         import jinja2
@@ -45,8 +57,10 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """The directory's chat template, or None when it has none."""
+    def load(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:
+        """The directory's chat template, or None when it has none; ``override`` (`serve --chat-template`, as
+        vLLM's): a template file, or the template itself, used instead (with the directory's special tokens).
+        ChatTemplateError when the override is neither, or does not parse."""
         path = Path(model_dir)
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -55,11 +69,16 @@ class ChatTemplate:
             source = {t.get("name"): t.get("template") for t in source}.get("default")
         if (path / "chat_template.jinja").is_file():
             source = (path / "chat_template.jinja").read_text()
+        if override is not None:
+            source = _override_source(override)
         if not isinstance(source, str) or not source.strip():
             return None
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
         special = {n: t for n in names if (t := _token_text(config.get(n))) is not None}
-        return cls(source, special)
+        try:
+            return cls(source, special)
+        except Exception as exc:  # jinja2's TemplateSyntaxError
+            raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
 
     def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (OpenAI's shape: role + content, content a string or text parts)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,12 +33,51 @@ def demo_model(kind: str) -> Path:
     return DEMO_DIR / kind
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # ORG/NAME on the Hugging Face hub
+HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")  # no .bin/.pt/.gguf copies
+
+
 def model_dir(path: str | Path) -> Path:
-    """``path`` if it is a Hugging Face model directory; ValueError saying why not otherwise."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
+    """The Hugging Face model directory ``path`` names: a local directory, or ``ORG/NAME`` on the hub, found in
+    the local hub cache (``$HF_HOME``/``$HF_HUB_CACHE``) or downloaded into it (with a progress bar; offline,
+    ``HF_HUB_OFFLINE=1``, the cache only). ValueError saying why not otherwise."""
+    local = Path(path)
+    if (local / "config.json").is_file():
+        return local
+    if local.exists() or not HUB_ID.fullmatch(str(path)):
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-    return path
+    return hub_snapshot(str(path))
+
+
+def served_name(spec: str | Path | None) -> str:
+    """The model id a server answers under for the target ``spec`` given to it: a hub id as given, a local
+    directory's name, ``demo`` for the bundled demo target (None)."""
+    if spec is None or Path(spec).resolve() == demo_model("target").resolve():
+        return "demo"
+    if HUB_ID.fullmatch(str(spec)) and not Path(spec).exists():
+        return str(spec)
+    return Path(spec).resolve().name
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of the hub model ``repo_id`` (config, tokenizer, safetensors weights), downloaded
+    unless it is cached; ValueError saying what to do when it cannot be had."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        snapshot = Path(snapshot_download(repo_id, allow_patterns=list(HUB_FILES)))
+    except RepositoryNotFoundError:
+        raise ValueError(f"{repo_id} is neither a local directory nor a model on the Hugging Face hub (a gated "
+                         "or private one needs `hf auth login` or $HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        raise ValueError(f"{repo_id} is not in the local Hugging Face cache and cannot be downloaded (offline, or "
+                         "HF_HUB_OFFLINE=1): download it once online, or give a local directory") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ValueError(f"{repo_id}: cannot download it from the Hugging Face hub: {exc}") from None
+    if not (snapshot / "config.json").is_file():
+        raise ValueError(f"{repo_id} on the Hugging Face hub has no config.json: not a transformers model")
+    return snapshot
 
 
 def torch_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
@@ -185,7 +225,8 @@ positive_float.__name__ = "float"
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """The target model's options (`specmesh verifier`, and the target half of generate/bench)."""
     p.add_argument("--target", type=Path, default=None,
-                   help="target model: any local Hugging Face causal-LM directory (default: the bundled demo target)")
+                   help="target model: any local Hugging Face causal-LM directory, or ORG/NAME on the Hugging Face hub "
+                        "(its local cache; downloaded when missing) (default: the bundled demo target)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="target weights dtype; 'auto' = bfloat16 on a GPU, float32 on the CPU (default: auto)")
 

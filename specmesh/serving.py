@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from specmesh import rpc, tracing
 from specmesh.host_runtime import freeze_heap
+
+log = logging.getLogger("specmesh.serve")
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +45,22 @@ def split_host_port(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"expected HOST:PORT with a port in 0-65535, got {address!r}")
     return host, int(port)
+
+
+def check_port_free(address: str) -> None:
+    """OSError if HOST:PORT cannot be listened on (taken, or not this machine's): checked before a server loads
+    its model, so a second server on a taken port fails in a second instead of after the load."""
+    host, port = split_host_port(address)
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot listen there: {exc.strerror} (another server on the port? --reuse-port shares "
+                          "it)") from None
 
 
 def server_security(args: argparse.Namespace) -> rpc.Security:
@@ -109,6 +129,31 @@ def setup_tracing(args: argparse.Namespace) -> bool:
         return tracing.setup_tracing(f"specmesh-{args.command}")
     except tracing.TracingSetupError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
+
+
+def serve_http_only(args: argparse.Namespace, run: Callable[[], Awaitable[None]],
+                    drain: Callable[[float], Awaitable[None]], port: int) -> int:
+    """Run an HTTP server (``run()``) until SIGTERM/SIGINT, then ``drain(--grace)``; --ready-file gets
+    ``port``."""
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        server = asyncio.ensure_future(run())
+        write_ready_file(args.ready_file)(port)
+        stopper = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait([server, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if stopping.is_set():
+            log.info("shutting down: draining for up to %.0f s", args.grace)
+            await drain(args.grace)
+        stopper.cancel()
+        await server
+
+    freeze_heap()  # everything is built: the GC never walks it again (host_runtime.py)
+    asyncio.run(main())
+    return 0
 
 
 def serve(

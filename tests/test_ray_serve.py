@@ -165,7 +165,7 @@ def two_streams(port: int, prompt: str, n: int) -> tuple[list[threading.Thread],
 def test_http_through_serve_matches_embedded_greedy(app, stack):
     for proposer in ("prompt_lookup", "draft_model"):
         for prompt in PROMPTS:
-            answer = complete(app["http"], {"model": "target", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+            answer = complete(app["http"], {"model": "demo", "prompt": prompt, "max_tokens": 40, "temperature": 0,
                                             "proposer": proposer})
             assert answer["choices"][0]["text"] == reference(stack, prompt, 40)[0], (proposer, prompt)
             assert answer["specmesh"]["proposer"] == proposer
@@ -200,7 +200,7 @@ def test_killed_drafter_replica_keeps_the_output_and_comes_back(app, stack):
     assert tokens == ids
     # Serve starts a new replica; it announces itself and the orchestrator drafts with it again
     assert wait_until(lambda: pool_is("drafter", 1) and replicas()["drafter"] != before, 120), pools()
-    answer = complete(app["http"], {"model": "target", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+    answer = complete(app["http"], {"model": "demo", "prompt": prompt, "max_tokens": 24, "temperature": 0,
                                     "proposer": "draft_model"})
     assert answer["choices"][0]["text"] == reference(stack, prompt, 24)[0]
     assert answer["specmesh"]["draft_errors"] == 0
@@ -265,7 +265,7 @@ def test_verifier_pool_autoscales_up_under_load_and_back_down(cluster, stack):
         deadline = time.monotonic() + 90
         while not stop.is_set() and time.monotonic() < deadline:
             try:
-                answer = complete(cluster["http"], {"model": "target", "prompt": prompt, "max_tokens": 64,
+                answer = complete(cluster["http"], {"model": "demo", "prompt": prompt, "max_tokens": 64,
                                                     "temperature": 0}, "/scaling")
                 assert answer["choices"][0]["text"] == expected
             except Exception as exc:

@@ -30,14 +30,13 @@ import io
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specmesh import rpc, serving
+from specmesh import models, rpc, serving
 from specmesh.app.autoscaling import DRAFT_BUSY, DRAFT_LATENCY_MS, KV_USAGE, SESSIONS
 from specmesh.host_runtime import freeze_heap, tune_host_allocator
 
@@ -309,7 +308,7 @@ class Orchestrator:
         first, info = await self._first_verifier(args.connect_timeout)
         self.backend = RemoteBackend([first], [], info.max_tree_nodes, args.draft_timeout_ms / 1000, info.model)
         self.tokenizer_dir, tokenizer = await asyncio.to_thread(load_tokenizer, args, info.model)
-        model_name = args.model_name or Path(info.model or self.tokenizer_dir).name  # as `specmesh serve` names it
+        model_name = args.model_name or models.served_name(info.model or self.tokenizer_dir)  # as `serve` names it
         self.service = build_service(args, self.backend, tokenizer, model_name, ServeMetrics(model_name))
         self.grpc = GenerateServicer(self.service)
         await self._sync()
