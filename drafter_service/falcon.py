@@ -80,6 +80,65 @@ class _Rows:
         return self.data[: self.length if end is None else end]
 
 
+class _Features:
+    """Target features f[j] by position, kept as received: the rows in one growable buffer, in position order,
+    and where each run of consecutive positions starts. A gap between runs (rows lost on the way: a prompt cut
+    to its newest rows, a failover to this drafter mid-request) holds nothing and reads as zeros, so memory
+    follows the rows received, never the highest position."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device) -> None:
+        self._rows = _Rows((hidden,), dtype, device)
+        self._runs: list[tuple[int, int]] = []  # (first position, its row in _rows), positions ascending
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._rows.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._rows.data.device
+
+    @property
+    def length(self) -> int:
+        """Positions [0, length) are known (gaps read as zeros)."""
+        if not self._runs:
+            return 0
+        position, row = self._runs[-1]
+        return position + self._rows.length - row
+
+    @property
+    def num_rows(self) -> int:
+        """Rows held (what memory grows with)."""
+        return self._rows.length
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        """The rows [n, H] of positions start..start+n-1; rows held for positions from ``start`` on are dropped."""
+        if not rows.shape[0]:
+            return
+        self.truncate(start)
+        if self.length != start or not self._runs:
+            self._runs.append((start, self._rows.length))
+        self._rows.put(self._rows.length, rows)
+
+    def truncate(self, length: int) -> None:
+        """Forget the rows of positions from ``length`` on."""
+        while self._runs and self._runs[-1][0] >= length:
+            self._rows.length = self._runs.pop()[1]
+        if self._runs:
+            position, row = self._runs[-1]
+            self._rows.length = min(self._rows.length, row + length - position)
+
+    def dense(self, first: int, end: int) -> torch.Tensor:
+        """[end - first, H] features of positions first..end-1, zeros where none was received (before 0 too)."""
+        out = torch.zeros((max(0, end - first), self._rows.data.shape[1]), dtype=self.dtype, device=self.device)
+        bounds = [row for _, row in self._runs] + [self._rows.length]  # run i holds rows bounds[i]..bounds[i+1]
+        for i, (position, row) in enumerate(self._runs):
+            lo, hi = max(first, position), min(end, position + bounds[i + 1] - row)
+            if lo < hi:
+                out[lo - first : hi - first] = self._rows.data[row + lo - position : row + hi - position]
+        return out
+
+
 @dataclass
 class FalconState:
     """One session's head state (see the module docstring). Positions [0, len(tokens)) are fed."""
@@ -96,7 +155,7 @@ class FalconState:
         self.outputs = _Rows((hidden,), p.dtype, p.device)  # LSTM outputs s[j]
         self.keys = _Rows((kvh, hd), p.dtype, p.device)
         self.values = _Rows((kvh, hd), p.dtype, p.device)
-        self.features = _Rows((hidden,), p.dtype, p.device)  # target features f[j]
+        self.features = _Features(hidden, p.dtype, p.device)  # target features f[j]
 
     @property
     def length(self) -> int:
@@ -104,16 +163,14 @@ class FalconState:
 
     # ------------------------------------------------------------------ features
     def add_features(self, start: int, rows: torch.Tensor) -> None:
-        """Target features of positions start.. (a gap before them, features lost on the way, is zeros)."""
-        rows = torch.as_tensor(rows).to(self.features.data.dtype).to(self.features.data.device)
-        if start > self.features.length:
-            self.features.put(self.features.length, torch.zeros_like(rows[:1]).expand(start - self.features.length, -1))
-        self.features.put(start, rows)
+        """Target features [n, H] of positions start.. (a gap before them, features lost on the way, reads as
+        zeros and takes no memory)."""
+        self.features.put(start, torch.as_tensor(rows).to(self.features.dtype).to(self.features.device))
         self.known = self.features.length
 
     def truncate_features(self, length: int) -> None:
         """Forget target features past a context of ``length`` tokens (only rows f[j], j < length - 1, stay)."""
-        self.features.length = min(self.features.length, max(0, length - 1))
+        self.features.truncate(max(0, length - 1))
         self.known = self.features.length
 
     # ---------------------------------------------------------------------- sync
@@ -185,10 +242,7 @@ class FalconState:
         c = self.length
         last_true = min(known, n - 1)
         if c <= last_true:  # committed positions with the target's features: one LSTM call
-            feats = self.features.view()
-            prev = torch.cat([torch.zeros_like(feats[:1]) if c == 0 else feats[c - 1 : c], feats[c:last_true]]) \
-                if feats.shape[0] else torch.zeros((last_true + 1 - c, self.head.config.hidden_size),
-                                                   dtype=self.outputs.data.dtype, device=self.outputs.data.device)
+            prev = self.features.dense(c - 1, last_true)  # f[c-1..last_true-1], f[-1] = zeros
             self.feed(context[c : last_true + 1], prev, TRUE, per_step=False)
         while self.length < n:  # stand-in positions, block by block from the anchor
             pos = self.length

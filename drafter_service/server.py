@@ -4,6 +4,10 @@ One bidirectional stream per session: OpenSession first, then one DraftResponse
 per Propose. The session lives exactly as long as its stream, so a caller that
 cancels, times out or dies frees the drafter's state at once. Proposer work runs
 on one worker thread (the draft model is not shared across threads).
+
+What one caller can make a drafter hold is bounded: at most ``--max-sessions`` sessions (then
+RESOURCE_EXHAUSTED: the orchestrator fails over), each with a context of at most ``--max-context``
+tokens, and target features only of positions inside that context, stored by the rows received.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from drafter_service.arguments import add_members_argument, add_store_argument
@@ -44,6 +49,7 @@ MAX_FEEDBACK_ITEMS = 64  # verifications' feedback per Propose
 MAX_FEEDBACK_NGRAMS = 1024  # harvested n-grams per verification
 MAX_NGRAM_LEN = 64
 DEFAULT_MAX_CONTEXT = 65536  # tokens a session's context may hold (prompt + committed + drafted-ahead)
+DEFAULT_MAX_SESSIONS = 1024  # sessions open at once on one drafter process
 
 
 class ProposeBatcher:
@@ -98,11 +104,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
         self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256,
         max_context: int = DEFAULT_MAX_CONTEXT, metrics_registry: CollectorRegistry | None = None,
-        feature_hidden: int = 0,
+        feature_hidden: int = 0, max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         """``metrics_registry``: where to keep Prometheus metrics (``drafter_service/metrics.py``); None = none.
         ``feature_hidden``: the target's hidden size, the width of the target features its feature proposers read
-        (0 = not checked)."""
+        (0 = not checked). ``max_sessions``: sessions open at once; one more is RESOURCE_EXHAUSTED."""
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         if default_proposer not in proposers:
             raise ValueError(f"default proposer {default_proposer!r} is not among {sorted(proposers)}")
         self._drafters = {name: LocalDrafter(p) for name, p in proposers.items()}
@@ -110,6 +118,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.vocab_size = vocab_size  # 0 = unknown: token ids are only checked to be >= 0
         self.max_tree_nodes = max_tree_nodes
         self.max_context = max_context
+        self.max_sessions = max_sessions
         self.feature_hidden = feature_hidden
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")
         self._batcher = ProposeBatcher(self._executor)
@@ -159,13 +168,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     raise ValueError(f"feedback n-grams are at most {MAX_NGRAM_LEN} tokens")
                 self._check_tokens(list(gram))
         rows = 0
-        for item in feedback.features:  # a session's features are bounded by its context
+        for item in feedback.features:  # a row is a context position's: the session's context bounds them
             rows += len(item)
-            if item.start + len(item) > self.max_context or rows > self.max_context:
-                raise ValueError(f"target features past the context this drafter takes ({self.max_context} tokens)")
+            if item.start + len(item) > context_length or rows > context_length:
+                raise ValueError(f"target features of positions {item.start}..{item.start + len(item) - 1} are past "
+                                 f"the session's context of {context_length} tokens (a row is the feature of a "
+                                 f"position whose token is in the context)")
             if len(item) and self.feature_hidden and item.rows.shape[1] != self.feature_hidden:
                 raise ValueError(f"target features have {item.rows.shape[1]} values per row; this drafter's target "
                                  f"has hidden size {self.feature_hidden}")
+            if not np.isfinite(item.rows).all():
+                raise ValueError(f"target features of positions {item.start}..{item.start + len(item) - 1} hold "
+                                 f"NaN or Inf values")
 
     async def Session(self, request_iterator, context):
         first = await anext(aiter(request_iterator), None)
@@ -173,6 +187,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this drafter replica is shutting down")
+        if self.num_sessions >= self.max_sessions:  # each holds state (a proposer's, a context): bounded
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this drafter holds its maximum of {self.max_sessions} open sessions "
+                                f"(--max-sessions); retry later or use another drafter")
         if first.WhichOneof("kind") != "open":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be `open`")
         opening = first.open
@@ -303,6 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=models.positive_int, default=DEFAULT_MAX_CONTEXT, metavar="TOKENS",
                    help="longest context a session may hold; an Open or Propose beyond it is INVALID_ARGUMENT "
                         f"(default: {DEFAULT_MAX_CONTEXT})")
+    p.add_argument("--max-sessions", type=models.positive_int, default=DEFAULT_MAX_SESSIONS, metavar="N",
+                   help="sessions open at once; one more is refused with RESOURCE_EXHAUSTED (the orchestrator "
+                        f"fails over to its next drafter) (default: {DEFAULT_MAX_SESSIONS})")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer whose fingerprint namespaces the n-gram store (default: the draft model's; "
                         "needed with a shared --ngram-store and --draft none)")
@@ -401,7 +422,7 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
         raise SystemExit(f"specmesh drafter: {exc}") from None
     try:
         return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context, metrics_registry,
-                               feature_hidden=hidden)
+                               feature_hidden=hidden, max_sessions=args.max_sessions)
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
 

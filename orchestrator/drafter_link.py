@@ -354,11 +354,15 @@ class DrafterLink:
     # ------------------------------------------------------------ internals
     def _feedback(self, num_committed: int | None = None) -> DraftFeedback:
         """What goes with a drafter call: the committed length (prompt + ``num_committed`` tokens, default
-        all committed so far) and the feedback not yet sent."""
+        all committed so far) and the feedback not yet sent. Target features only of positions inside that
+        context: a drafter refuses rows past it (a stop may cut the last step's accepted rows)."""
         verified, self._unsent = tuple(self._unsent), []
-        features, self._unsent_features = tuple(self._unsent_features), []
         count = len(self.committed) if num_committed is None else num_committed
-        return DraftFeedback(len(self._prompt) + count, verified, features)
+        length = len(self._prompt) + count
+        features = tuple(f if f.start + len(f) <= length else TargetFeatures(f.start, f.rows[: length - f.start])
+                         for f in self._unsent_features if f.start < length)
+        self._unsent_features = []
+        return DraftFeedback(length, verified, features)
 
     def _open_next(self) -> None:
         """Open the next candidate that opens: on the worker, with the prompt and every committed token."""

@@ -124,6 +124,11 @@ class UnknownSessionError(KeyError):
     """The verifier holds no session of that id (never opened, released, reaped or owned by another caller)."""
 
 
+class SessionReleasedError(RuntimeError):
+    """A release of the session overtook a call on it (a Prefill waiting or running, a Verify not yet stepped):
+    that call ends with this, and the session is gone (its KV blocks back in the pool)."""
+
+
 class CapacityError(RuntimeError):
     """The verifier cannot take the request now (its KV pool or its admission queue is full): retry later or
     elsewhere. Raised before any work is done, never for a session already admitted."""

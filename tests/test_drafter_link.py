@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from orchestrator.drafter_link import DrafterLink
 from orchestrator.engine import Engine
 from orchestrator.policy import StaticPolicy
 from specmesh.contract import Budget
+from specmesh.feedback import TargetFeatures
 from specmesh.tree import TokenTree
 from verifier_service.verifier import LocalVerifier
 
@@ -170,3 +172,29 @@ def test_context_sync_at_close_on_a_dead_drafter_opens_no_other_replica():
     assert ("propose", [4]) in log  # the sync was tried
     assert [e for e in log if e[0] != "propose"] == [("open", [1, 2, 3]), ("close", [])]  # b was never opened
     assert not link.active
+
+
+def test_features_go_to_the_drafter_only_inside_the_context_it_holds():
+    """A drafter refuses feature rows of positions past its context; a stop may cut the last step, so the sync
+    before close sends only the rows of the emitted context (here 3 prompt + 2 emitted tokens: positions 0..4)."""
+    sent = []
+
+    class Recording(LocalDrafter):
+        def propose(self, session_id, new_tokens, budget, rollback=0, feedback=None):
+            sent.append(feedback)
+            return super().propose(session_id, new_tokens, budget, rollback, feedback)
+
+    committed: list[int] = []
+    link = DrafterLink([("rec", lambda: Recording(make_proposer("prompt_lookup")))], "s", VOCAB, committed,
+                       background=False)
+    link.open([1, 2, 3], greedy(8))
+    link.wait_open()
+    committed += [4, 5, 6, 7]  # one verification: pending (position 3) + 3 accepted, and the bonus
+    link.add_features(TargetFeatures(0, np.ones((3, 8), np.float32)))  # the prompt's
+    link.add_features(TargetFeatures(3, np.full((4, 8), 2.0, np.float32)))  # the pending and accepted rows
+    link.add_features(TargetFeatures(7, np.full((1, 8), 3.0, np.float32)))
+    link.close(2)  # a stop string ended the output after 2 of the 4 tokens
+    (feedback,) = sent
+    assert feedback.committed_len == 5
+    assert [(f.start, len(f)) for f in feedback.features] == [(0, 3), (3, 2)]
+    assert (feedback.features[1].rows == 2.0).all()

@@ -158,6 +158,32 @@ def test_head_state_is_exact_under_rollbacks_and_new_features(target, runners):
             committed = min(len(seq) - 5, committed + rng.randint(1, 4))
 
 
+def test_features_are_kept_by_the_rows_received(target, runners):
+    """A gap before a run of features (rows lost on the way: a prompt cut to its newest rows, a failover) reads as
+    zeros and takes no memory: the head state equals one given those zeros explicitly, and one row far past the
+    others holds one row, not every position before it."""
+    head = random_head(target_tables(runners["fast"]).to(torch.float32), k=2)
+    seq = PROMPTS[0] + naive_greedy(target, PROMPTS[0], 20)
+    feats = hf_features(target, seq).float()
+    gapped, explicit = FalconState(head), FalconState(head)
+    assert not gapped.features.dense(-1, 2).any()  # none received: zeros
+    gapped.add_features(0, feats[:3])
+    gapped.add_features(8, feats[8:12])  # positions 3..7 lost on the way
+    explicit.add_features(0, torch.cat([feats[:3], torch.zeros(5, feats.shape[1]), feats[8:12]]))
+    assert gapped.known == explicit.known == 12
+    assert (gapped.features.num_rows, explicit.features.num_rows) == (7, 12)
+    for fs in (gapped, explicit):
+        fs.sync(seq[:16])
+    for a, b in zip(_state_tensors(gapped), _state_tensors(explicit), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    far = FalconState(head)
+    far.add_features(60_000, feats[:1])
+    assert far.known == 60_001 and far.features.num_rows == 1
+    torch.testing.assert_close(far.features.dense(59_999, 60_001), torch.cat([torch.zeros_like(feats[:1]), feats[:1]]))
+    far.truncate_features(50)  # a context of 50 tokens keeps f[0..48]: none here
+    assert far.known == 0 and far.features.num_rows == 0
+
+
 # ------------------------------------------------------------------------------------------ greedy == AR
 def _engine(runner, proposer: FalconProposer, budget, overlap: bool, restart_depth=None) -> Engine:
     policy = StaticPolicy(*budget, restart_depth=restart_depth) if overlap else StaticPolicy(*budget)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
 import subprocess
 import sys
 from pathlib import Path
@@ -250,7 +251,15 @@ def test_drafter_refuses_malformed_features(falcon_mesh):
     good = features_to_proto(TargetFeatures(0, np.zeros((3, 256), np.float32)))
     narrow = features_to_proto(TargetFeatures(0, np.zeros((3, 64), np.float32)))
     short = common_pb2.TargetFeatures(start=0, rows=3, hidden=256, data=good.data[:-1])
-    for bad, match in ((narrow, "hidden size 256"), (short, "bytes")):
+    # a row is the feature of a position whose token is in the context (4 tokens here): one 512-byte row at
+    # position 65,535 made the drafter allocate every row before it (~190 MB a session)
+    far = features_to_proto(TargetFeatures(65535, np.ones((1, 256), np.float32)))
+    over = features_to_proto(TargetFeatures(3, np.ones((2, 256), np.float32)))
+    nan, inf = (np.zeros((3, 256), np.float32) for _ in range(2))
+    nan[1, 7], inf[2, 0] = np.nan, -np.inf
+    for bad, match in ((narrow, "hidden size 256"), (short, "bytes"), (far, "past the session's context of 4"),
+                       (over, "positions 3..4 are past"), (features_to_proto(TargetFeatures(0, nan)), "NaN or Inf"),
+                       (features_to_proto(TargetFeatures(0, inf)), "NaN or Inf")):
         requests = [drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id="x", prompt=[5, 6, 7, 8],
                                                                           proposer="falcon")),
                     drafter_pb2.DraftRequest(propose=drafter_pb2.Propose(step=1, budget=common_pb2.Budget(
@@ -258,6 +267,42 @@ def test_drafter_refuses_malformed_features(falcon_mesh):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Session(iter(requests), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in err.value.details()
+
+
+def test_a_feature_row_far_into_the_context_costs_the_drafter_that_row(falcon_mesh):
+    """Features are stored by the rows received: one row at the end of a 65,536-token context (a gap before it
+    reads as zeros) cost each session ~190 MB of zeros before; now the context's tokens dominate (~2 MB)."""
+    from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+
+    drafter = falcon_mesh["drafter"]
+    stub = drafter_pb2_grpc.DrafterStub(sh.channel(drafter))
+    context = 65536  # the drafter's default --max-context
+    row = features_to_proto(TargetFeatures(context - 2, np.ones((1, 256), np.float32)))
+    before = _rss_mb(drafter.proc.pid)
+    streams = []
+    try:
+        for i in range(2):  # both sessions stay open (their streams too) until the end
+            requests = queue.SimpleQueue()
+            requests.put(drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id=f"far-{i}",
+                                                                               prompt=[5] * context, proposer="falcon")))
+            requests.put(drafter_pb2.DraftRequest(propose=drafter_pb2.Propose(step=1, features=[row])))
+            call = stub.Session(iter(requests.get, None), timeout=60)
+            streams.append((requests, call))
+            assert next(call).step == 1  # the row was observed
+        grown = _rss_mb(drafter.proc.pid) - before
+    finally:
+        for requests, call in streams:
+            requests.put(None)
+            call.cancel()
+    assert grown < 32, f"two sessions grew the drafter by {grown:.0f} MB"
+    assert sh.wait_until(lambda: sh.drafter_sessions(drafter) == 0)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
 
 
 # ------------------------------------------------------------------------------------------- start-up errors

@@ -7,6 +7,7 @@ drains; sessions of a vanished orchestrator are reclaimed.
 
 from __future__ import annotations
 
+import queue
 import time
 from pathlib import Path
 
@@ -120,6 +121,40 @@ def test_a_stalling_or_lying_drafter_keeps_the_tokens(verifier, ar, kind):
     finally:
         s.stop()
         bad.stop()
+
+
+def test_a_full_drafter_refuses_sessions_and_requests_fail_over(verifier, ar):
+    """--max-sessions bounds a drafter's sessions: one more is RESOURCE_EXHAUSTED, naming the option, and a
+    request whose drafter is full fails over (here to serve's local prompt lookup) with unchanged tokens."""
+    from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
+
+    d = sh.drafter("--max-sessions", "1").wait_ready()
+    s = sh.serve([verifier], [d]).wait_ready()
+    stub = drafter_pb2_grpc.DrafterStub(sh.channel(d))
+    held = queue.SimpleQueue()  # a session kept open until the end of its stream
+    held.put(drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id="held", prompt=[5, 6, 7])))
+    holder = stub.Session(iter(held.get, None), timeout=60)
+    try:
+        assert sh.wait_until(lambda: sh.drafter_sessions(d) == 1)
+        one_more = drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id="one-more", prompt=[5, 6, 7]))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Session(iter([one_more]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "maximum of 1 open sessions (--max-sessions)" in err.value.details()
+        with Client(s.address, timeout=120) as client:
+            ids, errors = collect(client.stream(PROMPT, max_new_tokens=LONG, ignore_eos=True, proposer="draft_model"))
+            assert ids == ar(LONG)
+            assert len(errors) == 1 and d.address in errors[0] and "RESOURCE_EXHAUSTED" in errors[0]
+            held.put(None)
+            holder.cancel()
+            assert sh.wait_until(lambda: sh.drafter_sessions(d) == 0)
+            ids, errors = collect(client.stream(PROMPT, max_new_tokens=LONG, ignore_eos=True, proposer="draft_model"))
+            assert ids == ar(LONG) and not errors  # room again: the drafter drafts every step
+    finally:
+        held.put(None)
+        holder.cancel()
+        s.stop()
+        d.stop()
 
 
 def test_a_dead_verifier_surfaces_as_unavailable_promptly():

@@ -161,6 +161,69 @@ def _ownership(alice, bob, info) -> None:
     assert info().num_sessions == 0
 
 
+def _in_callers_terms(err: grpc.RpcError, session_id: str) -> None:
+    """A refusal that names the caller's own session id and never the verifier's internal key."""
+    details = err.details()
+    assert f"'{session_id}'" in details, details
+    assert "token:" not in details and "cert:" not in details and "\\n" not in details and "\n" not in details
+
+
+def test_a_release_racing_its_prefill_answers_in_the_callers_terms():
+    """A Release of a session whose Prefill is still running: the Prefill ends ABORTED naming the caller's id (it
+    answered UNKNOWN with the verifier's key `token:<hash>\\n<id>`), the session's KV goes back, nothing is left.
+    A Release racing a Verify answers as cleanly (OK, ABORTED or NOT_FOUND)."""
+    v = sh.verifier("--prefill-chunk", "16", "--no-cost-profile", env={"SPECMESH_TOKEN": INTERNAL})
+    try:
+        stub = verifier_pb2_grpc.VerifierStub(sh.channel(v.wait_ready()))
+        md = (("authorization", f"Bearer {INTERNAL}"),)
+        greedy = sampling_to_proto(SamplingParams(max_new_tokens=8))
+
+        def release(sid: str) -> bool:
+            """True if released; NOT_FOUND (no such session yet, or any more) is False."""
+            try:
+                stub.Release(verifier_pb2.ReleaseRequest(session_id=sid), timeout=10, metadata=md)
+                return True
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.NOT_FOUND, (err.code(), err.details())
+                _in_callers_terms(err, sid)
+                return False
+
+        aborted = 0
+        for i in range(4):
+            sid = f"race-{i}"
+            # 1500 tokens in chunks of 16: ~90 steps, so the Release lands while the prefill runs
+            prefill = stub.Prefill.future(verifier_pb2.PrefillRequest(session_id=sid, prompt=[5] * 1500,
+                                                                      sampling=greedy), timeout=60, metadata=md)
+            released = False
+            while not released and not prefill.done():  # NOT_FOUND until the verifier has the Prefill
+                released = release(sid)
+            try:
+                prefill.result()
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.ABORTED, (err.code(), err.details())
+                _in_callers_terms(err, sid)
+                aborted += 1
+            if not released:  # the Prefill won the race
+                assert release(sid)
+        assert aborted  # the race did happen
+        empty = tree_to_proto(TokenTree.empty())
+        for i in range(8):
+            sid = f"verify-race-{i}"
+            stub.Prefill(verifier_pb2.PrefillRequest(session_id=sid, prompt=[5, 6, 7], sampling=greedy), timeout=30,
+                         metadata=md)
+            verify = stub.Verify.future(verifier_pb2.VerifyRequest(session_id=sid, tree=empty), timeout=30, metadata=md)
+            release(sid)
+            try:
+                verify.result()
+            except grpc.RpcError as err:
+                assert err.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND), (err.code(), err.details())
+                _in_callers_terms(err, sid)
+            release(sid)  # NOT_FOUND: released above
+        assert stub.Info(verifier_pb2.InfoRequest(), timeout=5, metadata=md).num_sessions == 0
+    finally:
+        v.stop()
+
+
 def test_sessions_belong_to_the_token_that_opened_them(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("alice-token\nbob-token\n")  # two callers of one verifier
@@ -209,6 +272,12 @@ def test_mutual_tls(tmp_path, demo_stack):
         client = Client(s.address, token=TOKEN, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
                         timeout=60)
         assert client.generate(PROMPT, max_new_tokens=8).token_ids
+        # serve without a client certificate of its own: a one-line error that names the missing options
+        no_cert = sh.serve([v], [], "--connect-timeout", "3", "--upstream-tls-ca", str(pki["ca"]),
+                           env={"SPECMESH_UPSTREAM_TOKEN": INTERNAL})
+        services.append(no_cert)
+        log = no_cert.wait_exit(60)
+        assert "--upstream-tls-cert" in log and "Traceback" not in log, log
         # no client certificate, or no TLS at all: the handshake fails
         for bad in (Client(s.address, token=TOKEN, tls_ca=pki["ca"], timeout=10),
                     Client(s.address, token=TOKEN, timeout=10)):

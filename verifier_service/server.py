@@ -6,7 +6,11 @@ all sessions pending at a step share one forward (continuous batching, see
 new calls. A Prefill the KV pool cannot hold waits in a bounded queue; beyond it the
 call gets RESOURCE_EXHAUSTED. Sessions whose caller vanished without Release (an
 orchestrator killed mid-request) are released after ``session_ttl`` seconds without a
-call, which returns their KV blocks.
+call, which returns their KV blocks. A Release that overtakes the same session's Prefill
+(or a Verify not yet stepped) frees it at once; that call answers ABORTED.
+
+Sessions are keyed by the caller's identity and its session id (``session_key``); no
+answer ever names that key, only the caller's own id (``_as_caller_sees``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specmesh import metrics, models, rpc, serving, tracing
-from specmesh.contract import CapacityError, UnknownSessionError, check_session_id
+from specmesh.contract import CapacityError, SessionReleasedError, UnknownSessionError, check_session_id
 from specmesh.feedback import TargetFeatures
 from specmesh.tree import InvalidTreeError
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -55,12 +59,21 @@ def describe_key(key: str) -> str:
 
 
 def _as_caller_sees(message: str, key: str) -> str:
-    """A core error message with the session named by the caller's own id, not the verifier's key."""
-    return message.replace(repr(key), repr(key.partition("\n")[2]))
+    """A core error message with the session named by the caller's own id, never by the verifier's key (in any
+    form: quoted, bare, or escaped inside other quotes)."""
+    session_id = key.partition("\n")[2]
+    message = message.replace(repr(key), repr(session_id))
+    for form in (key, repr(key)[1:-1]):
+        message = message.replace(form, session_id)
+    return message
 
 
 def _not_found(session_id: str) -> str:
     return f"no session {session_id!r} of this caller (never opened, released, or idle past --session-ttl)"
+
+
+def _released(session_id: str, call: str) -> str:
+    return f"session {session_id!r} was released before its {call} finished"
 
 
 def features_message(features: TargetFeatures) -> common_pb2.TargetFeatures:
@@ -99,11 +112,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _as_caller_sees(str(exc), key))
         except CapacityError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except SessionReleasedError:  # the caller's own Release overtook it: the session is gone
+            await context.abort(grpc.StatusCode.ABORTED, _released(request.session_id, "Prefill"))
         except asyncio.CancelledError:
             # the caller is gone (cancel, deadline) while the prefill waited or ran: nobody will Release it
             self.verifier.submit_release(key)
             raise
-        self._last_call[key] = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - a failed step or a bug: answered without the internal key
+            await self._internal(context, "Prefill", key, exc)
+        if self.verifier.has_session(key):  # not when a Release came in meanwhile (nothing would drop it)
+            self._last_call[key] = time.monotonic()
         span = tracing.current_span()  # the call's server span, with tracing on
         if span.is_recording():
             span.set_attributes({"specmesh.session.id": request.session_id,
@@ -122,9 +140,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             result = await asyncio.wrap_future(self.verifier.submit_verify(key, tree))
         except UnknownSessionError:
             await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(request.session_id))
+        except SessionReleasedError:  # the caller's own Release overtook it
+            await context.abort(grpc.StatusCode.ABORTED, _released(request.session_id, "Verify"))
         except (InvalidTreeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 _as_caller_sees(f"invalid tree: {exc}", key))
+        except Exception as exc:  # noqa: BLE001 - a failed step or a bug: answered without the internal key
+            await self._internal(context, "Verify", key, exc)
         span = tracing.current_span()  # the call's server span, with tracing on
         if span.is_recording():
             span.set_attributes({"specmesh.verify.tree_nodes": tree.num_nodes, "specmesh.verify.tree_depth": tree.max_depth,
@@ -147,6 +169,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(request.session_id))
         self._last_call.pop(key, None)
         await asyncio.wrap_future(self.verifier.submit_release(key))
+        self._last_call.pop(key, None)  # a Prefill that finished just before it may have stamped it meanwhile
         return verifier_pb2.ReleaseResponse()
 
     async def Info(self, request, context):
@@ -169,6 +192,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return msg
 
     # -------------------------------------------------------------- internals
+    @staticmethod
+    async def _internal(context: grpc.aio.ServicerContext, call: str, key: str, exc: Exception) -> None:
+        """Answer INTERNAL for what the verifier did not expect, in the caller's terms (grpc's own answer would
+        be UNKNOWN with the exception's text, which may name the session's internal key)."""
+        log.error("%s of session %s failed", call, describe_key(key), exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, _as_caller_sees(f"{type(exc).__name__}: {exc}", key))
+
     def _touch(self, session_id: str) -> None:
         if session_id in self._last_call:
             self._last_call[session_id] = time.monotonic()

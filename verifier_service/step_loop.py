@@ -12,7 +12,8 @@ Every deployment steps its target here. A ``StepLoop`` serves two kinds of sessi
 One round of the loop:
 
 1. run the functions queued with ``call_soon`` (a driver's cancels) and apply releases (their blocks go back
-   to the pool first),
+   to the pool first; a Prefill or Verify of a released session still waiting ends with
+   ``SessionReleasedError``),
 2. admit waiting sessions in arrival order while the KV pool can reserve them (a session that must wait sits
    in a bounded queue; beyond ``max_waiting`` waiting, or when it could never fit in the pool, it gets
    ``CapacityError`` = RESOURCE_EXHAUSTED),
@@ -40,7 +41,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from specmesh.contract import CapacityError, PrefillResult, VerifyCosts, VerifyResult
+from specmesh.contract import CapacityError, PrefillResult, SessionReleasedError, VerifyCosts, VerifyResult
 from specmesh.metrics import COUNT_BUCKETS, SECONDS_BUCKETS, Buckets
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -382,7 +383,7 @@ class StepLoop:
             for session_id, _ in releases:
                 self._sessions.discard(session_id)
                 self._decoding.discard(session_id)
-                exc = RuntimeError(f"session {session_id!r} was released")
+                exc = SessionReleasedError(f"session {session_id!r} was released")
                 for opening in [o for o in self._waiting if o.session_id == session_id]:
                     self._waiting.remove(opening)
                     gone.append((opening.owner, exc))

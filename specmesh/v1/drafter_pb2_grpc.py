@@ -50,7 +50,8 @@ class DrafterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Session(self, request_iterator, context):
-        """The first message opens the session; each Propose is answered by one DraftResponse.
+        """The first message opens the session; each Propose is answered by one DraftResponse. A drafter holding
+        its maximum of open sessions (`specmesh drafter --max-sessions`) ends a new one with RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
