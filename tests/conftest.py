@@ -12,6 +12,8 @@ from pathlib import Path
 # exec and can abort on a closed epoll fd (grpc/grpc#43055; seen here as "drafter exited with -6"). The
 # children exec at once and never use the parent's gRPC state, so the suite runs without fork support.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# a local Ray cluster stays on 127.0.0.1: Ray 2.60 swaps loopback for the interface's address without this
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 import torch

@@ -161,7 +161,31 @@ def two_streams(port: int, prompt: str, n: int) -> tuple[list[threading.Thread],
     return threads, outcomes
 
 
+def interface_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), or None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
 # --------------------------------------------------------------------------- tests
+def test_a_local_cluster_listens_and_connects_on_loopback_only(app):
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    outside = interface_address()
+    for kind in ("verifier", "drafter"):
+        members = serve.get_deployment_handle("Membership", APP).members.remote(kind).result()
+        assert members and all(m.startswith("127.0.0.1:") for m in members), members
+        for member in members:  # bound to loopback, not to every interface
+            port = int(member.rpartition(":")[2])
+            if outside is not None:
+                with pytest.raises(OSError):
+                    socket.create_connection((outside, port), timeout=2).close()
+
+
 def test_http_through_serve_matches_embedded_greedy(app, stack):
     for proposer in ("prompt_lookup", "draft_model"):
         for prompt in PROMPTS:

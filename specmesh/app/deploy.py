@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import io
+import ipaddress
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -135,6 +136,17 @@ class Membership:
         return self.roster.members(kind)
 
 
+def listen_host(node_ip: str) -> str:
+    """Where a replica's gRPC server listens: loopback on a local cluster (Ray's node address is loopback there
+    when RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, else Ray 2.60 swaps in the interface's), every interface on a
+    real one (the node's address is how other nodes reach it)."""
+    try:
+        loopback = ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:
+        loopback = False
+    return ("[::1]" if ":" in node_ip else "127.0.0.1") if loopback else ("[::]" if ":" in node_ip else "0.0.0.0")
+
+
 class HostedService:
     """A specmesh gRPC service listening on a free port of this replica's node, announced to Membership."""
 
@@ -152,8 +164,9 @@ class HostedService:
 
         server = rpc.new_server(security)
         add_to_server(servicer, server)
-        started = await rpc.start_server(server, "0.0.0.0:0", security, [service_name])
-        address = f"{ray.util.get_node_ip_address()}:{started.port}"
+        node = ray.util.get_node_ip_address()
+        started = await rpc.start_server(server, f"{listen_host(node)}:0", security, [service_name])
+        address = f"[{node}]:{started.port}" if ":" in node else f"{node}:{started.port}"
         log.info("%s replica serving on %s", kind, address)
         return cls(kind, started, address, membership, heartbeat_s)
 
