@@ -8,6 +8,7 @@ deployments run their requests on the same engine core, over verifier replicas
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -66,12 +67,14 @@ class EmbeddedStack:
         fast runner's attention backend (auto | sdpa | triton);
         ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window;
         ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool."""
-        tokenizer = load_tokenizer(target)
+        if draft is not None:  # from the configs, before any weights load
+            check_vocab_sizes(config_vocab_size(target), config_vocab_size(draft))
+        tokenizer = model_tokenizer(target, "target")
         target_runner = make_runner(load_model(target, dtype, device), runner, attention)
         draft_runner = None
         if draft is not None:
             draft_runner = make_runner(load_model(draft, draft_dtype or dtype, device), runner, attention)
-            check_compatible(target_runner, draft_runner, tokenizer, load_tokenizer(draft))
+            check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft"))
         return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target))
 
     @cached_property
@@ -202,15 +205,42 @@ class EmbeddedBackend:
         VerifierMetrics(lambda: [core.loop for core in self.stack.shared_verifiers()], registry)
 
 
+class IncompatibleModels(ValueError):
+    """The models given cannot work together (or one of them lacks its tokenizer): a user error, told in one line."""
+
+
+def config_vocab_size(path: str | Path) -> int | None:
+    """``vocab_size`` in a model directory's config.json (a multimodal model's text config's); None if it has none."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
+def check_vocab_sizes(target: int | None, draft: int | None) -> None:
+    """Draft and target must score the same token ids (sizes unknown: checked on the loaded models instead)."""
+    if target is not None and draft is not None and target != draft:
+        raise IncompatibleModels(f"the draft's vocabulary has {draft} tokens, the target's {target}: a draft model "
+                                 "must share the target's tokenizer")
+
+
 def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_tok) -> None:
     """Draft and target must speak the same token ids."""
-    if target.info.vocab_size != draft.info.vocab_size:
-        raise ValueError(
-            f"draft vocabulary ({draft.info.vocab_size}) differs from the target's ({target.info.vocab_size}); "
-            "the draft-model proposer needs a shared tokenizer"
-        )
+    check_vocab_sizes(target.info.vocab_size, draft.info.vocab_size)
     if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ValueError("draft and target tokenizers differ; the draft-model proposer needs a shared tokenizer")
+        raise IncompatibleModels("draft and target tokenizers differ: a draft model must share the target's "
+                                 "tokenizer")
+
+
+def model_tokenizer(path: str | Path, role: str):
+    """The tokenizer saved with a model; IncompatibleModels saying which model lacks one."""
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError):  # transformers' own message runs to several lines of guesses
+        raise IncompatibleModels(f"no tokenizer could be loaded from the {role} model's directory {path} (it needs "
+                                 "the tokenizer files saved with the model, e.g. tokenizer.json)") from None
 
 
 def load_stack(args: argparse.Namespace) -> EmbeddedStack:
@@ -221,10 +251,14 @@ def load_stack(args: argparse.Namespace) -> EmbeddedStack:
         device = models.resolve_device(args.device)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
-    stack = EmbeddedStack.load(
-        target, draft, models.torch_dtype(args.dtype, device), models.draft_dtype(args.draft_dtype, args.dtype, device),
-        runner=args.runner, attention=args.attention, store_spec=getattr(args, "ngram_store", None),
-        lookahead=getattr(args, "lookahead", None), device=device, kv_cache_gb=getattr(args, "kv_cache_gb", None),
-    )
+    try:
+        stack = EmbeddedStack.load(
+            target, draft, models.torch_dtype(args.dtype, device),
+            models.draft_dtype(args.draft_dtype, args.dtype, device), runner=args.runner, attention=args.attention,
+            store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None), device=device,
+            kv_cache_gb=getattr(args, "kv_cache_gb", None),
+        )
+    except IncompatibleModels as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None
     freeze_heap()  # the models are loaded: the GC never walks them again (specmesh/host_runtime.py)
     return stack

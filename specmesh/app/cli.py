@@ -65,8 +65,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--compare-ar", action="store_true",
-                   help="also run plain autoregressive decoding, interleaved with more runs of the method "
-                        "(--repeats), and report the median speedup with its spread and whether outputs match")
+                   help="after the streamed run, run the method again --repeats times interleaved with as many runs "
+                        "of plain autoregressive decoding (all warm, none streamed, each with a fresh proposer), and "
+                        "report the median speedup with its spread and whether outputs match")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="with --compare-ar: runs of each, interleaved (default: 3)")
     p.add_argument("--json", action="store_true",
@@ -90,6 +91,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         prompt = args.prompt
+    elif sys.stdin is None or sys.stdin.isatty():  # nothing piped: reading would wait silently for Ctrl-D
+        print("specmesh generate: give a PROMPT argument or pipe one on standard input (see specmesh generate "
+              "--help)", file=sys.stderr)
+        raise SystemExit(2)
     else:
         try:
             prompt = sys.stdin.buffer.read().decode("utf-8")
@@ -126,10 +131,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request_sampling(proposer, sampling, args.mjsd_threshold)
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
-    run = _remote_runs(args, prompt, sampling, proposer) if args.server else _embedded_runs(args, prompt, sampling, proposer)
     try:
+        run = (_remote_runs if args.server else _embedded_runs)(args, prompt, sampling, proposer)
         return report(args, proposer, run)
-    except ValueError as exc:  # e.g. a prompt longer than the target's context
+    except ValueError as exc:  # e.g. a prompt longer than the target's context (from the warm-up on)
         raise SystemExit(f"specmesh generate: {exc}") from None
 
 
@@ -139,15 +144,33 @@ class Outcome:
 
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str  # "interrupted": Ctrl-C ended it
     stats: dict  # the keys of generate.proto's RequestStats
     seconds: float
 
 
+class Interrupted(Exception):
+    """Ctrl-C during a run: ``partial`` is what it generated until then."""
+
+    def __init__(self, partial: Outcome) -> None:
+        super().__init__("interrupted")
+        self.partial = partial
+
+
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (128 + SIGINT), as shells report it
+
+
 def report(args: argparse.Namespace, proposer: str, run) -> int:
-    """Run the method (its text streamed to stdout unless --json), optionally interleaved with plain decoding,
-    and print the stats line (stderr) or the JSON object (stdout). ``run(method, echo)`` -> Outcome."""
-    out = run(proposer, echo=not args.json)
+    """Run the method (its text streamed to stdout unless --json), then with --compare-ar ``--repeats`` more runs
+    of it interleaved with as many of plain decoding (neither streamed: like is timed with like), and print the
+    stats line (stderr) or the JSON object (stdout). ``run(method, echo)`` -> Outcome, Interrupted on Ctrl-C:
+    the stats so far are printed, marked ``finish=interrupted``, and the exit status is 130."""
+    try:
+        out, interrupted = run(proposer, echo=not args.json), False
+    except Interrupted as stop:
+        if not stop.partial.token_ids:
+            raise KeyboardInterrupt from None  # nothing to report: main's one line
+        out, interrupted = stop.partial, True
     s = out.stats
     line = (f"[specmesh] {'server=' + args.server + ' ' if args.server else ''}proposer={proposer} "
             f"tokens={s['generated_tokens']} steps={s['steps']} tau={s['tau']:.2f} "
@@ -155,27 +178,39 @@ def report(args: argparse.Namespace, proposer: str, run) -> int:
             + (f" lossy ({s['acceptance']}): output differs from the target's own" if s.get("lossy") else ""))
     doc = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "proposer": proposer,
            "server": args.server, "stats": s}
-    if args.compare_ar:
-        ratios, same, ar_rates = [], True, []
-        for i in range(args.repeats):
-            spec = out if i == 0 else run(proposer, echo=False)
-            ar = run("none", echo=False)
-            ratios.append(ar.seconds / spec.seconds if spec.seconds else float("nan"))
-            same &= ar.token_ids == spec.token_ids
-            ar_rates.append(ar.stats["tokens_per_second"])
-        median, greedy = statistics.median(ratios), args.temperature == 0
-        doc["compare_ar"] = {"speedup_median": median, "speedup_min": min(ratios), "speedup_max": max(ratios),
-                             "repeats": args.repeats, "ar_tokens_per_second": statistics.median(ar_rates),
-                             "same_as_ar": same if greedy else None}
-        line += (f" | ar tok/s={doc['compare_ar']['ar_tokens_per_second']:.1f} speedup={median:.2f}x "
-                 f"[{min(ratios):.2f}-{max(ratios):.2f} over {args.repeats} interleaved runs]")
-        if greedy:
-            line += f" same_as_ar={same}"
+    if args.compare_ar and not interrupted:
+        ratios, same, rates, ar_rates = [], True, [], []
+        try:
+            for i in range(args.repeats):  # alternating which goes first: neither always runs after the other
+                first, second = (proposer, "none") if i % 2 == 0 else ("none", proposer)
+                runs = {first: run(first, echo=False)}
+                runs[second] = run(second, echo=False)
+                spec, ar = runs[proposer], runs["none"]
+                ratios.append(ar.seconds / spec.seconds if spec.seconds else float("nan"))
+                same &= ar.token_ids == spec.token_ids
+                rates.append(spec.stats["tokens_per_second"])
+                ar_rates.append(ar.stats["tokens_per_second"])
+        except (Interrupted, KeyboardInterrupt):  # a run not streamed has nothing to show
+            interrupted = True
+        greedy = args.temperature == 0
+        if ratios:
+            median = statistics.median(ratios)
+            doc["compare_ar"] = {"speedup_median": median, "speedup_min": min(ratios), "speedup_max": max(ratios),
+                                 "repeats": len(ratios), "tokens_per_second": statistics.median(rates),
+                                 "ar_tokens_per_second": statistics.median(ar_rates),
+                                 "same_as_ar": same if greedy else None}
+            line += (f" | compare-ar: tok/s={doc['compare_ar']['tokens_per_second']:.1f} "
+                     f"ar tok/s={doc['compare_ar']['ar_tokens_per_second']:.1f} speedup={median:.2f}x "
+                     f"[{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} interleaved runs]")
+            if greedy:
+                line += f" same_as_ar={same}"
+        if interrupted:
+            line += f" | compare-ar interrupted after {len(ratios)} of {args.repeats} runs"
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         print(line, file=sys.stderr)
-    return 0
+    return INTERRUPTED if interrupted else 0
 
 
 def _stats(summary: dict) -> dict:
@@ -184,7 +219,15 @@ def _stats(summary: dict) -> dict:
     return {k: summary[k] for k in keys}
 
 
+# Untimed tokens each method generates on the prompt before the timed runs, as `specmesh bench` warms up: a
+# process's first forwards pay one-off costs (torch's lazy initialisation, the allocator's first pages, kernel
+# and thread-pool start-up), which made the first figure slower than the same run repeated.
+WARMUP_TOKENS = 16
+
+
 def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str):
+    import dataclasses
+
     from orchestrator.acceptance import request_sampling
     from orchestrator.embedded import load_stack
     from orchestrator.engine import GenerationResult
@@ -195,28 +238,53 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
     options = {"members": args.members} if args.members else {}
     if getattr(args, "falcon", None):
         options["head"] = args.falcon
-    try:
-        engines = {name: stack.engine(name, args.max_nodes, args.max_depth, overlap=args.overlap, policy=args.policy,
-                                      restart_depth=args.restart_depth, **(options if name != "none" else {}))
-                   for name in {proposer, "none"}}
-    except ValueError as exc:
-        raise SystemExit(f"specmesh generate: {exc}") from None
+
+    def engine(name: str, **extra):
+        """A fresh engine, so no run drafts from what an earlier one taught a learning proposer."""
+        try:
+            return stack.engine(name, args.max_nodes, args.max_depth, overlap=args.overlap, policy=args.policy,
+                                restart_depth=args.restart_depth, **({**options, **extra} if name != "none" else {}))
+        except ValueError as exc:
+            raise SystemExit(f"specmesh generate: {exc}") from None
+
+    def asked(name: str):
+        return request_sampling(name, sampling, args.mjsd_threshold if name == proposer else None)
+
+    methods = [proposer, "none"] if args.compare_ar and proposer != "none" else [proposer]
+    warm_engines = [engine(name, store_spec="memory") for name in methods]  # the warm-up teaches no shared store
     prompt_ids = stack.tokenizer.encode(prompt, verbose=False)  # too long a prompt gets our own one-line error
+    for name, warm in zip(methods, warm_engines, strict=True):
+        warm.generate(prompt_ids, dataclasses.replace(asked(name), max_new_tokens=min(WARMUP_TOKENS,
+                                                                                      sampling.max_new_tokens)))
+    del warm_engines
 
     def run(name: str, echo: bool) -> Outcome:
+        """Streamed to stdout as it comes when ``echo``; otherwise the text is decoded once at the end, so that
+        the timed run is the engine's alone (as `bench` times it)."""
         result = GenerationResult([], "", RequestStats())
         text, pieces = TextStream(stack.decode, sampling.stop), []
-        asked = request_sampling(name, sampling, args.mjsd_threshold if name == proposer else None)
-        for event in engines[name].stream(prompt_ids, asked, result):
-            pieces.append(text.push(event.tokens, result.text_limit))
-            if echo:
-                sys.stdout.write(pieces[-1])
-                sys.stdout.flush()
-        pieces.append(text.flush(result.text_limit))
+        events = engine(name).stream(prompt_ids, asked(name), result)
+        try:
+            for event in events:
+                if echo:
+                    pieces.append(text.push(event.tokens, result.text_limit))
+                    sys.stdout.write(pieces[-1])
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            events.close()  # its finally frees the session and records the stats so far
+            raise Interrupted(finish(result, text, pieces, echo, "interrupted")) from None
+        return finish(result, text, pieces, echo)
+
+    def finish(result, text, pieces: list[str], echo: bool, reason: str | None = None) -> Outcome:
         if echo:
-            sys.stdout.write(pieces[-1] + "\n")
-        return Outcome(result.token_ids, "".join(pieces), result.finish_reason, _stats(result.stats.summary()),
-                       result.stats.total_seconds)
+            pieces.append(text.flush(result.text_limit))
+            if reason is None or "".join(pieces):  # the streamed text, if any, ends its line
+                sys.stdout.write(pieces[-1] + "\n")
+                sys.stdout.flush()
+        else:  # never half a multi-byte character, as streamed text
+            pieces = [stack.decode(result.token_ids)[: result.text_limit].rstrip("\ufffd")]
+        return Outcome(result.token_ids, "".join(pieces), reason or result.finish_reason,
+                       _stats(result.stats.summary()), result.stats.total_seconds)
 
     return run
 
@@ -253,17 +321,26 @@ def _remote_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str)
                 return Outcome(done.token_ids, done.text, done.finish_reason, _stats(done.stats),
                                time.perf_counter() - start)
             ids, pieces, finish, steps = [], [], "", []
-            for chunk in client.stream(prompt, proposer=name, **params, **threshold(name)):
-                ids += chunk.token_ids
-                pieces.append(chunk.text)
-                steps += [chunk.step] if chunk.step is not None else []
-                finish = chunk.finish_reason or finish
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+            chunks = client.stream(prompt, proposer=name, **params, **threshold(name))
+            try:
+                for chunk in chunks:
+                    ids += chunk.token_ids
+                    pieces.append(chunk.text)
+                    steps += [chunk.step] if chunk.step is not None else []
+                    finish = chunk.finish_reason or finish
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                chunks.close()  # cancels the call: the server frees the request's session
+                raise Interrupted(streamed(name, ids, pieces, "interrupted", steps, start)) from None
         except grpc.RpcError as exc:
             raise SystemExit(f"specmesh generate: {exc.code().name}: {exc.details()}") from None
+        return streamed(name, ids, pieces, finish, steps, start)
+
+    def streamed(name: str, ids: list[int], pieces: list[str], finish: str, steps: list, start: float) -> Outcome:
         seconds = time.perf_counter() - start
         sys.stdout.write("\n")
+        sys.stdout.flush()
         stats = {"generated_tokens": len(ids), "steps": len(steps),
                  "tau": sum(s.num_accepted + 1 for s in steps) / max(len(steps), 1),
                  "tokens_per_second": len(ids) / seconds if seconds else 0.0,
@@ -293,7 +370,10 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     "generate": Command("generate text with speculative decoding (embedded: one process, no servers)",
                         "Generate a continuation of PROMPT, streaming the text, then print one stats line (tokens, "
-                        "tau = mean tokens committed per verification step, tokens/s) on stderr.",
+                        "tau = mean tokens committed per verification step, tokens/s measured after an untimed "
+                        "warm-up, prefill included, as `specmesh bench` measures it; with --server, as this client "
+                        "sees it) on stderr. Ctrl-C prints the stats so far (finish=interrupted) and exits with "
+                        "status 130.",
                         "specmesh.app.cli:add_generate_arguments", "specmesh.app.cli:cmd_generate"),
     "bench": Command("measure speculative methods against autoregressive decoding and HF peers",
                      "Run every prompt of a JSONL file through AR and each method, interleaved, in one process; "
@@ -361,12 +441,33 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The program (``argv`` None: this process's arguments) or one command in-process (``argv`` given)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tune_host_allocator()  # host_runtime.py: no page faults on the step's tensors
-    argv = sys.argv[1:] if argv is None else list(argv)
+    as_program, argv = argv is None, sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
+        code = int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C anywhere (loading models, mid-run): one line, no traceback
+        print(f"specmesh{' ' + command if command in COMMANDS else ''}: interrupted", file=sys.stderr)
+        code = INTERRUPTED
+    if code == INTERRUPTED and as_program:
+        end_interrupted()
+    return code
+
+
+def end_interrupted() -> None:
+    """End the process after a Ctrl-C, its stack unwound (every ``finally`` has run): at once, exit status 130.
+    Not through the interpreter's exit, which joins threads (a drafting thread finishes its call first) and
+    turns a Ctrl-C that landed in code run by ``eval``/``exec`` (torch and dataclasses do, while importing)
+    into death by SIGINT however it was handled."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say there
+            pass
+    os._exit(INTERRUPTED)
 
 
 if __name__ == "__main__":
