@@ -62,3 +62,13 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None]:
         return models.model_dir(target), None if draft is None else models.model_dir(draft)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
+
+
+def check_embedded_options(args: argparse.Namespace) -> None:
+    """What an embedded command's options name, checked before torch and transformers load (a second instead of
+    ten): the model directories (or hub ids), the device's name. SystemExit with one line."""
+    resolve_models(args)
+    try:
+        models.check_device_name(getattr(args, "device", None))
+    except ValueError as exc:
+        raise SystemExit(f"specmesh {args.command}: {exc}") from None

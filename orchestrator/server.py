@@ -23,7 +23,7 @@ import grpc
 from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names, proposer_spec
 from drafter_service.remote import DrafterClient
 from orchestrator import http_api
-from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments
+from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments, check_embedded_options
 from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
 from orchestrator.metrics import ServeMetrics
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY
@@ -285,6 +285,7 @@ def _remote_backend(args: argparse.Namespace, security: rpc.Security):
 
 def _embedded_backend(args: argparse.Namespace):
     """Models in this process (--embedded): (backend, tokenizer directory, tokenizer)."""
+    check_embedded_options(args)  # before the imports below: a bad path or device is told in a second
     from orchestrator.embedded import EmbeddedBackend, load_stack
 
     stack = load_stack(args)

@@ -90,6 +90,21 @@ def torch_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     return getattr(torch, name)
 
 
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+GPU_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, ROCm's
+
+
+def check_device_name(name: str | None) -> None:
+    """A quick look at --device before torch is imported (a second, not ten): a name resolve_device can take,
+    and for cuda a GPU driver on this machine. ValueError saying why not; resolve_device checks the rest."""
+    if name is None or name == "auto" or name == "cpu":
+        return
+    if not DEVICE_NAME.fullmatch(name):
+        raise ValueError(f"device {name!r}: choose auto, cpu, cuda or cuda:N")
+    if not any(os.path.exists(f) for f in GPU_DRIVER_FILES):
+        raise ValueError(f"device {name!r}: no GPU driver on this machine (use --device cpu)")
+
+
 def resolve_device(name: str | None) -> torch.device:
     """``auto`` / None: cuda:0 when torch sees a GPU, else cpu; else the named device, checked."""
     import torch

@@ -163,3 +163,15 @@ def test_a_taken_port_fails_before_any_model_loads(flag):
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert address in done.stderr and "in use" in done.stderr.lower()
     assert "loading" not in done.stderr.lower() and elapsed < 30  # seconds of imports, not a model load
+
+
+@pytest.mark.parametrize("argv", [["generate", "--target", "/nonexistent", "x"],
+                                  ["generate", "--device", "tpu", "x"],
+                                  ["serve", "--embedded", "--target", "/nonexistent"],
+                                  ["serve", "/nonexistent"]])
+def test_argument_and_path_errors_come_before_the_heavy_imports(argv):
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "specmesh", *argv], capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert elapsed < 3.0, elapsed  # torch + transformers alone take ~6 s here; the answer needs neither

@@ -228,6 +228,9 @@ WARMUP_TOKENS = 16
 def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str):
     import dataclasses
 
+    from orchestrator.arguments import check_embedded_options
+
+    check_embedded_options(args)  # before the imports below: a bad path or device is told in a second
     from orchestrator.acceptance import request_sampling
     from orchestrator.embedded import load_stack
     from orchestrator.engine import GenerationResult
