@@ -389,21 +389,28 @@ async def run_server(
     if on_started is not None:
         on_started(started.port)
 
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     waiter = asyncio.ensure_future(server.wait_for_termination())
-    stopper = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if stopping.is_set():
+    if await until_signalled(waiter):
         log.info("shutting down: NOT_SERVING, draining for up to %.0f s", grace_seconds)
         await asyncio.gather(started.drain(grace_seconds),
                              *([also_drain(grace_seconds)] if also_drain is not None else []))
     if on_stop is not None:
         await on_stop()
     waiter.cancel()
-    stopper.cancel()
+
+
+async def until_signalled(task: asyncio.Future) -> bool:
+    """Wait until ``task`` ends or SIGTERM/SIGINT arrives; True if a signal came (``task`` still runs then)."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    stopper = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    return stopping.is_set()
 
 
 # --------------------------------------------------------------- upstreams

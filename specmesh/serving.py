@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -137,18 +136,11 @@ def serve_http_only(args: argparse.Namespace, run: Callable[[], Awaitable[None]]
     ``port``."""
 
     async def main() -> None:
-        stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping.set)
         server = asyncio.ensure_future(run())
         write_ready_file(args.ready_file)(port)
-        stopper = asyncio.ensure_future(stopping.wait())
-        await asyncio.wait([server, stopper], return_when=asyncio.FIRST_COMPLETED)
-        if stopping.is_set():
+        if await rpc.until_signalled(server):
             log.info("shutting down: draining for up to %.0f s", args.grace)
             await drain(args.grace)
-        stopper.cancel()
         await server
 
     freeze_heap()  # everything is built: the GC never walks it again (host_runtime.py)

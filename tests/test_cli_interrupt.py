@@ -18,18 +18,10 @@ from pathlib import Path
 import pytest
 
 from specmesh import models
+from tests.test_cli import PROBE  # cli.main in a child: its exit code and whether torch was imported
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = models.demo_model("target")
-PROBE = """
-import json, sys
-from specmesh.app import cli
-try:
-    code = cli.main(sys.argv[1:])
-except SystemExit as exc:
-    code = exc.code
-print(json.dumps({"exit": code, "torch": "torch" in sys.modules}))
-"""
 
 
 def spawn(*args: str, **kwargs) -> subprocess.Popen:

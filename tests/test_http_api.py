@@ -73,11 +73,16 @@ class AppThread:
         return asyncio.run_coroutine_threadsafe(self.server.drain(grace), self._loop)
 
 
-@pytest.fixture(scope="module")
-def stack():
+def http_stack():
+    """The demo pair in float64 with a small KV pool, closed after the module (the HTTP tests' fixtures)."""
     stack = EmbeddedStack.load(TARGET, DRAFT, torch.float64, kv_cache_gb=0.05)
     yield stack
     stack.close()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    yield from http_stack()
 
 
 def make_service(stack, **kw) -> GenerationService:

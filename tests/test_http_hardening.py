@@ -14,9 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
 
-from orchestrator.embedded import EmbeddedStack
 from orchestrator.http_api import BODY_BYTES_PER_PROMPT_BYTE, BODY_OVERHEAD_BYTES, build_app
 from orchestrator.http_server import HttpLimits, TlsFiles
 from specmesh.app.local_mesh import ServiceProcess
@@ -28,6 +26,7 @@ from tests.test_http_api import (
     assert_openai_error,
     free_port,
     get,
+    http_stack,
     make_service,
     post,
     reference,
@@ -37,9 +36,7 @@ from tests.tls_helpers import make_pki
 
 @pytest.fixture(scope="module")
 def stack():
-    stack = EmbeddedStack.load(TARGET, DRAFT, torch.float64, kv_cache_gb=0.05)
-    yield stack
-    stack.close()
+    yield from http_stack()
 
 
 STREAM = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "stream": True,

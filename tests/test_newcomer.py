@@ -13,9 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from orchestrator.embedded import EmbeddedStack
 from orchestrator.http_api import VERSION, build_app
 from orchestrator.server import add_arguments, resolve_addresses
 from specmesh import models
@@ -28,6 +26,7 @@ from tests.test_http_api import (
     assert_openai_error,
     free_port,
     get,
+    http_stack,
     make_service,
     post,
 )
@@ -37,9 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def stack():
-    stack = EmbeddedStack.load(TARGET, DRAFT, torch.float64, kv_cache_gb=0.05)
-    yield stack
-    stack.close()
+    yield from http_stack()
 
 
 def parse(*argv: str):
