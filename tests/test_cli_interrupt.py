@@ -24,10 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = models.demo_model("target")
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    # a shell without job control starts background jobs (`.ci/run &`, nohup) with SIGINT ignored, and children
+    # inherit that: Python then never raises KeyboardInterrupt. A user's terminal delivers it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args: str, **kwargs) -> subprocess.Popen:
-    """`python -m specmesh ARGS`, the program as a user starts it."""
+    """`python -m specmesh ARGS`, the program as a user starts it (from a terminal: SIGINT delivered)."""
     return subprocess.Popen([sys.executable, "-m", "specmesh", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, **kwargs)
+                            stderr=subprocess.PIPE, preexec_fn=_sigint_as_a_terminal_gives_it, **kwargs)
 
 
 def first_output(proc: subprocess.Popen, timeout: float) -> bytes:
