@@ -5,14 +5,15 @@ behind gRPC instead of a ``LocalVerifier``; it offers the core what ``StepLoop``
 ``call_soon``, ``close``) and steps the same way, one thread for every request on that replica:
 
     EngineCore.draft        every running request's tree (remote drafters asked together, see below)
-    -> one Verify call per request, all in flight at once
-    -> EngineCore.commit    commit, stream, stop checks, once every answer is in
+    -> one VerifyBatch call with every tree: one forward on the replica
+    -> EngineCore.commit    commit, stream, stop checks
 
-The thread runs an asyncio event loop of its own with a ``grpc.aio`` channel to the replica: a step's calls
-leave together and their answers come back on this thread, with no thread per call or per request (grpcio's
-synchronous futures take one channel lock per call, shared with a polling thread that is started anew every
-step: measured, starting 16 of them was 45 % of a core's time). The replica's own step loop puts the Verify
-calls that arrive together into one forward, so a core step is one forward there. Prefills are not part of a
+The thread runs an asyncio event loop of its own with a ``grpc.aio`` channel to the replica, so calls are
+in flight with no thread per call or per request. A step is one VerifyBatch: its items join one forward on
+the replica (``StepLoop.submit_verifies``), each answered as its own Verify would be, and each carries its
+request's step span (``tracing.carrier``), so a request's trace still shows the replica's work for every one
+of its steps. A replica without VerifyBatch (UNIMPLEMENTED) gets one
+Verify per request, all in flight at once. Prefills are not part of a
 step: each is a task started as soon as its request is opened, and its answer is handed to the driver as it
 lands, even while a step's calls are out. A request dropped while its Prefill is in flight has the call cancelled and its session released
 once it has ended: a Release must never overtake the Prefill it frees.
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from specmesh import tracing
 from specmesh.contract import VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -64,6 +66,7 @@ class RemoteStepLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stub: verifier_pb2_grpc.VerifierStub | None = None
+        self._batch = True  # the replica answers VerifyBatch (until it says UNIMPLEMENTED)
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
         self._thread.start()
@@ -234,15 +237,34 @@ class RemoteStepLoop:
 
     # ------------------------------------------------------------- the step
     async def step(self) -> None:
-        """The driver's trees, one Verify each, all in flight at once; its commit in their order."""
+        """The driver's trees in one VerifyBatch (one Verify each to a replica without it); its commit in their
+        order."""
         verifies = self.driver.draft()
         if not verifies:
             return
         started = time.perf_counter()
-        results = await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
+        if self._batch:
+            results = await self._verify_batch(verifies)
+        else:
+            results = await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
         self.stats.record(time.perf_counter() - started, len(verifies),
                           sum(tree.num_nodes + 1 for _, tree in verifies), 0, 0, 0)
         self.driver.commit(results)
+
+    async def _verify_batch(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+        """The step's trees in one call; every item carries its request's step span (its trace)."""
+        items = []
+        for session_id, tree in verifies:
+            with self.driver.traced(session_id, "verify"):
+                items.append(self.verifier.verify_request(session_id, tree, tracing.carrier()))
+        outcome = await self._call(self._stub.VerifyBatch, verifier_pb2.VerifyBatchRequest(items=items))
+        if isinstance(outcome, grpc.RpcError):
+            if outcome.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older replica: one Verify each from now on
+                log.info("verifier %s has no VerifyBatch: sending one Verify per request", self.client.address)
+                self._batch = False
+                return await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
+            return [self.verifier.call_error(outcome, "verify")] * len(verifies)
+        return self.verifier.batch_results(outcome, len(verifies))
 
     async def _verify(self, session_id: str, tree: TokenTree) -> VerifyResult | Exception:
         """One request's Verify, sent under its step's span; its result or what its failure stands for."""

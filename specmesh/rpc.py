@@ -460,6 +460,15 @@ class ReplicaChannel:
         self._channel.close()
 
 
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` a status's number stands for (a message carrying one, a VerifyBatch item's);
+    UNKNOWN for a number grpc does not define."""
+    return _STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
 def call_timeout(deadline: float | None, default: float) -> float:
     """Seconds left for a call: ``default`` capped by an absolute time.monotonic() ``deadline``."""
     if deadline is None:

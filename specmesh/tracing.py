@@ -28,7 +28,7 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 log = logging.getLogger("specmesh.tracing")
 
@@ -37,6 +37,8 @@ PROVIDER = "specmesh"  # gen_ai.provider.name / gen_ai.system
 EXTRA_HINT = "pip install 'specmesh[otel]'"
 _EXPORTERS = ("otlp", "console")
 _UNTRACED_SERVICES = ("grpc.health.", "grpc.reflection.")  # probes and tooling, not requests
+# one call for many requests: each item carries its request's trace context and is a span of that trace
+_UNTRACED_METHODS = ("specmesh.v1.Verifier/VerifyBatch",)
 
 _enabled = False  # setup_tracing installed the SDK in this process
 _NO_SPAN = nullcontext(trace.INVALID_SPAN)  # what ``span`` is while no provider is installed
@@ -129,12 +131,13 @@ def _otlp_exporter():
 
 # ------------------------------------------------------------ gRPC propagation
 def _traced_call(details) -> bool:
-    """The interceptors' filter: every call but health checks and reflection. (The instrumentation's own
+    """The interceptors' filter: every call but health checks, reflection and VerifyBatch. (The instrumentation's own
     ``filters.service_prefix`` costs ~25 us a check: it tests the details against typing Protocols.)"""
     method = getattr(details, "full_method", None) or getattr(details, "method", "")  # client / server details
     if isinstance(method, bytes):
         method = method.decode()
-    return not method.lstrip("/").startswith(_UNTRACED_SERVICES)
+    method = method.lstrip("/")
+    return not (method.startswith(_UNTRACED_SERVICES) or method in _UNTRACED_METHODS)
 
 
 def server_interceptors() -> list:
@@ -259,6 +262,28 @@ def start_child(parent: trace.Span, name: str, attributes: Mapping[str, object] 
         return trace.INVALID_SPAN
     return tracer().start_span(name, context=trace.set_span_in_context(parent), attributes=attributes,
                                start_time=start_ns)
+
+
+def carrier() -> dict[str, str]:
+    """The current span's W3C trace context (traceparent, tracestate) for a message to carry, as the gRPC
+    interceptors carry it in metadata (a VerifyBatch item's ``trace_context``: one call serves many requests'
+    traces); empty while nothing records."""
+    if not trace.get_current_span().is_recording():
+        return {}
+    out: dict[str, str] = {}
+    propagate.inject(out)
+    return out
+
+
+def remote_span(carried: Mapping[str, str], name: str, start_ns: int | None = None,
+                attributes: Mapping[str, object] | None = None) -> trace.Span:
+    """A server span continuing the trace a message carried (``carrier``), started at ``start_ns`` (or now) and
+    not made current; end it with ``.end()``. The API's non-recording span while nothing was carried or no
+    tracer provider is installed here."""
+    if not carried or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return trace.INVALID_SPAN
+    return tracer().start_span(name, context=propagate.extract(carried), kind=trace.SpanKind.SERVER,
+                               attributes=attributes, start_time=start_ns)
 
 
 def use(span: trace.Span | None):

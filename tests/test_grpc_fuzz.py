@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specmesh import rpc
 from specmesh.client import Client
 from specmesh.v1 import (
     common_pb2,
@@ -98,10 +99,14 @@ def test_fuzz_verifier(mesh, stubs):
 
     @FUZZ
     @given(session=st.sampled_from([live, "", "nope"]), tree=trees(), prompt=small_tokens, params=sampling,
-           kind=st.sampled_from(["verify", "verify", "prefill"]))
+           kind=st.sampled_from(["verify", "verify", "batch", "prefill"]))
     def run(session, tree, prompt, params, kind):
         if kind == "verify":
             check(lambda: verifier.Verify(verifier_pb2.VerifyRequest(session_id=session, tree=tree), timeout=30))
+        elif kind == "batch":  # each item ends as its own Verify would
+            items = [verifier_pb2.VerifyRequest(session_id=s, tree=tree) for s in (session, "fuzz-other")]
+            answer = verifier.VerifyBatch(verifier_pb2.VerifyBatchRequest(items=items), timeout=30)
+            assert all(o.code == 0 or rpc.status_code(o.code) in ALLOWED for o in answer.items), answer
         else:
             new = f"fuzz-{len(prompt)}-{params.seed}"
             check(lambda: verifier.Prefill(verifier_pb2.PrefillRequest(session_id=new, prompt=prompt,

@@ -147,6 +147,10 @@ def _ownership(alice, bob, info) -> None:
                  lambda: b.Release(verifier_pb2.ReleaseRequest(session_id="s"), timeout=10, metadata=b_md)):
         status, details = code(call)
         assert status == grpc.StatusCode.NOT_FOUND and "'s'" in details
+    item = verifier_pb2.VerifyRequest(session_id="s", tree=tree_to_proto(TokenTree.empty()))  # nor in a batch
+    (outcome,) = b.VerifyBatch(verifier_pb2.VerifyBatchRequest(items=[item]), timeout=30, metadata=b_md).items
+    assert outcome.code == grpc.StatusCode.NOT_FOUND.value[0] and "'s'" in outcome.message
+    assert "token:" not in outcome.message and "cert:" not in outcome.message
     prefill(b, b_md, "s", [9, 9, 9, 9])  # bob's own "s": no conflict, no hint that the id is taken
     assert verify(a, a_md, "s") == verify(a, a_md, "ref")
     assert verify(b, b_md, "s")

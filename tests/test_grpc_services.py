@@ -356,3 +356,49 @@ def test_undecodable_payloads_are_invalid_argument(mesh, which, method, shape):
             list(ch.stream_stream(method)(iter([garbage]), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid" in err.value.details() and "Error" not in err.value.details()
+
+
+def test_verify_batch_answers_each_item_as_its_own_verify(mesh):
+    """One VerifyBatch is one step: every item is answered as its own Verify would be (the same tokens as a
+    second session stepped with Verify, the batch's sessions counted in one forward), a bad item fails alone
+    with its Verify's status, and a session named twice is INVALID_ARGUMENT for the call."""
+    from specmesh import rpc
+    from specmesh.tree import TokenTree
+    from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+    from specmesh.wire import tree_to_proto
+
+    stub = verifier_pb2_grpc.VerifierStub(sh.channel(mesh["verifier"]))
+    prompts = {"vb-a": [5, 6, 7, 8], "vb-b": [9, 10, 11], "vb-c": [12, 13, 14, 15, 16]}
+    for sid, prompt in prompts.items():  # each twice: the batch's sessions and their Verify-stepped twins
+        for name in (sid, sid + "-ref"):
+            stub.Prefill(verifier_pb2.PrefillRequest(session_id=name, prompt=prompt), timeout=30)
+    empty = tree_to_proto(TokenTree.empty())
+    try:
+        for _ in range(3):
+            items = [verifier_pb2.VerifyRequest(session_id=sid, tree=empty) for sid in prompts]
+            answer = stub.VerifyBatch(verifier_pb2.VerifyBatchRequest(items=items), timeout=30)
+            assert [o.code for o in answer.items] == [0, 0, 0]
+            assert min(o.result.batch_sessions for o in answer.items) >= len(prompts)  # one forward for all
+            for sid, outcome in zip(prompts, answer.items, strict=True):
+                ref = stub.Verify(verifier_pb2.VerifyRequest(session_id=sid + "-ref", tree=empty), timeout=30)
+                assert list(outcome.result.tokens) == list(ref.tokens)
+
+        bad_tree = tree_to_proto(TokenTree.empty())
+        bad_tree.tokens.append(5)  # a token without a parent
+        items = [verifier_pb2.VerifyRequest(session_id="vb-a", tree=empty),
+                 verifier_pb2.VerifyRequest(session_id="vb-ghost", tree=empty),
+                 verifier_pb2.VerifyRequest(session_id="vb-b", tree=bad_tree)]
+        answer = stub.VerifyBatch(verifier_pb2.VerifyBatchRequest(items=items), timeout=30)
+        codes = [rpc.status_code(o.code) for o in answer.items]
+        assert codes == [grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT]
+        assert "'vb-ghost'" in answer.items[1].message and "\n" not in answer.items[1].message
+        ref = stub.Verify(verifier_pb2.VerifyRequest(session_id="vb-a-ref", tree=empty), timeout=30)
+        assert list(answer.items[0].result.tokens) == list(ref.tokens)  # the good item was stepped
+
+        with pytest.raises(grpc.RpcError) as err:
+            stub.VerifyBatch(verifier_pb2.VerifyBatchRequest(items=[items[0], items[0]]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        for sid in prompts:
+            for name in (sid, sid + "-ref"):
+                stub.Release(verifier_pb2.ReleaseRequest(session_id=name), timeout=30)

@@ -29,6 +29,7 @@ from specmesh import rpc, tracing
 from specmesh.client import Client
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_service.server import VERIFY_ITEM_SPAN
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -393,7 +394,7 @@ def _complete(spans, prompt_len: int, num_steps: int) -> bool:
     t = _request_trace(spans, prompt_len)
     names = [(s.service, s.name) for s in t]
     return (names.count((SERVE, STEP_SPAN)) >= num_steps
-            and names.count((VERIFIER, "/specmesh.v1.Verifier/Verify")) >= num_steps
+            and names.count((VERIFIER, VERIFY_ITEM_SPAN)) >= num_steps
             and (VERIFIER, "/specmesh.v1.Verifier/Release") in names
             and (DRAFTER, "/specmesh.v1.Drafter/Session") in names
             and any(s.service == SERVE and "gen_ai.operation.name" in s.attributes for s in t))
@@ -418,7 +419,7 @@ def test_one_connected_trace_per_request(traced_mesh, traced_requests):
     # one trace per request: every request-serving span of the three services is in one of them
     assert len(request_traces) == len(traced_requests)
     for s in spans:
-        if s.name in (STEP_SPAN, PREFILL_SPAN, "draft", "/specmesh.v1.Verifier/Verify", "/specmesh.v1.Verifier/Prefill"):
+        if s.name in (STEP_SPAN, PREFILL_SPAN, "draft", VERIFY_ITEM_SPAN, "/specmesh.v1.Verifier/Prefill"):
             assert s.trace_id in request_traces, f"{s.service} {s.name} outside the requests' traces"
     assert any(step.predrafted for _, steps, *_ in traced_requests for step in steps)  # the PEARL loop ran
 
@@ -459,14 +460,16 @@ def _check_request_trace(t: list, ids: list[int], steps: list, num_output: int, 
         assert span.service == SERVE and span.parent_id == req.span_id
         _check_step_attributes(span.attributes, step)
 
-    # the verifier: Prefill under serve's prefill, one Verify under each step (through serve's client span)
+    # the verifier: Prefill under serve's prefill; each step's item of the replica's VerifyBatch under that step
+    # (the call serves many requests: untraced itself, its items carry their steps' context)
     (v_prefill,) = _server_spans(t, VERIFIER, "/specmesh.v1.Verifier/Prefill")
     assert _grandparent(by_id, v_prefill) is prefill
     assert v_prefill.attributes["specmesh.prefill.prompt_tokens"] == len(ids)
-    verifies = _server_spans(t, VERIFIER, "/specmesh.v1.Verifier/Verify")
-    assert sorted(_grandparent(by_id, v).span_id for v in verifies) == sorted(s.span_id for s in step_spans)
+    verifies = _server_spans(t, VERIFIER, VERIFY_ITEM_SPAN)
+    assert sorted(v.parent_id for v in verifies) == sorted(s.span_id for s in step_spans)
     for v in verifies:
-        step = steps[_grandparent(by_id, v).attributes["specmesh.step.index"]]
+        assert v.attributes["specmesh.session.id"] == prefill.attributes["specmesh.session.id"]
+        step = steps[by_id[v.parent_id].attributes["specmesh.step.index"]]
         assert v.attributes["specmesh.verify.tree_nodes"] == step.num_proposed
         assert v.attributes["specmesh.verify.accepted"] == step.num_accepted
         assert v.attributes["specmesh.verify.batch_sessions"] >= 1

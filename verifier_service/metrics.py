@@ -31,7 +31,7 @@ GAUGES = (
 # (name, documentation, BatchStats field)
 COUNTERS = (
     ("verifier_steps", "Batched forwards run by the verifier's scheduler.", "steps"),
-    ("verifier_verify_calls", "Verify calls served.", "verified"),
+    ("verifier_verify_calls", "Verifications served (Verify calls and VerifyBatch items).", "verified"),
     ("verifier_verify_rows", "Rows of the Verify calls: the pending token and the tree's nodes of each.",
      "verify_rows"),
     ("verifier_prefill_calls", "Prefills finished (one per session).", "prefills"),

@@ -106,8 +106,20 @@ class RemoteVerifier:
         return PrefillResult(msg.first_token, msg.seconds, self._features(msg))
 
     @staticmethod
-    def verify_request(session_id: str, tree: TokenTree) -> verifier_pb2.VerifyRequest:
-        return verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree))
+    def verify_request(session_id: str, tree: TokenTree,
+                       trace_context: dict[str, str] | None = None) -> verifier_pb2.VerifyRequest:
+        """``trace_context``: the request's step span (``tracing.carrier``), for an item of a VerifyBatch."""
+        return verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree), trace_context=trace_context)
+
+    def batch_results(self, msg: verifier_pb2.VerifyBatchResponse, num_items: int) -> list[VerifyResult | Exception]:
+        """A VerifyBatch's answers in its items' order: each a result, or what that item's failure stands for."""
+        if len(msg.items) != num_items:
+            exc = rpc.UpstreamError(f"verifier {self.client.address}", grpc.StatusCode.INTERNAL,
+                                    f"VerifyBatch answered {len(msg.items)} items of {num_items}")
+            return [exc] * num_items
+        return [self.verify_result(o.result) if o.code == 0
+                else self._error(rpc.status_code(o.code), o.message, InvalidTreeError)
+                for o in msg.items]
 
     def call_error(self, exc: grpc.RpcError, call: str) -> Exception:
         """What a failed ``call`` ("prefill", "verify") stands for (``_error``)."""

@@ -24,9 +24,15 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specmesh import metrics, models, rpc, serving, tracing
-from specmesh.contract import CapacityError, SessionReleasedError, UnknownSessionError, check_session_id
+from specmesh.contract import (
+    CapacityError,
+    SessionReleasedError,
+    UnknownSessionError,
+    VerifyResult,
+    check_session_id,
+)
 from specmesh.feedback import TargetFeatures
-from specmesh.tree import InvalidTreeError
+from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import (
     VERIFIER_SERVICE,
@@ -76,6 +82,39 @@ def _released(session_id: str, call: str) -> str:
     return f"session {session_id!r} was released before its {call} finished"
 
 
+VERIFY_ITEM_SPAN = "verify"  # a VerifyBatch item's verification, a child of its request's step span
+
+
+async def _outcome(wait) -> object:
+    """A VerifyBatch item's result (``wait``: its step loop future), or the exception it failed with (returned,
+    not raised)."""
+    if isinstance(wait, Exception):
+        return wait
+    try:
+        return await asyncio.wrap_future(wait)
+    except Exception as exc:  # noqa: BLE001 - the item's own failure
+        return exc
+
+
+def verify_response(result: VerifyResult) -> verifier_pb2.VerifyResponse:
+    response = verifier_pb2.VerifyResponse(accepted_nodes=result.accepted_nodes, tokens=result.tokens,
+                                           seconds=result.seconds, batch_sessions=result.batch_sessions)
+    if result.feedback is not None:
+        response.feedback.CopyFrom(feedback_to_proto(result.feedback))
+    if result.features is not None:
+        response.features.CopyFrom(features_message(result.features))
+    return response
+
+
+def _verify_attributes(span, tree: TokenTree, result: VerifyResult) -> None:
+    """A verification's attributes on its span (a Verify's server span, a VerifyBatch item's span)."""
+    if span.is_recording():
+        span.set_attributes({"specmesh.verify.tree_nodes": tree.num_nodes, "specmesh.verify.tree_depth": tree.max_depth,
+                             "specmesh.verify.accepted": result.num_accepted,
+                             "specmesh.verify.batch_sessions": result.batch_sessions,
+                             "specmesh.verify.forward_ms": result.seconds * 1e3})
+
+
 def features_message(features: TargetFeatures) -> common_pb2.TargetFeatures:
     """A session's target features as bf16 on the wire; a prompt too large for one message keeps its newest rows
     (the drafter drafts on zeros for the rest: acceptance, never the output, suffers)."""
@@ -119,7 +158,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.verifier.submit_release(key)
             raise
         except Exception as exc:  # noqa: BLE001 - a failed step or a bug: answered without the internal key
-            await self._internal(context, "Prefill", key, exc)
+            await context.abort(*self._unexpected("Prefill", key, exc))
         if self.verifier.has_session(key):  # not when a Release came in meanwhile (nothing would drop it)
             self._last_call[key] = time.monotonic()
         span = tracing.current_span()  # the call's server span, with tracing on
@@ -138,30 +177,57 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             tree = tree_from_proto(request.tree)
             self._touch(key)
             result = await asyncio.wrap_future(self.verifier.submit_verify(key, tree))
-        except UnknownSessionError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(request.session_id))
-        except SessionReleasedError:  # the caller's own Release overtook it
-            await context.abort(grpc.StatusCode.ABORTED, _released(request.session_id, "Verify"))
-        except (InvalidTreeError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                _as_caller_sees(f"invalid tree: {exc}", key))
-        except Exception as exc:  # noqa: BLE001 - a failed step or a bug: answered without the internal key
-            await self._internal(context, "Verify", key, exc)
-        span = tracing.current_span()  # the call's server span, with tracing on
-        if span.is_recording():
-            span.set_attributes({"specmesh.verify.tree_nodes": tree.num_nodes, "specmesh.verify.tree_depth": tree.max_depth,
-                                 "specmesh.verify.accepted": result.num_accepted,
-                                 "specmesh.verify.batch_sessions": result.batch_sessions,
-                                 "specmesh.verify.forward_ms": result.seconds * 1e3})
-        response = verifier_pb2.VerifyResponse(
-            accepted_nodes=result.accepted_nodes, tokens=result.tokens, seconds=result.seconds,
-            batch_sessions=result.batch_sessions,
-        )
-        if result.feedback is not None:
-            response.feedback.CopyFrom(feedback_to_proto(result.feedback))
-        if result.features is not None:
-            response.features.CopyFrom(features_message(result.features))
+        except Exception as exc:  # noqa: BLE001 - every failure is answered in the caller's terms
+            await context.abort(*self._verify_failure(exc, request.session_id, key))
+        _verify_attributes(tracing.current_span(), tree, result)  # the call's server span, with tracing on
+        return verify_response(result)
+
+    async def VerifyBatch(self, request, context):
+        """Every item's Verify in one step (``StepLoop.submit_verifies``); each answered as its own call would be,
+        its verification recorded in its request's trace (the item's ``trace_context``)."""
+        arrived_ns = time.time_ns()
+        keys = [session_key(context, item.session_id) for item in request.items]
+        if len(set(keys)) < len(keys):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a VerifyBatch names a session twice")
+        trees, submits = [], []
+        for key, item in zip(keys, request.items, strict=True):
+            try:
+                trees.append(tree_from_proto(item.tree))
+                submits.append((key, trees[-1]))
+                self._touch(key)
+            except Exception as exc:  # noqa: BLE001 - that item's alone
+                trees.append(exc)
+        try:
+            submitted = self.verifier.submit_verifies(submits)
+        except Exception as exc:  # noqa: BLE001 - closed: every item's answer
+            submitted = [exc] * len(submits)
+        futures = iter(submitted)
+        waits = [tree if isinstance(tree, Exception) else next(futures) for tree in trees]
+        results = await asyncio.gather(*(_outcome(w) for w in waits))
+        response = verifier_pb2.VerifyBatchResponse()
+        for key, item, tree, result in zip(keys, request.items, trees, results, strict=True):
+            outcome = response.items.add()
+            span = tracing.remote_span(item.trace_context, VERIFY_ITEM_SPAN, arrived_ns,
+                                       {"specmesh.session.id": item.session_id})
+            if isinstance(result, Exception):
+                code, outcome.message = self._verify_failure(result, item.session_id, key)
+                outcome.code = code.value[0]
+                tracing.record_error(span, result)
+            else:
+                outcome.result.CopyFrom(verify_response(result))
+                _verify_attributes(span, tree, result)
+            span.end()
         return response
+
+    def _verify_failure(self, exc: Exception, session_id: str, key: str) -> tuple[grpc.StatusCode, str]:
+        """The status a Verify that failed with ``exc`` answers, in the caller's terms."""
+        if isinstance(exc, UnknownSessionError):
+            return grpc.StatusCode.NOT_FOUND, _not_found(session_id)
+        if isinstance(exc, SessionReleasedError):  # the caller's own Release overtook it
+            return grpc.StatusCode.ABORTED, _released(session_id, "Verify")
+        if isinstance(exc, (InvalidTreeError, ValueError)):
+            return grpc.StatusCode.INVALID_ARGUMENT, _as_caller_sees(f"invalid tree: {exc}", key)
+        return self._unexpected("Verify", key, exc)  # a failed step or a bug
 
     async def Release(self, request, context):
         key = session_key(context, request.session_id)
@@ -193,11 +259,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     # -------------------------------------------------------------- internals
     @staticmethod
-    async def _internal(context: grpc.aio.ServicerContext, call: str, key: str, exc: Exception) -> None:
-        """Answer INTERNAL for what the verifier did not expect, in the caller's terms (grpc's own answer would
-        be UNKNOWN with the exception's text, which may name the session's internal key)."""
+    def _unexpected(call: str, key: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+        """INTERNAL for what the verifier did not expect, in the caller's terms (grpc's own answer would be UNKNOWN
+        with the exception's text, which may name the session's internal key)."""
         log.error("%s of session %s failed", call, describe_key(key), exc_info=exc)
-        await context.abort(grpc.StatusCode.INTERNAL, _as_caller_sees(f"{type(exc).__name__}: {exc}", key))
+        return grpc.StatusCode.INTERNAL, _as_caller_sees(f"{type(exc).__name__}: {exc}", key)
 
     def _touch(self, session_id: str) -> None:
         if session_id in self._last_call:

@@ -223,7 +223,7 @@ class StepLoop:
         return self.submit_verify(session_id, tree).result()
 
     def verify_batch(self, requests: Sequence[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
-        futures = [self.submit_verify(sid, tree) for sid, tree in requests]
+        futures = self.submit_verifies(requests)
         return [f.exception() or f.result() for f in futures]
 
     def release(self, session_id: str) -> None:
@@ -241,15 +241,22 @@ class StepLoop:
         return future
 
     def submit_verify(self, session_id: str, tree: TokenTree) -> Future:
-        future: Future = Future()
+        return self.submit_verifies([(session_id, tree)])[0]
+
+    def submit_verifies(self, requests: Sequence[tuple[str, TokenTree]]) -> list[Future]:
+        """One future per (session, tree); Verifys submitted together join the same step (a VerifyBatch call)."""
+        futures = []
         with self._cond:
             self._check_open()
-            if session_id in self._verifies:
-                future.set_exception(ValueError(f"session {session_id!r} already has a Verify in flight"))
-            else:
-                self._verifies[session_id] = (tree, future)
-                self._cond.notify()
-        return future
+            for session_id, tree in requests:
+                future: Future = Future()
+                if session_id in self._verifies:
+                    future.set_exception(ValueError(f"session {session_id!r} already has a Verify in flight"))
+                else:
+                    self._verifies[session_id] = (tree, future)
+                futures.append(future)
+            self._cond.notify()
+        return futures
 
     def submit_release(self, session_id: str) -> Future:
         future: Future = Future()

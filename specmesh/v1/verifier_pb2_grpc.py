@@ -44,6 +44,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/specmesh.v1.Verifier/VerifyBatch',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.Verifier/Release',
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
@@ -67,6 +72,15 @@ class VerifierServicer:
 
     def Verify(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyBatch(self, request, context):
+        """A caller's whole step in one call: every item joins the same forward and each is answered as its own Verify
+        would be (its result, or the status that call would have failed with). A replica without it answers
+        UNIMPLEMENTED: send the items as Verify calls.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -97,6 +111,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -163,6 +182,33 @@ class Verifier:
             '/specmesh.v1.Verifier/Verify',
             specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Verifier/VerifyBatch',
+            specmesh_dot_v1_dot_verifier__pb2.VerifyBatchRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
