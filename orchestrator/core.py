@@ -11,10 +11,10 @@ serves a verifier replica's gRPC calls; the core is its driver. (Over a replica 
 ``RemoteStepLoop``, orchestrator/remote_loop.py: the same step with the forward one Verify call per
 request, sent together.) ``StepLoop.step`` is the whole of one engine step, top to bottom:
 
-    EngineCore.draft        every running request's tree (drafted now, or ahead during the last step)
+    EngineCore.draft        every running request's tree (drafted now, or ahead during the last step): begin_step
     -> the callers' Verifys, prompt chunks within the token budget
     -> LocalVerifier.step   one target forward over all of them, acceptance for the whole batch
-    -> EngineCore.commit    commit, stream and stop checks per request
+    -> EngineCore.commit    commit, stream and stop checks per request: end_step
 
 A request's drafter is its ``DrafterLink`` (drafter_link.py) run inline on the loop's thread: the
 same context edits, tree checks, feedback hand-over and failover as the per-request engine
@@ -26,7 +26,9 @@ PEARL is scheduling (``Method.overlap``): while a step's forward runs, the core'
 drafts every overlapping request's next tree on the assumption that this step's main line is
 accepted; the part of it below what was committed is the next step's tree, and a request whose
 pre-draft did not hold verifies its pending token alone (restart depth 0) while drafting ahead
-again. See docs/ARCHITECTURE.md, "The engine core".
+again. A remote drafter's tree is never waited for (``late``): its request sits out until the tree lands while
+the others step (a remote loop may have several steps out: ``begin_step`` / ``end_step``). See
+docs/ARCHITECTURE.md, "The engine core".
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.drafter_link import DrafterLink, PendingDraft
@@ -84,7 +87,8 @@ class EngineCore:
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # every unfinished request (submitters add, the loop removes)
         self._running: dict[str, Request] = {}  # decoding; the loop thread's
-        self._step: tuple[list[Request], list, float, int, Future | None] | None = None  # draft() -> commit()
+        self._step: Step | None = None  # draft() -> commit() (a StepLoop's one step at a time)
+        self._steps: set[Step] = set()  # every step begun and not ended (a remote loop may have several out)
         self._drafting: ThreadPoolExecutor | None = None  # overlap: drafts ahead while a forward runs
         if isinstance(verifier, VerifierClient):
             self.costs = costs or verifier.costs
@@ -159,8 +163,7 @@ class EngineCore:
                 "specmesh.session.id": request_id, "specmesh.prefill.prompt_tokens": len(request.prompt)})
             return tracing.use(request.prefill_span)
         if call == "verify":
-            started_ns = self._step[3] if self._step is not None else None
-            request.step_span = tracing.start_child(request.trace, STEP_SPAN, start_ns=started_ns)
+            request.step_span = tracing.start_child(request.trace, STEP_SPAN, start_ns=request.step_started_ns)
             return tracing.use(request.step_span)
         return tracing.use(request.trace)
 
@@ -172,30 +175,54 @@ class EngineCore:
 
     # --------------------------------------------------------------- the driver (StepDriver)
     def pending(self) -> bool:
-        return bool(self._running)
+        """Whether a running request can step now: not in a step already, and not waiting for a remote drafter's
+        tree (``late``)."""
+        return any(_can_step(r) for r in self._running.values())
 
     def draft(self) -> list[tuple[str, TokenTree]]:
-        """The step's first half: every running request's tree, and (overlap) the drafting thread started on
-        the next trees, to run while the forward does."""
-        started, started_ns = time.perf_counter(), time.time_ns()
-        running, drafts = self._draft_all()  # every running request and its (tree, budget, draft seconds)
-        ahead = self._start_predrafts(running, drafts)  # drafting thread: next trees, on this step's main lines
-        self._step = (running, drafts, started, started_ns, ahead)
-        return [(request.request_id, tree) for request, (tree, _, _) in zip(running, drafts, strict=True)]
+        """The step's first half (a ``StepLoop``'s, one step at a time): ``begin_step``, kept for ``commit``."""
+        step = self.begin_step()
+        self._step = step
+        return step.verifies if step is not None else []
 
     def commit(self, results: Sequence[VerifyResult | Exception]) -> None:
-        """The step's second half, after the forward: per request, commit, feedback, stream, stop checks."""
-        running, drafts, started, started_ns, ahead = self._step
-        self._step = None
-        self._join_predrafts(ahead)
-        for request, (tree, budget, draft_seconds), result in zip(running, drafts, results, strict=True):
-            self._commit(request, tree, budget, result, started, draft_seconds, started_ns)
+        """The step's second half, after the forward: ``end_step`` of the step ``draft`` began."""
+        step, self._step = self._step, None
+        if step is not None:
+            self.end_step(step, results)
+
+    def begin_step(self) -> Step | None:
+        """Every running request that can step (``pending``), with its tree; (overlap) the drafting thread started
+        on their next trees, to run while the forward does. None when none can. A remote loop may have several
+        steps out at once, each of other requests: a request whose remote drafter is late waits for its tree
+        without holding the others (``late``)."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        running, drafts = self._draft_all()  # the requests that step and their (tree, budget, draft seconds)
+        if not running:
+            return None
+        ahead = self._start_predrafts(running, drafts)  # drafting thread: next trees, on this step's main lines
+        for request in running:
+            request.in_step = True
+            request.step_started_ns = started_ns
+        step = Step(running, drafts, started, started_ns, ahead)
+        self._steps.add(step)
+        return step
+
+    def end_step(self, step: Step, results: Sequence[VerifyResult | Exception]) -> None:
+        """After the forward: per request of ``step``, commit, feedback, stream, stop checks."""
+        self._steps.discard(step)
+        self._join_predrafts(step)
+        for request, (tree, budget, draft_seconds), result in zip(step.requests, step.drafts, results, strict=True):
+            request.in_step = False
+            if request.status is not Status.FINISHED:  # (a remote step's request may end while it is out)
+                self._commit(request, tree, budget, result, step.started, draft_seconds, step.started_ns)
 
     def stop(self, exc: BaseException) -> None:
         """End every request with ``exc`` (the loop closes, or a step failed on a bug)."""
-        if self._step is not None:  # failed between draft and commit: the drafting thread may still run
-            self._join_predrafts(self._step[-1])
-            self._step = None
+        self._step = None
+        for step in list(self._steps):  # failed between draft and commit: the drafting thread may still run
+            self._join_predrafts(step)
+        self._steps.clear()
         with self._lock:
             requests = list(self._requests.values())
         for request in requests:
@@ -205,13 +232,32 @@ class EngineCore:
             self._drafting = None
 
     def _draft_all(self) -> tuple[list[Request], list[tuple[TokenTree, Budget, float]]]:
-        """Every running request's tree: the one drafted ahead last step if usable (overlap), else what its
-        policy's budget asks of its drafter now ("restart" with overlap: with restart depth 0, nothing: the pending
-        token is verified alone while the next tree is drafted ahead). Requests on one in-process drafter are
-        drafted in one call (``draft_batch``). A drafter failure fails over inside the link; a strict request's
-        failure ends that request alone."""
+        """Every running request that can step, with its tree: the one drafted ahead if usable (overlap), else
+        what its policy's budget asks of its drafter now ("restart" with overlap: with restart depth 0, nothing:
+        the pending token is verified alone while the next tree is drafted ahead). Requests on one in-process
+        drafter are drafted in one call (``draft_batch``). A remote drafter's tree that is not back yet is not
+        waited for: its request sits this step out and steps once the tree lands (``late``). A drafter failure
+        fails over inside the link; a strict request's failure ends that request alone."""
         running, drafts, asking = [], [], []
         for request in list(self._running.values()):
+            if not _can_step(request):
+                continue
+            landed = request.ahead  # a remote drafter's tree that was late, landed now
+            if landed is not None:
+                try:
+                    self._take_predraft(request)
+                except Exception as exc:  # strict: the drafter's failure ends its request
+                    self._finish(request, exc)
+                    continue
+                if not landed.hypothesis and landed.base == len(request.committed):
+                    # a restart draft for exactly this context (empty, or failed over: nothing): the step it was
+                    # late for, as if it had been waited for
+                    tree = request.ready[0] if request.ready is not None else EMPTY_TREE
+                    seconds = request.ahead_stats.get("predraft_seconds", 0.0)
+                    request.ready, request.ahead_stats, request.predrafted = None, {}, False
+                    drafts.append((tree, landed.budget, seconds))
+                    running.append(request)
+                    continue
             request.predrafted = request.ready is not None
             if request.ready is not None:
                 drafts.append(request.ready)
@@ -228,19 +274,31 @@ class EngineCore:
                     asking.append((len(running), request, budget))
             running.append(request)
         pendings = draft_batch([(request, budget, [], None) for _, request, budget in asking])
-        failed = set()
+        skip = set()
         for (index, request, budget), pending in zip(asking, pendings, strict=True):
+            if late(request, pending):  # steps once it lands (its tree then drafts from exactly this context)
+                request.ahead = Predraft([], budget, threading.Event(), pending, len(request.committed))
+                pending.future.add_done_callback(self._landed)
+                skip.add(index)
+                continue
             try:
                 tree, seconds = request.link.collect(pending)
             except Exception as exc:  # strict: the drafter's failure ends its request
                 self._finish(request, exc)
-                failed.add(index)
+                skip.add(index)
                 continue
             drafts[index] = (tree if tree is not None else EMPTY_TREE, budget, seconds)
-        if failed:
-            keep = [i for i in range(len(running)) if i not in failed]
+        if skip:
+            keep = [i for i in range(len(running)) if i not in skip]
             running, drafts = [running[i] for i in keep], [drafts[i] for i in keep]
         return running, drafts
+
+    def _landed(self, _future: Future) -> None:
+        """A late remote tree landed (on a drafting thread): have the loop look at its request again."""
+        try:
+            self.loop.call_soon(_nothing)
+        except RuntimeError:  # closed meanwhile
+            pass
 
     # ------------------------------------------------------------ PEARL overlap
     def _start_predrafts(self, running: list[Request], drafts) -> Future | None:
@@ -250,7 +308,7 @@ class EngineCore:
         drafter) is asked from here: its call runs on the drafting pool, and one hop fewer is ~0.1 ms a step."""
         jobs = []
         for request, (tree, _, _) in zip(running, drafts, strict=True):
-            if not (request.method.overlap and request.link.active):
+            if not (request.method.overlap and request.link.active) or request.ahead is not None:
                 continue
             path = tree.main_path()
             budget = request.method.policy.next_budget(request.stats, request.stopper.remaining - len(path) - 1,
@@ -258,7 +316,7 @@ class EngineCore:
             if budget.is_zero:
                 continue
             hypothesis = tree.tokens[path].tolist()
-            request.ahead = Predraft(hypothesis, budget, threading.Event())
+            request.ahead = Predraft(hypothesis, budget, threading.Event(), base=len(request.committed))
             jobs.append(request)
         # a background link's calls run on the drafting pool: asking it here does not hold the step up
         inline = [r for r in jobs if r.method.background]
@@ -271,33 +329,46 @@ class EngineCore:
             self._drafting = ThreadPoolExecutor(1, thread_name_prefix="core-drafting")
         return self._drafting.submit(_draft_ahead, jobs)
 
-    def _join_predrafts(self, ahead: Future | None) -> None:
-        """The forward is over: a greedy request's pre-draft stops where it is (its contents never change greedy
-        output); a sampled one runs to its budget (a seed then reproduces). Waits for the drafting thread."""
-        for request in self._running.values():
+    def _join_predrafts(self, step: Step) -> None:
+        """The step's forward is over: a greedy request's pre-draft stops where it is (its contents never change
+        greedy output); a sampled one runs to its budget (a seed then reproduces). Waits for the drafting thread."""
+        for request in step.requests:
             if request.ahead is not None and request.sampling.greedy:
                 request.ahead.stop.set()
-        if ahead is not None:
-            ahead.result()
+        if step.ahead is not None:
+            step.ahead.result()
 
-    def _take_predraft(self, request: Request, verified: VerifyResult) -> dict:
-        """Collect the request's pre-draft: the part that drafts past what this step committed becomes its next
-        tree. Returns the step's pre-draft statistics."""
-        predraft, request.ahead = request.ahead, None
+    def _take_predraft(self, request: Request) -> dict:
+        """Collect the request's tree drafted ahead (after its step committed): the part that drafts past what was
+        committed since it was asked becomes its next tree (a restart draft that was late: the tree itself, when
+        nothing was committed since). A remote drafter's that has not landed is left out (``late``): the request
+        steps again once it lands (``_draft_all`` takes it then). Returns its statistics for the step they go
+        with (kept on the request until that step commits)."""
+        predraft = request.ahead
         if predraft is None:
             return {}
+        if late(request, predraft.pending):  # the loop looks at the request again once it lands
+            predraft.pending.future.add_done_callback(self._landed)
+            return {}
+        request.ahead = None
         tree, seconds = request.link.collect(predraft.pending) if predraft.pending is not None else (None, 0.0)
+        since = request.committed[predraft.base:]  # committed after the context it was drafted from
         ready = None
-        if tree is not None:
-            ready = reusable_subtree(tree, predraft.hypothesis, verified.tokens, predraft.budget.max_nodes)
+        if tree is None:
+            pass
+        elif not since and not predraft.hypothesis:  # a late restart draft: for exactly this context
+            ready = tree.head(predraft.budget.max_nodes) if tree.num_nodes else None
+        else:
+            ready = reusable_subtree(tree, predraft.hypothesis, since, predraft.budget.max_nodes)
         if ready is not None:
             request.ready = (ready, predraft.budget, seconds)
         n = len(predraft.hypothesis)
-        return dict(predraft_nodes=tree.num_nodes if tree is not None else 0,
-                    predraft_used=ready.num_nodes if ready is not None else 0,
-                    predraft_levels=tree.max_depth if tree is not None else 0, predraft_seconds=seconds,
-                    ahead_confirmed=tree is not None and len(verified.tokens) > n
-                    and list(verified.tokens[:n]) == predraft.hypothesis)
+        request.ahead_stats = dict(
+            predraft_nodes=tree.num_nodes if tree is not None else 0,
+            predraft_used=ready.num_nodes if ready is not None else 0,
+            predraft_levels=tree.max_depth if tree is not None else 0, predraft_seconds=seconds,
+            ahead_confirmed=tree is not None and len(since) > n and since[:n] == predraft.hypothesis)
+        return request.ahead_stats
 
     # ------------------------------------------------------------ commit
     def _start_decoding(self, request: Request, first: int, seconds: float, features: TargetFeatures | None) -> None:
@@ -333,7 +404,8 @@ class EngineCore:
                 request.link.add_feedback(result.feedback)
             if result.features is not None:
                 request.link.add_features(result.features)
-            ahead = self._take_predraft(request, result)
+            self._take_predraft(request)
+            ahead, request.ahead_stats = request.ahead_stats, {}
         except Exception as exc:  # the verifier failed the request, or a strict drafter failed
             self._finish(request, exc)
             return
@@ -448,6 +520,38 @@ def draft_batch(items: Sequence[tuple[Request, Budget, list[int], threading.Even
         for (i, (call, asked)), outcome in zip(members, outcomes, strict=True):
             pendings[i] = items[i][0].link.answered(asked, call.budget, outcome, seconds, cpu / len(members))
     return pendings
+
+
+@dataclass(eq=False)
+class Step:
+    """One step begun (``begin_step``) and not ended: its requests, their (tree, budget, draft seconds), when it
+    began, and the drafting thread's job for their next trees (None: none)."""
+
+    requests: list[Request]
+    drafts: list[tuple[TokenTree, Budget, float]]
+    started: float
+    started_ns: int
+    ahead: Future | None
+
+    @property
+    def verifies(self) -> list[tuple[str, TokenTree]]:
+        return [(request.request_id, tree) for request, (tree, _, _) in zip(self.requests, self.drafts, strict=True)]
+
+
+def late(request: Request, pending: PendingDraft | None) -> bool:
+    """Whether a remote drafter's tree (a background link's) has not landed yet. The core never waits for one: its
+    request sits out the steps until it lands, the others go on. An in-process drafter's tree is always waited
+    for (drafting it is this process's own work, done inline or during the forward)."""
+    return request.method.background and pending is not None and not pending.future.done()
+
+
+def _can_step(request: Request) -> bool:
+    """Not in a step already, and not waiting for a remote drafter's tree."""
+    return not request.in_step and not (request.ahead is not None and late(request, request.ahead.pending))
+
+
+def _nothing() -> None:
+    pass
 
 
 def _draft_ahead(requests: list[Request]) -> None:

@@ -2,26 +2,28 @@
 
 ``RemoteStepLoop`` is the loop the engine core (orchestrator/core.py) drives when its verifier is a replica
 behind gRPC instead of a ``LocalVerifier``; it offers the core what ``StepLoop`` does (``open``, ``drop``,
-``call_soon``, ``close``) and steps the same way, one thread for every request on that replica:
+``call_soon``, ``close``) and steps every request on that replica from one thread:
 
-    EngineCore.draft        every running request's tree (remote drafters asked together, see below)
+    EngineCore.begin_step   every request that can step, with its tree (remote drafters asked together)
     -> one VerifyBatch call with every tree: one forward on the replica
-    -> EngineCore.commit    commit, stream, stop checks
+    -> EngineCore.end_step  commit, stream, stop checks, when the answer lands
 
 The thread runs an asyncio event loop of its own with a ``grpc.aio`` channel to the replica, so calls are
 in flight with no thread per call or per request. A step is one VerifyBatch: its items join one forward on
 the replica (``StepLoop.submit_verifies``), each answered as its own Verify would be, and each carries its
 request's step span (``tracing.carrier``), so a request's trace still shows the replica's work for every one
-of its steps. A replica without VerifyBatch (UNIMPLEMENTED) gets one
-Verify per request, all in flight at once. Prefills are not part of a
-step: each is a task started as soon as its request is opened, and its answer is handed to the driver as it
-lands, even while a step's calls are out. A request dropped while its Prefill is in flight has the call cancelled and its session released
-once it has ended: a Release must never overtake the Prefill it frees.
+of its steps. A replica without VerifyBatch (UNIMPLEMENTED) gets one Verify per request, all in flight at once.
 
-Remote drafters' calls run on the drafting pool shared by every request (``DrafterLink`` with
-``background``), so a step waits for the slowest drafter, not for their sum. The requests of one core move in
-step: a request whose tree is late holds the step up to its drafter's deadline (``--draft-timeout-ms``), after
-which its link fails over, as the per-request engine does.
+A step begins whenever requests can step: at the start, when a step's answer lands (its requests commit and
+can step again), and when a late remote tree lands. The core never waits for a remote drafter (``core.late``):
+a request whose tree is not back sits out, the others step without it, and it steps (in a step of its own
+or with others that are ready then) once its tree lands; so several steps, each of other requests, may be
+out at once, and the replica's step loop batches what arrives together. A drafter past its deadline
+(``--draft-timeout-ms``) is failed over, as in the per-request engine.
+
+Prefills are not part of a step: each is a task started as soon as its request is opened, and its answer is
+handed to the driver as it lands. A request dropped while its Prefill is in flight has the call cancelled and
+its session released once it has ended: a Release must never overtake the Prefill it frees.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import grpc
 
@@ -45,10 +48,23 @@ from verifier_service.step_loop import BatchStats, SessionOwner, StepDriver
 log = logging.getLogger("specmesh.remote_loop")
 
 
+class RemoteDriver(StepDriver, Protocol):
+    """What a remote loop asks of its driver beyond a ``StepLoop``'s: steps that may overlap (the engine core)."""
+
+    def begin_step(self):
+        """The requests that can step now with their trees (``.verifies``), marked as in a step; None if none."""
+
+    def end_step(self, step, results: Sequence[VerifyResult | Exception]) -> None:
+        """A step's answers landed: commit them (its requests can step again)."""
+
+    def traced(self, session_id: str, call: str):
+        """The context manager making current the span a call for that request belongs under."""
+
+
 class RemoteStepLoop:
     """One thread (an asyncio loop) stepping a driver's requests on one verifier replica (see module doc)."""
 
-    def __init__(self, client: VerifierClient, driver: StepDriver, name: str = "remote-core") -> None:
+    def __init__(self, client: VerifierClient, driver: RemoteDriver, name: str = "remote-core") -> None:
         """``client``: a replica whose ``fetch_info`` succeeded; ``driver``: the engine core, whose
         ``traced(session_id, call)`` says which span each call is sent under (one trace per request)."""
         self.client = client
@@ -63,6 +79,7 @@ class RemoteStepLoop:
         # the loop thread's own
         self._prefilling: dict[str, tuple[asyncio.Task, SessionOwner]] = {}  # Prefill in flight
         self._releases: set[asyncio.Task] = set()
+        self._stepping: set[asyncio.Task] = set()  # steps out (each of other requests)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stub: verifier_pb2_grpc.VerifierStub | None = None
@@ -182,8 +199,11 @@ class RemoteStepLoop:
         for fn in soon:
             fn()
         self._send_prefills()
-        if self.driver.pending():
-            await self.step()
+        step = self.driver.begin_step()
+        if step is not None:  # its answer is committed as it lands; meanwhile other requests may step
+            task = self._loop.create_task(self._step(step))
+            self._stepping.add(task)
+            task.add_done_callback(self._stepping.discard)
         return True
 
     # ------------------------------------------------------------- prefills
@@ -236,20 +256,29 @@ class RemoteStepLoop:
         self._wake.set()  # it decodes from the next step on: the loop may be idle
 
     # ------------------------------------------------------------- the step
-    async def step(self) -> None:
-        """The driver's trees in one VerifyBatch (one Verify each to a replica without it); its commit in their
-        order."""
-        verifies = self.driver.draft()
-        if not verifies:
-            return
+    async def _step(self, step) -> None:
+        """One step's trees in one VerifyBatch (one Verify each to a replica without it); the driver commits them
+        when the answers land, and the loop looks for requests that can step again."""
+        verifies = step.verifies
         started = time.perf_counter()
-        if self._batch:
-            results = await self._verify_batch(verifies)
-        else:
-            results = await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
+        try:
+            if self._batch:
+                results = await self._verify_batch(verifies)
+            else:
+                results = await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
+        except asyncio.CancelledError:  # the loop is closing: the driver ends every request
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug here fails this step's requests, not the loop
+            log.exception("a remote step failed")
+            results = [exc] * len(verifies)
         self.stats.record(time.perf_counter() - started, len(verifies),
                           sum(tree.num_nodes + 1 for _, tree in verifies), 0, 0, 0)
-        self.driver.commit(results)
+        try:
+            self.driver.end_step(step, results)
+        except Exception as exc:  # a bug must not leave the step's requests hanging
+            log.exception("committing a remote step failed")
+            self.driver.stop(exc)
+        self._wake.set()
 
     async def _verify_batch(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
         """The step's trees in one call; every item carries its request's step span (its trace)."""
@@ -309,6 +338,8 @@ class RemoteStepLoop:
 
     def _close_all(self) -> None:
         """Closed: the Prefills in flight are cancelled (drop), the driver ends its requests (each released)."""
+        for task in self._stepping:  # their requests end now
+            task.cancel()
         self.driver.stop(RuntimeError("the engine core is closed"))
         for session_id in list(self._prefilling):
             self.drop(session_id)

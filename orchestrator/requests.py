@@ -86,7 +86,10 @@ class Request:
     # a remote loop's calls (orchestrator/remote_loop.py): the spans they are sent under, open until answered
     prefill_span: object | None = None
     step_span: object | None = None
-    ahead: Predraft | None = None  # overlap: what is being drafted ahead during this step's forward
+    ahead: Predraft | None = None  # overlap: what is being drafted ahead during this step's forward (or is late)
+    ahead_stats: dict = field(default_factory=dict)  # the last tree drafted ahead, for the next step's StepStats
+    in_step: bool = False  # in a step begun and not ended
+    step_started_ns: int | None = None  # when its current step began (its span's start)
     ready: tuple[TokenTree, Budget, float] | None = None  # overlap: next step's tree, drafted ahead (+ seconds)
     predrafted: bool = False  # this step's tree was drafted ahead
 
@@ -97,13 +100,15 @@ class Request:
 
 @dataclass(eq=False)
 class Predraft:
-    """A tree drafted ahead from the committed tokens + ``hypothesis`` (this step's tree's main line) while the
-    step's forward runs."""
+    """A tree drafted ahead from the first ``base`` committed tokens + ``hypothesis`` (this step's tree's main
+    line) while the step's forward runs; or a remote drafter's restart draft that was late for its step
+    (no hypothesis), kept until it lands."""
 
     hypothesis: list[int]
     budget: Budget  # the next tree's budget (the pre-draft itself is one level deeper: predraft_budget)
     stop: threading.Event
     pending: PendingDraft | None = None  # set on the drafting thread
+    base: int = 0  # committed tokens in the context it is drafted from (the hypothesis follows them)
 
 
 # ------------------------------------------------------------------ outputs

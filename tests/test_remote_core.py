@@ -1,6 +1,7 @@
 """The engine core over a verifier replica (orchestrator/remote_loop.py), the replica's gRPC server in this
 process so its calls can be counted: a step is one VerifyBatch call, and a replica that predates VerifyBatch
 (it answers UNIMPLEMENTED) gets one Verify per request from then on. Both give the AR greedy output, batched.
+A remote drafter that is late holds back its own request only.
 (The same core through real processes: test_grpc_services.py, test_tracing.py.)
 """
 
@@ -13,9 +14,14 @@ from collections import Counter
 import grpc
 import pytest
 from spec_helpers import greedy
-from test_engine_core import MAX_NEW, PROMPTS, method_of, run_all
+from test_engine_core import MAX_NEW, PROMPTS, Collect, method_of, run_all
 
+from drafter_service.drafter import LocalDrafter
+from drafter_service.proposer import make_proposer
 from orchestrator.core import EngineCore
+from orchestrator.drafter_link import only
+from orchestrator.policy import StaticPolicy
+from orchestrator.requests import Method
 from specmesh import rpc
 from specmesh.v1 import verifier_pb2_grpc
 from verifier_service.remote import VerifierClient
@@ -99,6 +105,74 @@ def test_remote_core_steps_in_one_call_and_equals_ar(model_sets, ar_reference, r
             assert servicer.calls["VerifyBatch"] == 1
             assert servicer.calls["Verify"] == request_steps
     finally:
+        if core is not None:
+            core.close()
+        client.close()
+        server.stop()
+        step_loop.close()
+
+
+class GatedDrafter:
+    """A drafter whose ``held``-th proposal (1 = the first) and every later one wait for ``gate`` (a remote drafter
+    that is late, for as long as a test likes)."""
+
+    def __init__(self, inner, gate: threading.Event, held: int) -> None:
+        self.inner, self.gate, self.held = inner, gate, held
+        self.calls = self.waited = 0
+
+    def open(self, session_id, prompt, sampling):
+        return self.inner.open(session_id, prompt, sampling)
+
+    def propose(self, session_id, new_tokens, budget, rollback=0, feedback=None):
+        self.calls += 1
+        if self.calls >= self.held and not self.gate.is_set():
+            self.waited += 1
+            assert self.gate.wait(60), "the gate was never opened"
+        return self.inner.propose(session_id, new_tokens, budget, rollback, feedback)
+
+    def close(self, session_id):
+        return self.inner.close(session_id)
+
+
+@pytest.mark.parametrize(("overlap", "held"), [(False, 1), (True, 1), (True, 2)],
+                         ids=["sequential", "overlap-restart-draft", "overlap-predraft"])
+def test_a_late_remote_tree_holds_no_other_request(model_sets, ar_reference, overlap, held):
+    """The core never waits for a remote drafter (issue 30): while one request's drafter holds a tree back (its
+    first draft; or, overlapped, the one drafted ahead during its first step), the other requests step to their end
+    without it; once the tree lands that request goes on, nothing failed over, and every output is the AR greedy
+    output. (The steps used to move together: every one waited for the late tree, up to the drafter's deadline.)"""
+    runner = model_sets("cyclic").runner("target", "fast")
+    step_loop = StepLoop(LocalVerifier(runner))
+    server = ServerThread(CountingReplica(step_loop))
+    client = VerifierClient(server.address, rpc.Security(), call_timeout=30)
+    gate = threading.Event()
+    policy = StaticPolicy(8, 8)
+
+    def method(drafter) -> Method:  # as serve runs remote drafters: on the drafting pool
+        return Method(only(drafter, "remote"), policy, strict=True, overlap=overlap, background=True)
+
+    core = None
+    try:
+        client.fetch_info(timeout=30)
+        core = EngineCore(client)
+        gated = GatedDrafter(LocalDrafter(make_proposer("prompt_lookup_tree")), gate, held)
+        slow = Collect()
+        core.submit(PROMPTS[0], greedy(MAX_NEW), method(gated), slow)
+        fast = [Collect() for _ in PROMPTS[1:]]
+        for prompt, out in zip(PROMPTS[1:], fast, strict=True):
+            core.submit(prompt, greedy(MAX_NEW), method(LocalDrafter(make_proposer("prompt_lookup_tree"))), out)
+        for out in fast:
+            assert out.done.wait(30), "a request waited for another's drafter"
+            assert out.error is None, out.error
+        assert not slow.done.is_set() and gated.waited == 1 and gated.calls == held  # still waiting for that tree
+        gate.set()
+        assert slow.done.wait(30) and slow.error is None, slow.error
+        for prompt, out in zip(PROMPTS, [slow, *fast], strict=True):
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+            assert not any(s.draft_error for s in out.result.stats.steps)
+        assert any(s.num_accepted for out in fast for s in out.result.stats.steps)  # speculation ran
+    finally:
+        gate.set()
         if core is not None:
             core.close()
         client.close()
