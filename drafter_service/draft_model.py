@@ -151,11 +151,9 @@ class DraftModelProposer(Proposer):
         return self._chain(dc, logits, state, budget)
 
     def propose_batch(self, states: Sequence[DraftSessionState], budgets: Sequence[Budget]) -> list[TokenTree]:
-        """Chains for many sessions with one draft forward per level for all of them (``forward_batch``: the
-        catch-up tokens of every session in the first, one row per still-drafting session after), the same
-        chains as ``propose`` one by one; trees are drafted one session at a time."""
-        if self.tree:
-            return super().propose_batch(states, budgets)
+        """Chains or dynamic trees for many sessions with one draft forward per level for all of them
+        (``forward_batch``: the catch-up tokens of every session in the first, one row per still-drafting chain or
+        one per expanded node after), the same as ``propose`` one by one."""
         out = [TokenTree.empty()] * len(states)
         live = [i for i, (state, budget) in enumerate(zip(states, budgets, strict=True))
                 if not (budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions)]
@@ -168,6 +166,11 @@ class DraftModelProposer(Proposer):
                 dc = states[i].scratch[self.name] = DraftCache(self.runner.new_cache())
             caches.append(dc)
         logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live])  # [len(live), vocab]
+        if self.tree:
+            for i, tree in zip(live, self._trees([states[i] for i in live], [budgets[i] for i in live], caches,
+                                                 logits), strict=True):
+                out[i] = tree
+            return out
         chains = [_Chain(states[i], budgets[i], caches[k]) for k, i in enumerate(live)]
         drafting = list(range(len(chains)))  # chains still drafting; row r of logits is chains[drafting[r]]
         while drafting:
@@ -209,61 +212,106 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------------ tree
     def _tree(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
-        base = len(dc.cached)  # committed length; drafted nodes go after it in the cache
-        # Candidate arrays, indexed by candidate id.
-        cand_token: list[int] = []
-        cand_parent: list[int] = []
-        cand_depth: list[int] = []
-        cand_score: list[float] = []
-        cand_logq: list[float] = []
-        fed_offset: dict[int, int] = {}  # candidate id -> its offset after `base` in the draft cache
-        fed_parent: list[int] = []  # per fed offset: offset of its parent (-1 = root)
+        tree = _DynamicTree(state, budget, dc, self.branching, self.expand_width, logits)
+        while (feed := tree.next_level()) is not None:
+            tokens, positions, attend = feed
+            tree.absorb(self.runner.forward(dc.cache, tokens, positions, attend).cpu())
+        return tree.finish(self.name)
 
-        def add_children(parent: int, log_q: torch.Tensor, parent_score: float, depth: int) -> list[int]:
-            k = min(self.branching, budget.max_nodes)
-            top = torch.topk(log_q, k)
-            ids = []
-            for lq, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                if lq == float("-inf"):
-                    break
-                cand_token.append(tok)
-                cand_parent.append(parent)
-                cand_depth.append(depth)
-                cand_score.append(parent_score + lq)
-                cand_logq.append(lq)
-                ids.append(len(cand_token) - 1)
-            return ids
-
-        frontier = add_children(-1, _log_q(logits, state), 0.0, 0)
-        for depth in range(1, budget.max_depth):
-            if not frontier or budget.expired():
+    def _trees(self, states: Sequence[DraftSessionState], budgets: Sequence[Budget], caches: list[DraftCache],
+               logits: torch.Tensor) -> list[TokenTree]:
+        """Dynamic trees for many sessions: one draft forward per level for every session still expanding, the
+        same trees as ``_tree`` one by one (each session's level attends to its own committed prefix and fed
+        ancestors: a tree mask per session)."""
+        trees = [_DynamicTree(state, budget, dc, self.branching, self.expand_width, logits[k])
+                 for k, (state, budget, dc) in enumerate(zip(states, budgets, caches, strict=True))]
+        while True:
+            feeds = [(t, feed) for t in trees if (feed := t.next_level()) is not None]
+            if not feeds:
                 break
-            expand = sorted(frontier, key=lambda c: -cand_score[c])[: self.expand_width]
-            first = len(fed_parent)
-            for c in expand:
-                fed_offset[c] = len(fed_parent)
-                fed_parent.append(fed_offset[cand_parent[c]] if cand_parent[c] >= 0 else -1)
-            # attend: committed prefix + each new node's fed ancestors + itself
-            attend = TreeMask(base, torch.from_numpy(ancestor_mask(fed_parent)[first:]))
-            step_logits = self.runner.forward(
-                dc.cache, [cand_token[c] for c in expand], [base + cand_depth[c] for c in expand], attend
-            ).cpu()
-            log_q = _log_q(step_logits, state)
-            frontier = []
-            for row, c in enumerate(expand):
-                frontier += add_children(c, log_q[row], cand_score[c], depth)
-            if budget.min_path_prob > 0:  # SpecDec++ stop rule: paths too unlikely to be accepted whole
-                frontier = [c for c in frontier if cand_score[c] >= math.log(budget.min_path_prob)]
-        dc.cache.truncate(base)  # drop the drafted nodes; accepted ones are re-fed with the next sync
-        # Best max_nodes candidates; a parent outranks its children (ties broken by depth).
-        order = sorted(range(len(cand_token)), key=lambda c: (-cand_score[c], cand_depth[c], c))
-        chosen = sorted(order[: budget.max_nodes], key=lambda c: (cand_depth[c], c))
+            step_logits = self.runner.forward_batch(
+                [t.dc.cache for t, _ in feeds], [tok for _, (tokens, _, _) in feeds for tok in tokens],
+                [p for _, (_, positions, _) in feeds for p in positions], [len(tokens) for _, (tokens, _, _) in feeds],
+                [attend for _, (_, _, attend) in feeds]).cpu()  # host sync: one per level for every session
+            row = 0
+            for t, (tokens, _, _) in feeds:
+                t.absorb(step_logits[row : row + len(tokens)])
+                row += len(tokens)
+        return [t.finish(self.name) for t in trees]
+
+
+class _DynamicTree:
+    """One session's dynamic draft tree (EAGLE-2 style): every level expands the ``expand_width`` best frontier
+    candidates by cumulative draft log-probability, each proposing its ``branching`` most likely children; the
+    tree kept is the best ``max_nodes`` candidates (a parent outranks its children). Drafted nodes go after the
+    committed prefix in the draft cache and are dropped at ``finish`` (accepted ones are re-fed with the next
+    sync)."""
+
+    def __init__(self, state: DraftSessionState, budget: Budget, dc: DraftCache, branching: int, expand_width: int,
+                 logits: torch.Tensor) -> None:
+        self.state, self.budget, self.dc = state, budget, dc
+        self.branching, self.expand_width = branching, expand_width
+        self.base = len(dc.cached)  # committed length; drafted nodes go after it in the cache
+        # candidate arrays, indexed by candidate id
+        self.token: list[int] = []
+        self.parent: list[int] = []
+        self.depth: list[int] = []
+        self.score: list[float] = []
+        self.logq: list[float] = []
+        self.fed_offset: dict[int, int] = {}  # candidate id -> its offset after `base` in the draft cache
+        self.fed_parent: list[int] = []  # per fed offset: offset of its parent (-1 = root)
+        self.frontier = self._add_children(-1, _log_q(logits, state), 0.0, 0)
+        self.level = 1  # depth of the children the next expansion adds
+        self.expanding: list[int] = []
+
+    def _add_children(self, parent: int, log_q: torch.Tensor, parent_score: float, depth: int) -> list[int]:
+        top = torch.topk(log_q, min(self.branching, self.budget.max_nodes))
+        ids = []
+        for lq, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if lq == float("-inf"):
+                break
+            self.token.append(tok)
+            self.parent.append(parent)
+            self.depth.append(depth)
+            self.score.append(parent_score + lq)
+            self.logq.append(lq)
+            ids.append(len(self.token) - 1)
+        return ids
+
+    def next_level(self) -> tuple[list[int], list[int], TreeMask] | None:
+        """The next level's feed (tokens, positions, attend: committed prefix + each node's fed ancestors + itself),
+        or None when the tree is done (depth budget, no frontier, deadline)."""
+        if self.level >= self.budget.max_depth or not self.frontier or self.budget.expired():
+            return None
+        self.expanding = sorted(self.frontier, key=lambda c: -self.score[c])[: self.expand_width]
+        first = len(self.fed_parent)
+        for c in self.expanding:
+            self.fed_offset[c] = len(self.fed_parent)
+            self.fed_parent.append(self.fed_offset[self.parent[c]] if self.parent[c] >= 0 else -1)
+        attend = TreeMask(self.base, torch.from_numpy(ancestor_mask(self.fed_parent)[first:]))
+        return ([self.token[c] for c in self.expanding], [self.base + self.depth[c] for c in self.expanding], attend)
+
+    def absorb(self, step_logits: torch.Tensor) -> None:
+        """The level's draft logits (a row per expanded node): their children become the frontier."""
+        log_q = _log_q(step_logits, self.state)
+        self.frontier = []
+        for row, c in enumerate(self.expanding):
+            self.frontier += self._add_children(c, log_q[row], self.score[c], self.level)
+        if self.budget.min_path_prob > 0:  # SpecDec++ stop rule: paths too unlikely to be accepted whole
+            self.frontier = [c for c in self.frontier if self.score[c] >= math.log(self.budget.min_path_prob)]
+        self.level += 1
+
+    def finish(self, name: str) -> TokenTree:
+        """The best ``max_nodes`` candidates as a tree; the drafted nodes leave the draft cache."""
+        self.dc.cache.truncate(self.base)
+        order = sorted(range(len(self.token)), key=lambda c: (-self.score[c], self.depth[c], c))
+        chosen = sorted(order[: self.budget.max_nodes], key=lambda c: (self.depth[c], c))
         new_index = {c: i for i, c in enumerate(chosen)}
         return TokenTree(
-            np.asarray([cand_token[c] for c in chosen], np.int64),
-            np.asarray([new_index[cand_parent[c]] if cand_parent[c] >= 0 else -1 for c in chosen], np.int64),
-            np.exp(np.asarray([cand_logq[c] for c in chosen], np.float64)),
-            (self.name,) * len(chosen),
+            np.asarray([self.token[c] for c in chosen], np.int64),
+            np.asarray([new_index[self.parent[c]] if self.parent[c] >= 0 else -1 for c in chosen], np.int64),
+            np.exp(np.asarray([self.logq[c] for c in chosen], np.float64)),
+            (name,) * len(chosen),
         )
 
 

@@ -188,16 +188,19 @@ def test_confidence_stop_keeps_greedy_output_equal_to_ar(model_sets):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sampled", [False, True])
-def test_batched_chains_equal_one_session_at_a_time(model_sets, backend, sampled):
+@pytest.mark.parametrize(("sampled", "tree"), [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["chain", "chain-sampled", "tree", "tree-sampled"])
+def test_batched_drafts_equal_one_session_at_a_time(model_sets, backend, sampled, tree):
     """``propose_batch`` (one draft forward per level for every session, caches caught up in one forward) drafts
-    the chains ``propose`` drafts session by session, including sampled tokens and their shipped q, over rounds
-    of context edits (accepted drafts kept in the cache, rejected ones rolled back)."""
+    the chains and dynamic trees ``propose`` drafts session by session, including sampled tokens and their
+    shipped q, over rounds of context edits (accepted drafts kept in the cache, rejected ones rolled back)."""
     runner = model_sets("random").runner("near", backend)
     prompts = make_prompts(5, seed=23, min_len=3, max_len=30)
     sampling = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=64) if sampled else GREEDY
     budgets = [Budget(6, 6), Budget(3, 2), Budget(0, 0), Budget(8, 4, min_path_prob=0.05), Budget(1, 1)]
-    one, batched = DraftModelProposer(runner), DraftModelProposer(runner)
+    if tree:
+        budgets[0] = Budget(12, 4)
+    one, batched = DraftModelProposer(runner, tree=tree), DraftModelProposer(runner, tree=tree)
     alone = [_state(list(p), sampling, seed=i) for i, p in enumerate(prompts)]
     together = [_state(list(p), sampling, seed=i) for i, p in enumerate(prompts)]
     rng = random.Random(0)
@@ -205,13 +208,13 @@ def test_batched_chains_equal_one_session_at_a_time(model_sets, backend, sampled
         want = [one.propose(s, b) for s, b in zip(alone, budgets, strict=True)]
         got = batched.propose_batch(together, budgets)
         for w, g in zip(want, got, strict=True):
-            assert g.tokens.tolist() == w.tokens.tolist()
+            assert g.tokens.tolist() == w.tokens.tolist() and g.parents.tolist() == w.parents.tolist()
             np.testing.assert_allclose(g.draft_probs, w.draft_probs, rtol=1e-9)
             assert (g.q_cu is None) == (w.q_cu is None)
             if w.q_cu is not None:
                 assert g.q_ids.tolist() == w.q_ids.tolist()
                 np.testing.assert_allclose(g.q_probs, w.q_probs, rtol=1e-9)
-        for a, b, tree in zip(alone, together, want, strict=True):  # commit a prefix of the draft + a new token
-            keep = tree.tokens[: rng.randint(0, tree.num_nodes)].tolist() + [rng.randrange(100)]
+        for a, b, drafted in zip(alone, together, want, strict=True):  # commit a prefix of the draft + a new token
+            keep = drafted.tokens[: rng.randint(0, drafted.num_nodes)].tolist() + [rng.randrange(100)]
             a.tokens += keep
             b.tokens += keep
