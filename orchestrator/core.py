@@ -8,8 +8,8 @@ a blocking consumer, ``call_soon_threadsafe`` into an asyncio queue for a server
 
 The loop is the verifier's ``StepLoop`` (verifier_service/step_loop.py), the same one that
 serves a verifier replica's gRPC calls; the core is its driver. (Over a replica it is a
-``RemoteStepLoop``, orchestrator/remote_loop.py: the same step with the forward one Verify call per
-request, sent together.) ``StepLoop.step`` is the whole of one engine step, top to bottom:
+``RemoteStepLoop``, orchestrator/remote_loop.py: the same step with the forward one VerifyBatch call to the
+replica.) ``StepLoop.step`` is the whole of one engine step, top to bottom:
 
     EngineCore.draft        every running request's tree (drafted now, or ahead during the last step): begin_step
     -> the callers' Verifys, prompt chunks within the token budget
@@ -243,21 +243,20 @@ class EngineCore:
             if not _can_step(request):
                 continue
             landed = request.ahead  # a remote drafter's tree that was late, landed now
-            if landed is not None:
-                try:
-                    self._take_predraft(request)
-                except Exception as exc:  # strict: the drafter's failure ends its request
-                    self._finish(request, exc)
-                    continue
-                if not landed.hypothesis and landed.base == len(request.committed):
-                    # a restart draft for exactly this context (empty, or failed over: nothing): the step it was
-                    # late for, as if it had been waited for
-                    tree = request.ready[0] if request.ready is not None else EMPTY_TREE
-                    seconds = request.ahead_stats.get("predraft_seconds", 0.0)
-                    request.ready, request.ahead_stats, request.predrafted = None, {}, False
-                    drafts.append((tree, landed.budget, seconds))
+            try:
+                if landed is not None and not landed.hypothesis and landed.base == len(request.committed):
+                    # a draft for exactly this context: the step it was late for, as if it had been waited for
+                    request.ahead = None
+                    tree, seconds = request.link.collect(landed.pending)
+                    request.predrafted = False
+                    drafts.append((tree if tree is not None else EMPTY_TREE, landed.budget, seconds))
                     running.append(request)
                     continue
+                if landed is not None:  # drafted ahead: what applies of it becomes request.ready
+                    self._take_predraft(request)
+            except Exception as exc:  # strict: the drafter's failure ends its request
+                self._finish(request, exc)
+                continue
             request.predrafted = request.ready is not None
             if request.ready is not None:
                 drafts.append(request.ready)
@@ -338,27 +337,22 @@ class EngineCore:
         if step.ahead is not None:
             step.ahead.result()
 
-    def _take_predraft(self, request: Request) -> dict:
+    def _take_predraft(self, request: Request) -> None:
         """Collect the request's tree drafted ahead (after its step committed): the part that drafts past what was
-        committed since it was asked becomes its next tree (a restart draft that was late: the tree itself, when
-        nothing was committed since). A remote drafter's that has not landed is left out (``late``): the request
-        steps again once it lands (``_draft_all`` takes it then). Returns its statistics for the step they go
-        with (kept on the request until that step commits)."""
+        committed since it was asked becomes its next tree. A remote drafter's that has not landed is left out
+        (``late``): the request steps again once it lands (``_draft_all`` takes it then). Its statistics wait in
+        ``request.ahead_stats`` for the next step that commits."""
         predraft = request.ahead
         if predraft is None:
-            return {}
+            return
         if late(request, predraft.pending):  # the loop looks at the request again once it lands
             predraft.pending.future.add_done_callback(self._landed)
-            return {}
+            return
         request.ahead = None
         tree, seconds = request.link.collect(predraft.pending) if predraft.pending is not None else (None, 0.0)
         since = request.committed[predraft.base:]  # committed after the context it was drafted from
         ready = None
-        if tree is None:
-            pass
-        elif not since and not predraft.hypothesis:  # a late restart draft: for exactly this context
-            ready = tree.head(predraft.budget.max_nodes) if tree.num_nodes else None
-        else:
+        if tree is not None:
             ready = reusable_subtree(tree, predraft.hypothesis, since, predraft.budget.max_nodes)
         if ready is not None:
             request.ready = (ready, predraft.budget, seconds)
@@ -368,7 +362,6 @@ class EngineCore:
             predraft_used=ready.num_nodes if ready is not None else 0,
             predraft_levels=tree.max_depth if tree is not None else 0, predraft_seconds=seconds,
             ahead_confirmed=tree is not None and len(since) > n and since[:n] == predraft.hypothesis)
-        return request.ahead_stats
 
     # ------------------------------------------------------------ commit
     def _start_decoding(self, request: Request, first: int, seconds: float, features: TargetFeatures | None) -> None:

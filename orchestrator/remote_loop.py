@@ -262,10 +262,7 @@ class RemoteStepLoop:
         verifies = step.verifies
         started = time.perf_counter()
         try:
-            if self._batch:
-                results = await self._verify_batch(verifies)
-            else:
-                results = await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
+            results = await (self._verify_batch(verifies) if self._batch else self._verify_each(verifies))
         except asyncio.CancelledError:  # the loop is closing: the driver ends every request
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here fails this step's requests, not the loop
@@ -291,9 +288,13 @@ class RemoteStepLoop:
             if outcome.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older replica: one Verify each from now on
                 log.info("verifier %s has no VerifyBatch: sending one Verify per request", self.client.address)
                 self._batch = False
-                return await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
+                return await self._verify_each(verifies)
             return [self.verifier.call_error(outcome, "verify")] * len(verifies)
         return self.verifier.batch_results(outcome, len(verifies))
+
+    async def _verify_each(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+        """The step's trees one Verify each, all in flight at once (a replica without VerifyBatch)."""
+        return await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
 
     async def _verify(self, session_id: str, tree: TokenTree) -> VerifyResult | Exception:
         """One request's Verify, sent under its step's span; its result or what its failure stands for."""
