@@ -64,7 +64,15 @@ WORD_BITS = 32
 
 
 # ---------------------------------------------------------------------------------------- kernel
-@triton.jit
+# Integer arguments that change from step to step are not specialized: Triton compiles a variant per
+# value class (== 1, divisible by 16, other) of every integer argument and per 16-byte alignment of
+# every pointer, so a head stride that follows the step's row count, a table width that follows the
+# longest request, or a mask width would each compile new variants in the middle of serving (seen on
+# an H200: steps of 0.6 s while a draft model's varying batches compiled one variant after another).
+# The launcher's callers keep the metadata pointers 16-byte aligned for the same reason; the strides
+# that the K/V and output addressing depends on stay specialized (their divisibility lets the loads
+# vectorize) and are fixed for a cache.
+@triton.jit(do_not_specialize=["stride_qh", "stride_table", "stride_mask", "block_size"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     cu_q_ptr, kv_len_ptr, tree_start_ptr, block_tables_ptr, mask_ptr,
@@ -197,12 +205,11 @@ def tree_attention(
         max_num_new = int((cu_q[1:] - cu_q[:-1]).max())  # host sync: pass max_num_new to avoid it
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if block_m is None:  # rows x heads of the group: 16 (decode) .. 128 (prefill chunks)
-        block_m = min(128 if group * max_num_new >= 512 else 64, max(16, triton.next_power_of_2(group * max_num_new)))
-    block_m = max(block_m, triton.next_power_of_2(group))  # a tile holds at least one row's heads
-    block_n = block_n or (64 if head_dim <= 128 else 32)
+    auto_m, auto_n, _, auto_stages = launch_config(group, max_num_new, head_dim)
+    block_m = max(block_m or auto_m, triton.next_power_of_2(group))  # a tile holds at least one row's heads
+    block_n = block_n or auto_n
     num_warps = num_warps or (8 if block_m >= 128 else 4)
-    num_stages = num_stages or 3
+    num_stages = num_stages or auto_stages
     rows_per_tile = block_m // group
     grid = (triton.cdiv(max_num_new, rows_per_tile), num_kv_heads, num_requests)
     dot_dtype = tl.float32 if INTERPRETED and q.dtype == torch.bfloat16 else _TL_DTYPES[q.dtype]
@@ -221,6 +228,44 @@ def tree_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def launch_config(group: int, max_num_new: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launcher picks for ``max_num_new`` rows of ``group``
+    heads: BLOCK_M = rows x heads of the group, 16 (decode) .. 128 (prefill chunks)."""
+    block_m = min(128 if group * max_num_new >= 512 else 64, max(16, triton.next_power_of_2(group * max_num_new)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return block_m, (64 if head_dim <= 128 else 32), (8 if block_m >= 128 else 4), 3
+
+
+def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                     max_rows: int = 1024) -> int:
+    """Launch every kernel variant a model of this shape can need (each tile size the launcher picks for 1 ..
+    ``max_rows`` rows, with and without a tree mask) once on dummy rows, so that Triton compiles them at
+    load rather than during the first steps that need them. Returns how many variants were launched."""
+    group = num_heads // num_kv_heads
+    rows_for: dict[int, int] = {}  # BLOCK_M -> the fewest rows that select it
+    for n in _powers_of_two(max_rows):
+        rows_for.setdefault(launch_config(group, n, head_dim)[0], n)
+    block_size = 16
+    blocks = -(-max(rows_for.values()) // block_size)
+    cache = torch.zeros((num_kv_heads, blocks * block_size, head_dim), dtype=dtype, device=device)
+    tables = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    launched = 0
+    for rows in rows_for.values():
+        q = torch.zeros((num_heads, rows, head_dim), dtype=dtype, device=device).transpose(0, 1)  # as the runner's
+        meta = torch.zeros(12, dtype=torch.int32, device=device)  # cu_q, kv_len, tree_start: 16-byte aligned
+        meta[1], meta[4] = rows, rows
+        cu_q, kv_len, tree_start = meta[0:2], meta[4:5], meta[8:9]
+        tree = torch.full((rows, 1), -1, dtype=torch.int32, device=device)  # every row sees all earlier nodes
+        tree_attention(q, cache, cache, cu_q, kv_len, kv_len, tables, block_size, None, max_num_new=rows)
+        tree_attention(q, cache, cache, cu_q, kv_len, tree_start, tables, block_size, tree, max_num_new=rows)
+        launched += 2
+    return launched
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(max(1, limit).bit_length())]
 
 
 def _check(q, k_cache, v_cache, cu_q, kv_len, tree_start, block_tables, block_size, mask) -> None:
@@ -333,4 +378,4 @@ def tree_attention_reference(
     return out.to(q.dtype)
 
 
-__all__ = ["pack_tree_mask", "tree_attention", "tree_attention_reference", "unpack_tree_mask"]
+__all__ = ["compile_variants", "launch_config", "pack_tree_mask", "tree_attention", "tree_attention_reference", "unpack_tree_mask"]

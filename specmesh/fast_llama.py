@@ -24,18 +24,27 @@ when triton imports, else SDPA. The kernel path needs all caches of a forward in
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.models import ATTENTION_BACKENDS
 from specmesh.padded_attention import PAD_LIMIT, PAD_MAX_NEW, padded_layout, padded_sdpa
+
+log = logging.getLogger(__name__)
+ALIGN_INT32 = 4  # int32 elements per 16 bytes
+# SDPA backends on CUDA: not cuDNN's, which builds (and caches) an execution graph per new shape, hundreds of
+# milliseconds each, and every step here brings new lengths
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 ATTENTION_ENV = "SPECMESH_ATTENTION"  # what ``auto`` means when set (e.g. triton, to force the kernel in tests)
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2"}
@@ -202,6 +211,12 @@ class _SdpaAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [heads, T, head_dim]; k/v: [kv_heads, T, head_dim] -> [T, heads * head_dim]."""
+        if self.runner.device.type != "cuda":
+            return self._attend(layer, q, k, v)
+        with sdpa_kernel(SDPA_BACKENDS):
+            return self._attend(layer, q, k, v)
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         runner = self.runner
         groups = runner.num_heads // runner.num_kv_heads
         if self.pool is not None:
@@ -275,8 +290,13 @@ class _KernelAttention:
         for r, bits in masks:
             words[cu_q[r] : cu_q[r + 1], : bits.shape[1]] = bits
         parts = [cu_q, ends, tree_start, table_rows.reshape(-1), np.concatenate(slots), words.reshape(-1)]
-        meta = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(runner.device)  # one host->device copy
-        pieces = meta.split([len(p) for p in parts])
+        # each part starts on a 16-byte boundary: the kernel is compiled per pointer alignment (kernels/)
+        spans = [-(-len(p) // ALIGN_INT32) * ALIGN_INT32 for p in parts]
+        host = np.zeros(sum(spans), np.int32)
+        for part, at in zip(parts, np.cumsum([0, *spans[:-1]]), strict=True):
+            host[at : at + len(part)] = part
+        meta = torch.from_numpy(host).to(runner.device)  # one host->device copy
+        pieces = [piece[: len(p)] for piece, p in zip(meta.split(spans), parts, strict=True)]
         self.cu_q, self.kv_len, self.tree_start = pieces[:3]
         self.tables = pieces[3].view(len(caches), num_blocks)
         self.slots = pieces[4].long()
@@ -365,6 +385,10 @@ class FastLlamaRunner(ModelRunner):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.attention = attention_backend(attention, self.device, self.dtype)
         self._kernels = self._load_kernels() if self.attention == "triton" else None
+        if self._kernels is not None and self.device.type == "cuda":
+            t0 = time.perf_counter()
+            n = self._kernels.compile_variants(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+            log.info("tree-attention kernel: %d variants compiled in %.1f s", n, time.perf_counter() - t0)
 
     def _load_kernels(self):
         """kernels.tree_attention, imported only for the triton backend (a CPU install needs no triton)."""

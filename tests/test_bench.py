@@ -309,3 +309,12 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
         assert row["tokens_per_s"] > 0 and row["itl_p50_ms"] > 0 and row["tau"] >= 1
     assert max(r["mean_batch"] for r in load["rows"] if r["concurrency"] == 3) > 1.2
     assert "× ar" in capsys.readouterr().out
+
+
+def test_bench_load_profile_records_the_engine_threads(pair, tmp_path):
+    """--profile: one operator table per method and level, with the forwards the engine core ran on its own
+    thread (not only the bench's main thread, which only waits)."""
+    _bench(pair, tmp_path / "load.json", "--methods", "ar", "--concurrency", "2", "--max-new-tokens", "4",
+           "--profile", str(tmp_path / "prof"))
+    table = (tmp_path / "prof" / "ar_x2.txt").read_text()
+    assert table.startswith("# ar_x2: operators by self CPU time") and "aten::mm" in table

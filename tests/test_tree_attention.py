@@ -341,6 +341,69 @@ def test_runner_with_the_kernel_equals_sdpa(runners, monkeypatch):
         torch.testing.assert_close(g, w, rtol=0 if exact else 1e-4, atol=0 if exact else 1e-4)
 
 
+def test_runner_metadata_is_16_byte_aligned(runners, monkeypatch):
+    """Every metadata tensor the runner passes starts on a 16-byte boundary whatever the batch and tree sizes:
+    Triton compiles one kernel variant per pointer alignment, so an unaligned split would compile new
+    variants mid-serving."""
+    from specmesh.model_runner import TreeMask
+
+    _, kernel = runners
+    seen, real = [], ta.tree_attention
+
+    def record(q, k, v, cu_q, kv_len, tree_start, tables, block_size, mask=None, **kw):
+        seen.append([t.data_ptr() % 16 for t in (cu_q, kv_len, tree_start, tables, mask) if t is not None])
+        return real(q, k, v, cu_q, kv_len, tree_start, tables, block_size, mask, **kw)
+
+    monkeypatch.setattr(ta, "tree_attention", record)
+    rng = random.Random(5)
+    pool = kernel.new_pool(num_blocks=64, block_size=4)
+    for batch in (1, 2, 3, 5):
+        prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 9))] for _ in range(batch)]
+        trees = [tree_parents("random", rng.randint(1, 7), rng) for _ in range(batch)]
+        caches = [pool.open(len(p) + len(t) + 1) for p, t in zip(prompts, trees, strict=True)]
+        kernel.forward_batch(caches, np.concatenate(prompts), np.concatenate([np.arange(len(p)) for p in prompts]),
+                             [len(p) for p in prompts], [None] * batch)
+        masks = [TreeMask(len(p), torch.from_numpy(ancestors_of(t))) for p, t in zip(prompts, trees, strict=True)]
+        positions = [len(p) + ancestors_of(t).sum(1) - 1 for p, t in zip(prompts, trees, strict=True)]
+        kernel.forward_batch(caches, np.concatenate([rng.choices(range(128), k=len(t)) for t in trees]),
+                             np.concatenate(positions), [len(t) for t in trees], masks)
+        for cache in caches:
+            cache.free()
+    assert seen and all(offset == 0 for offsets in seen for offset in offsets), seen
+
+
+def test_compile_variants_launches_every_tile_size():
+    """compile_variants launches each BLOCK_M the launcher can pick for 1 .. max_rows rows, with and without
+    a tree mask (under the interpreter here: it runs, it compiles nothing)."""
+    for group, max_rows in ((2, 64), (3, 300), (1, 1024)):
+        tiles = {ta.launch_config(group, n, 16)[0] for n in range(1, max_rows + 1)}
+        if max_rows <= 64:
+            assert ta.compile_variants(2 * group, 2, 16, torch.float32, torch.device(DEVICE), max_rows) == 2 * len(tiles)
+        rows_for = {}
+        for n in (1 << i for i in range(max_rows.bit_length())):
+            rows_for.setdefault(ta.launch_config(group, n, 16)[0], n)
+        assert set(rows_for) == tiles
+
+
+@pytest.mark.skipif(ta.INTERPRETED or not torch.cuda.is_available(), reason="compiles on a CUDA device only")
+def test_no_kernel_compiles_after_compile_variants():
+    """After compile_variants, launches of any batch, row count, table width and mask width compile nothing."""
+    caches = getattr(ta._tree_attention_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no device_caches")
+    ta.compile_variants(8, 2, 64, torch.bfloat16, torch.device("cuda"))
+    before = sum(len(c[0]) for c in caches.values())
+    rng = random.Random(6)
+    for seed in range(12):
+        shape = rng.choice([None, "random", "star", "chain", "deep_wide"])
+        reqs = tuple(Request(rng.randint(1, 300), rng.randint(1, 16), shape, 16) if shape else
+                     Request(rng.randint(0, 300), rng.randint(1, 600)) for _ in range(rng.randint(1, 6)))
+        args = build(Config(reqs, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16), seed=seed)
+        ta.tree_attention(**args)
+    torch.cuda.synchronize()
+    assert sum(len(c[0]) for c in caches.values()) == before
+
+
 # ------------------------------------------------------------------------------ the verifier
 def _tree_along(truth: list[int], rng: random.Random, max_nodes: int = 12) -> TokenTree:
     """A random tree whose first branch follows ``truth`` for a random length (so some of it is accepted)."""

@@ -644,6 +644,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "embedded methods share one engine core, grpc: ones go through serve) and report "
                              "aggregate tokens/s, per-token latency p50/p99, TTFT, tau and the verifier's mean batch "
                              "per method and N, instead of the per-prompt comparison (default: off)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="with --concurrency: run each method and level under torch.profiler and write DIR/"
+                             "METHOD_xN.txt, the operators by self CPU time (and by CUDA time on a GPU); the "
+                             "timings of a profiled run are inflated (default: off)")
     parser.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                         help="with --concurrency: the KV pool of the shared in-process verifier, as `specmesh "
                              "verifier --kv-cache-gb` (default: the verifier's)")

@@ -22,15 +22,19 @@ learned), since the same prompts run at every level.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from specmesh.app.bench_runners import MethodSpec, asked_sampling
 from specmesh.sampling import SamplingParams
+
+PROFILE_ROWS = 30  # operators per table of --profile
 
 # yields (tokens in the chunk, tree nodes verified in its step, or None for the prefill's chunk)
 Streamer = Callable[[list[int], SamplingParams], Iterator[tuple[list[int], int | None]]]
@@ -183,6 +187,35 @@ def summarize(records: list[dict], wall: float) -> dict:
     }
 
 
+@contextlib.contextmanager
+def profiled(directory: Path | None, name: str):
+    """With a directory: run the block under torch.profiler (every thread's operators, and the CUDA kernels on
+    a GPU) and write ``DIR/NAME.txt``: the operators by self CPU time, then (on a GPU) by CUDA time. Timings
+    taken under the profiler are inflated; it says where a step's time goes, not how fast it is."""
+    if directory is None:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    try:  # the engine core steps on its own thread, the drafters on theirs: record them all (torch >= 2.7)
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=cuda)
+    except TypeError as exc:
+        raise SystemExit(f"specmesh bench --profile: this torch ({torch.__version__}) cannot profile every "
+                         f"thread: {exc}") from exc
+    with profile(activities=activities, experimental_config=config) as prof:
+        yield
+    averages = prof.key_averages()
+    tables = [f"# {name}: operators by self CPU time\n",
+              averages.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)]
+    if cuda:
+        tables += [f"\n# {name}: operators by CUDA time\n", averages.table(sort_by="cuda_time_total", row_limit=PROFILE_ROWS)]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.txt").write_text("".join(tables))
+
+
 def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: SamplingParams, client) -> dict:
     """The load report: per method, per concurrency, the summary (see module doc)."""
     from tqdm import tqdm
@@ -207,7 +240,8 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
         warm = dataclasses.replace(base, max_new_tokens=min(16, prompts[0][2]))
         level(1, prompts[:1], warm)  # warm-up: the first forwards allocate, page in
         for n in levels:
-            with tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar:
+            with (tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar,
+                  profiled(getattr(args, "profile", None), f"{spec.label}_x{n}")):
                 records, wall, mean_batch = level(n, prompts, base, bar)
             row = {"method": spec.label, "concurrency": n, "lossy": spec.lossy, **summarize(records, wall)}
             if mean_batch is not None:

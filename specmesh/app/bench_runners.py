@@ -155,7 +155,7 @@ class HFRunner:
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
         import torch
 
-        ids = torch.tensor([prompt], dtype=torch.long)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.target.device)
         kwargs = dict(self.kwargs, max_new_tokens=sampling.max_new_tokens, attention_mask=torch.ones_like(ids))
         if sampling.greedy:
             kwargs["do_sample"] = False
@@ -169,12 +169,11 @@ class HFRunner:
             draft.generation_config = copy.deepcopy(self.draft_config)
         try:
             t0 = time.perf_counter()
-            out = self.target.generate(ids, **kwargs)
+            tokens = self.target.generate(ids, **kwargs)[0, len(prompt) :].tolist()  # on the host: synced
             seconds = time.perf_counter() - t0
         finally:
             if draft is not None:
                 draft.generation_config = saved
-        tokens = out[0, len(prompt) :].tolist()
         for i, tok in enumerate(tokens):  # cut padding after EOS
             if tok in self.eos:
                 tokens = tokens[: i + 1]
