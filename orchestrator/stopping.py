@@ -1,10 +1,56 @@
-"""Stop conditions: max_new_tokens, EOS / stop token ids, stop strings."""
+"""Stop conditions (max_new_tokens, EOS / stop token ids, stop strings) and incremental detokenization.
+
+Text is decoded a few tokens at a time (``IncrementalText``), never the whole output again: a request's
+text costs O(1) decoding per token, and a stop string is searched for only in the text the newest token
+added (plus the few characters before it that a stop string can span)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 from specmesh.sampling import SamplingParams
+
+REPLACEMENT = "\ufffd"  # what a decoder shows for the bytes of a character not complete yet
+
+
+class IncrementalText:
+    """The text of a growing token sequence, decoded incrementally: each ``push`` decodes only a window of
+    the newest tokens (those not yet turned into text, after the ones of the last piece as context), once
+    with and once without the unread ones, and returns the difference (the method of Hugging Face TGI's and
+    vLLM's detokenizers). The window's context keeps what a tokenizer does at the start of a decode (a
+    SentencePiece decoder drops the first token's leading space) out of the pieces. Text that ends in an
+    incomplete multi-byte character is held until the character completes; ``flush`` returns what is left as
+    the decoder shows it. The pieces joined equal ``decode(ids)`` for the byte-level BPE and SentencePiece
+    tokenizers (tests check it token by token on real text), and do not depend on how ids are grouped into
+    pushes as long as they are pushed one at a time (the stop checker and the text stream both do)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0  # the window: ids[prefix:], of which ids[prefix:read] are text already
+        self.read = 0
+        self.length = 0  # characters returned so far
+
+    def push(self, token: int) -> str:
+        """Append one token; return the text it completes ("" while a character is incomplete)."""
+        self.ids.append(token)
+        seen = self.decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        text = self.decode(self.ids[self.prefix :])
+        if len(text) <= len(seen) or text.endswith(REPLACEMENT):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        self.length += len(text) - len(seen)
+        return text[len(seen) :]
+
+    def flush(self) -> str:
+        """The text of the tokens not returned yet, an incomplete last character shown as the decoder shows it."""
+        if self.read == len(self.ids):
+            return ""
+        seen = self.decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        text = self.decode(self.ids[self.prefix :])[len(seen) :]
+        self.prefix = self.read = len(self.ids)
+        self.length += len(text)
+        return text
 
 
 class StopChecker:
@@ -21,11 +67,12 @@ class StopChecker:
         self.stop_strings = sampling.stop
         if self.stop_strings and decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
-        self.decode = decode
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.text_limit: int | None = None
-        self._text_len = 0  # length of the text decoded so far
+        self._text = IncrementalText(decode) if self.stop_strings else None
+        self._span = max((len(s) for s in self.stop_strings), default=1) - 1  # characters a match can reach back
+        self._tail = ""  # the last _span characters of the text so far
 
     def push(self, tokens: Sequence[int]) -> list[int]:
         """Append ``tokens`` one by one; return the ones to emit (none after a condition fires).
@@ -46,14 +93,19 @@ class StopChecker:
         return emitted
 
     def _stop_string_completed(self) -> bool:
-        text = self.decode(self.generated)
-        # only text the newest token can have touched needs a search
-        tail_start = max(0, self._text_len - max(len(s) for s in self.stop_strings))
-        self._text_len = len(text)
-        hits = [i for i in (text.find(s, tail_start) for s in self.stop_strings) if i >= 0]
+        """Whether the newest token's text completed a stop string: searched in that text and the characters
+        before it that a stop string can span; ``text_limit`` is then where the match starts in the text."""
+        start = self._text.length
+        piece = self._text.push(self.generated[-1])
+        if not piece:
+            return False
+        window = self._tail + piece
+        hits = [i for i in (window.find(s) for s in self.stop_strings) if i >= 0]
         if hits:
-            self.text_limit = min(hits)
-        return bool(hits)
+            self.text_limit = start - len(self._tail) + min(hits)
+            return True
+        self._tail = window[max(0, len(window) - self._span) :]
+        return False
 
     @property
     def done(self) -> bool:
@@ -65,32 +117,29 @@ class StopChecker:
 
 
 class TextStream:
-    """Incremental detokenization. Text is emitted once stable: never half a multi-byte character,
-    and never the last len(longest stop string) - 1 characters, which could still turn out to begin
-    a stop string (text once streamed cannot be taken back). ``flush`` emits the rest at the end."""
+    """Streamed text (``IncrementalText``, one token at a time, as ``StopChecker`` decodes it, so that its
+    ``text_limit`` indexes this text). Text is emitted once stable: never half a multi-byte character, and never
+    the last len(longest stop string) - 1 characters, which could still turn out to begin a stop string (text
+    once streamed cannot be taken back). ``flush`` emits the rest at the end."""
 
-    def __init__(self, decode, stop: Sequence[str] = ()) -> None:
-        self.decode = decode
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+        self.text = IncrementalText(decode)
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
-        self.printed = ""
+        self.pending = ""  # decoded, not emitted
+        self.emitted = 0  # characters emitted
 
     def push(self, ids: Sequence[int], text_limit: int | None) -> str:
-        self.ids += ids
-        text = self._text(text_limit)
-        if self.holdback:
-            text = text[: max(len(self.printed), len(text) - self.holdback)]
-        return self._emit(text)
+        for token in ids:
+            self.pending += self.text.push(int(token))
+        if text_limit is not None:
+            return self._emit(max(0, text_limit - self.emitted))
+        return self._emit(max(0, len(self.pending) - self.holdback))
 
     def flush(self, text_limit: int | None) -> str:
-        return self._emit(self._text(text_limit))
+        self.pending += self.text.flush()
+        return self._emit(len(self.pending) if text_limit is None else max(0, text_limit - self.emitted))
 
-    def _text(self, text_limit: int | None) -> str:
-        text = self.decode(self.ids)
-        return text[:text_limit] if text_limit is not None else text
-
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.printed) or text.endswith("\ufffd"):
-            return ""
-        new, self.printed = text[len(self.printed):], text
-        return new
+    def _emit(self, count: int) -> str:
+        out, self.pending = self.pending[:count], self.pending[count:]
+        self.emitted += len(out)
+        return out

@@ -19,7 +19,7 @@ from spec_helpers import ForwardingProposer, engine_for, make_prompts
 from drafter_service.proposer import make_proposer
 from orchestrator.engine import GenerationResult
 from orchestrator.stats import RequestStats
-from orchestrator.stopping import StopChecker, TextStream
+from orchestrator.stopping import REPLACEMENT, IncrementalText, StopChecker, TextStream
 from specmesh.sampling import SamplingParams
 
 EOS = 13  # the unit tests' EOS id (the engine tests use the model's)
@@ -256,3 +256,81 @@ def test_the_drafter_holds_exactly_the_emitted_tokens_at_close(model_sets, ar_re
         committed = 1 + sum(s.num_accepted + 1 for s in res.stats.steps)
         cut_mid_step += committed > len(res.token_ids)
     assert cut_mid_step > 0  # the stop really cut a step short
+
+
+# ------------------------------------------------------------ incremental detokenization
+TEXT = ("def naïve_sum(xs):  # «Σ» of 数字 🙂\n    return sum(x for x in xs if x)\n\tprint('日本語', \"é\")  \n"
+        "¿qué? — ok\n\n  trailing   spaces ")
+
+
+def _pieces(decode, ids: list[int]) -> list[str]:
+    text = IncrementalText(decode)
+    pieces = [text.push(t) for t in ids]
+    return [*pieces, text.flush()]
+
+
+def _check_incremental(decode, ids: list[int]) -> None:
+    """One token at a time: every prefix of the pieces is a prefix of the full decode, no piece holds half a
+    character, and the pieces with the flush are the full decode."""
+    full = decode(ids)
+    pieces = _pieces(decode, ids)
+    joined = ""
+    for piece in pieces[:-1]:
+        assert REPLACEMENT not in piece
+        joined += piece
+        assert full.startswith(joined)
+    assert joined + pieces[-1] == full
+
+
+def test_incremental_text_equals_the_full_decode_byte_level_bpe():
+    from transformers import AutoTokenizer
+
+    from specmesh.models import DEMO_DIR
+
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    ids = tok(TEXT).input_ids
+    assert len(ids) > 40 and any(tok.decode(ids[:i]).endswith(REPLACEMENT) for i in range(len(ids)))  # split chars
+    _check_incremental(lambda x: tok.decode(x, skip_special_tokens=True), ids)
+
+
+def test_incremental_text_equals_the_full_decode_sentencepiece_style():
+    """A Metaspace tokenizer (SentencePiece's convention: '▁' for a space, dropped at the start of a decode):
+    a piece never loses its leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    corpus = [TEXT, "the quick brown fox jumps over the lazy dog", "return sum of the values"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    ids = tok.encode("the quick fox: return sum of 数字 and the dog").ids
+    decode = tok.decode
+    # the convention: a token decoded alone loses the space the same token shows after others
+    assert any(decode(ids[i : i + 1]) != decode(ids[: i + 1])[len(decode(ids[:i])) :] for i in range(1, len(ids)))
+    _check_incremental(decode, ids)
+
+
+def test_incremental_text_holds_an_incomplete_character_until_it_completes():
+    """Bytes of one character in three tokens: nothing comes out until the third."""
+    table = {0: b"a", 1: b"\xe6", 2: b"\x95", 3: b"\xb0", 4: b"b"}
+
+    def decode(ids):
+        return b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+
+    text = IncrementalText(decode)
+    assert [text.push(t) for t in (0, 1, 2, 3, 4)] == ["a", "", "", "数", "b"]
+    text = IncrementalText(decode)
+    assert [text.push(t) for t in (0, 1)] == ["a", ""] and text.flush() == REPLACEMENT  # as decode shows it
+
+
+def test_stop_checker_decodes_each_token_once(monkeypatch):
+    """O(1) decoding per token: the decoder is never asked for more than the newest few tokens."""
+    longest = []
+
+    def counting(ids):
+        longest.append(len(ids))
+        return decode(ids)
+
+    checker = StopChecker(SamplingParams(max_new_tokens=2000, stop=("zz",), ignore_eos=True), (EOS,), counting)
+    checker.push([i % 15 for i in range(1000)])
+    assert len(checker.generated) == 1000 and max(longest) <= 2
