@@ -339,17 +339,18 @@ class OpenAIApi:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.service.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def start(self, request: GenerateRequest, fill_context: bool = False
+    async def start(self, request: GenerateRequest, request_id: str, fill_context: bool = False
                     ) -> tuple[Plan, AsyncIterator[Chunk | Final], Chunk | Final]:
         """Check, admit and prefill: errors before the first token still get their own status code.
-        ``fill_context``: generate up to the rest of the context (the request's max_new_tokens is a placeholder
-        of 1, so the check that the prompt leaves room for one token is the plan's own)."""
+        ``request_id``: the response's id (the request's log line and span carry it). ``fill_context``:
+        generate up to the rest of the context (the request's max_new_tokens is a placeholder of 1, so the
+        check that the prompt leaves room for one token is the plan's own)."""
         plan = await self.service.prepare(request)
         if fill_context:
             rest = self.service.info.max_positions - len(plan.prompt)
             plan = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, max_new_tokens=rest))
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
-        stream = self.service.stream(plan, deadline)
+        stream = self.service.stream(plan, deadline, request_id)
         first = await anext(stream)
         return plan, stream, first
 
@@ -366,8 +367,8 @@ class OpenAIApi:
         request = GenerateRequest(_sampling(body, body.max_tokens or OPENAI_DEFAULT_COMPLETION_TOKENS),
                                   prompt=text_prompt, token_ids=None if text_prompt is not None else list(prompt),
                                   operation="text_completion", **_speculation(body))
-        plan, stream, first = await self.start(request)
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.service.model_name
+        plan, stream, first = await self.start(request, rid)
         echo = (text_prompt if text_prompt is not None else self.service.decode(plan.prompt)) if body.echo else ""
 
         def chunk(text: str, finish: str | None = None, **extra) -> dict:
@@ -422,8 +423,8 @@ class OpenAIApi:
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context (OpenAI's)
         request = GenerateRequest(_sampling(body, max_tokens or 1), prompt=prompt, operation="chat",
                                   add_special_tokens=False, **_speculation(body))
-        plan, stream, first = await self.start(request, fill_context=max_tokens is None)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name
+        plan, stream, first = await self.start(request, rid, fill_context=max_tokens is None)
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,

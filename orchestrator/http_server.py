@@ -217,15 +217,18 @@ class HttpServer:
     ``in_flight()``: the requests the drain waits for."""
 
     def __init__(self, app, sock: socket.socket, limits: HttpLimits = HttpLimits(), tls: TlsFiles | None = None,
-                 in_flight: Callable[[], int] = lambda: 0, on_drain: Callable[[], None] = lambda: None) -> None:
+                 in_flight: Callable[[], int] = lambda: 0, on_drain: Callable[[], None] = lambda: None,
+                 access_log: bool = False) -> None:
         limits = connection_cap(limits)
         throttle_accept_errors()
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off", http=guarded_protocol(limits),
+            app, log_level="warning", access_log=access_log, lifespan="off", http=guarded_protocol(limits),
             backlog=ACCEPT_BATCH,
             timeout_keep_alive=limits.keep_alive, timeout_graceful_shutdown=1,
             **(dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key, ssl_ca_certs=tls.ca,
                     ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE) if tls else {}))
+        if access_log:  # uvicorn set its loggers to log_level (warning): its access lines are INFO
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self.server, self.sock, self.in_flight, self.on_drain = _Server(config), sock, in_flight, on_drain
         self.scheme = "https" if tls else "http"
         self._task: asyncio.Task | None = None

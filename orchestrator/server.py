@@ -201,12 +201,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="HTTP API: seconds a request may run before it is cut off (default: none; gRPC clients "
                         "set their own deadline)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request (default: one INFO line on the specmesh.requests logger: "
+                        "id, finish reason, token counts, sampling parameters, proposer, tau, time to first token, "
+                        "duration)")
     h = p.add_argument_group("HTTP port", "limits of --http (its TLS is the gRPC port's --tls-cert/--tls-key/"
                                           "--tls-ca: HTTPS, with client certificates when --tls-ca is given)")
     h.add_argument("--http-read-timeout", type=models.positive_float, default=HttpLimits.read_timeout,
                    metavar="SECONDS", help="a request's headers and body must arrive within this many seconds of "
                                            f"its first byte, else the connection closes (default: "
                                            f"{HttpLimits.read_timeout:g})")
+    h.add_argument("--access-log", action="store_true",
+                   help="log every HTTP request (uvicorn's access log: client, method, path, status) on the "
+                        "uvicorn.access logger (default: off; the per-request line of specmesh.requests stays)")
     h.add_argument("--http-keep-alive", type=models.positive_float, default=HttpLimits.keep_alive,
                    metavar="SECONDS", help=f"idle keep-alive connections close after this (default: "
                                            f"{HttpLimits.keep_alive:g})")
@@ -301,7 +308,8 @@ def build_service(args: argparse.Namespace, backend, tokenizer, model_name: str,
     return GenerationService(backend, tokenizer, model_name, proposer, args.max_concurrent, args.max_queued,
                              overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
                              policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
-                             max_prompt_bytes=args.max_prompt_bytes, metrics=metrics)
+                             max_prompt_bytes=args.max_prompt_bytes, metrics=metrics,
+                             log_requests=not args.disable_log_requests)
 
 
 def resolve_addresses(args: argparse.Namespace) -> None:
@@ -359,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         http = HttpServer(app, http_socket, HttpLimits(args.http_read_timeout, args.http_keep_alive,
                                                        args.http_max_connections),
                           http_tls(args, security), in_flight=lambda: app.state.api.in_flight,
-                          on_drain=app.state.api.drain)
+                          on_drain=app.state.api.drain, access_log=args.access_log)
         log.info("OpenAI-compatible API on %s/v1 (chat template: %s%s)", http.url, "yes" if chat else "none",
                  ", bearer token required" if security.tokens else "")
     if not args.listen:  # MODEL without --listen: the HTTP API alone

@@ -23,10 +23,12 @@ request. Its events reach the service's event loop through ``call_soon_threadsaf
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -50,6 +52,7 @@ from specmesh.sampling import SamplingParams
 from verifier_service.remote import VerifierClient
 
 log = logging.getLogger("specmesh.serve")
+request_log = logging.getLogger("specmesh.requests")  # one line per finished request (serve --disable-log-requests)
 
 # a token of a byte-level BPE covers a few bytes on average (up to ~16 for long code identifiers): a text
 # prompt of more bytes than this per context position cannot fit, whatever it says
@@ -236,6 +239,36 @@ class _LoopOutput:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (result, error))
 
 
+def request_line(request_id: str, plan: Plan, result: GenerationResult, started: float, first_token: float | None,
+                 failure: BaseException | None = None) -> str:
+    """A finished request as one logfmt line (``key=value``; text values quoted): its id, finish reason (or the
+    error that ended it), token counts, sampling parameters, proposer, tau, time to first token and duration.
+    ``started``/``first_token``: time.monotonic() at admission and at its first streamed token (None: none)."""
+    sampling, stats = plan.sampling, result.stats
+    now = time.monotonic()
+    fields: dict[str, object] = {
+        "id": request_id, "op": plan.operation,
+        "finish": "error" if failure is not None else result.finish_reason,
+        "prompt_tokens": len(plan.prompt), "output_tokens": stats.num_generated,
+        "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "top_k": sampling.top_k, "seed": sampling.seed, "stop": len(sampling.stop),
+        "proposer": plan.proposer or "none", "max_nodes": plan.max_nodes, "max_depth": plan.max_depth,
+        "tau": round(stats.tau, 2) if stats.num_steps else None,
+        "ttft_ms": round((first_token - started) * 1e3, 1) if first_token is not None else None,
+        "duration_ms": round((now - started) * 1e3, 1),
+    }
+    if failure is not None:
+        fields["error"] = f"{type(failure).__name__}: {failure}"
+    return " ".join(f"{key}={_logfmt(value)}" for key, value in fields.items() if value is not None)
+
+
+def _logfmt(value: object) -> str:
+    text = str(value)
+    if isinstance(value, str) and (not text or any(c in text for c in ' "=\\') or not text.isprintable()):
+        return json.dumps(text)  # quoted, escaped, one line
+    return text
+
+
 class GenerationService:
     """Admission, request checks and the requests' streams; one per server process."""
 
@@ -252,11 +285,14 @@ class GenerationService:
         restart_depth: int | None = None,
         max_prompt_bytes: int | None = None,
         metrics: ServeMetrics | None = None,
+        log_requests: bool = True,
     ) -> None:
         """``max_prompt_bytes``: a text prompt longer than this (UTF-8) is refused before it is tokenized;
         None = PROMPT_BYTES_PER_POSITION per position of the context. ``overlap``, ``policy``,
-        ``restart_depth``: defaults for requests that leave them unset."""
+        ``restart_depth``: defaults for requests that leave them unset. ``log_requests``: one INFO line per
+        finished request on the ``specmesh.requests`` logger (``request_line``)."""
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+        self.log_requests = log_requests
         self.info = backend.info
         if default_proposer is not None and acceptance_of(default_proposer) != "exact":
             raise ValueError(f"{default_proposer} is lossy: it cannot be the default proposer; requests ask for it by "
@@ -318,22 +354,27 @@ class GenerationService:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------- requests
-    async def stream(self, plan: Plan, deadline: float | None = None) -> AsyncIterator[Chunk | Final]:
+    async def stream(self, plan: Plan, deadline: float | None = None,
+                     request_id: str | None = None) -> AsyncIterator[Chunk | Final]:
         """The request's Chunks as steps commit, then its Final. ``deadline``: absolute time.monotonic(); past
-        it the request ends with DEADLINE_EXCEEDED. Closing the iterator early (the client went away) cancels
-        it: the core ends it at its next step, which releases the verifier session and the drafter. A request
-        that fails retryably before its first token (a replica down or full) is submitted again, to a verifier
-        it has not tried. The request span is not made current anywhere (no thread runs the request): the core
-        records each step as its child."""
+        it the request ends with DEADLINE_EXCEEDED. ``request_id``: the id its client sees (the OpenAI API's
+        ``cmpl-…``; None: a ``gen-…`` id of its own), in its log line and as its span's ``gen_ai.response.id``.
+        Closing the iterator early (the client went away) cancels it: the core ends it at its next step, which
+        releases the verifier session and the drafter. A request that fails retryably before its first token (a
+        replica down or full) is submitted again, to a verifier it has not tried. The request span is not made
+        current anywhere (no thread runs the request): the core records each step as its child."""
         if self.num_requests >= self.max_requests:
             raise Overloaded(f"{self.num_requests} requests in flight or queued; try again later")
+        request_id = request_id or f"gen-{uuid.uuid4().hex}"
+        started, first_token = time.monotonic(), None
         loop = asyncio.get_running_loop()
         metrics = self.metrics.request()
         span = tracing.start_request_span(plan.operation, self.model_name, plan.sampling, len(plan.prompt))
+        span.set_attributes({"gen_ai.response.id": request_id, "specmesh.proposer": plan.proposer or "none"})
         text = TextStream(self.decode, plan.sampling.stop)
         result = GenerationResult([], "error", RequestStats(prompt_tokens=len(plan.prompt)))
         tried: set[str] = set()
-        cancel, finished, emitted, retried = None, False, False, None
+        cancel, finished, emitted, retried, failure = None, False, False, None, None
         self.num_requests += 1  # the finally below gives it back
         metrics.started()
         try:
@@ -352,6 +393,7 @@ class GenerationService:
                     item = await self._next(queue, deadline)
                     if isinstance(item, StepEvent):
                         emitted = True
+                        first_token = first_token or time.monotonic()
                         yield self._chunk(item, text.push(item.tokens, item.text_limit), metrics)
                         continue
                     result, error = item
@@ -368,6 +410,7 @@ class GenerationService:
                     break
         except Exception as exc:
             tracing.record_error(span, exc)
+            failure = exc
             raise
         finally:
             self.num_requests -= 1
@@ -376,6 +419,8 @@ class GenerationService:
                 result = GenerationResult([], "aborted", result.stats)
             metrics.finished(result.finish_reason, len(plan.prompt), result.stats.num_generated)
             span.end()
+            if self.log_requests:
+                request_log.info("%s", request_line(request_id, plan, result, started, first_token, failure))
 
     @staticmethod
     async def _next(queue: asyncio.Queue, deadline: float | None):

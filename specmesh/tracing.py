@@ -89,7 +89,7 @@ def setup_tracing(service_name: str) -> bool:
                                 f"spans with {', '.join(_EXPORTERS)} (or none)")
     try:
         import opentelemetry.instrumentation.grpc  # noqa: F401  (the interceptors, needed once tracing is on)
-        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
@@ -98,6 +98,8 @@ def setup_tracing(service_name: str) -> bool:
     resource = Resource.create()  # OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))
+    if SERVICE_VERSION not in resource.attributes:
+        resource = resource.merge(Resource({SERVICE_VERSION: _package_version()}))
     exporters = [_otlp_exporter() if n == "otlp" else ConsoleSpanExporter() for n in names]
     provider = TracerProvider(resource=resource)  # shuts down (flushing every processor) at exit
     for exporter in exporters:
@@ -106,6 +108,16 @@ def setup_tracing(service_name: str) -> bool:
     _enabled = True
     log.info("tracing on: %s spans of %s", "+".join(names), resource.attributes.get(SERVICE_NAME))
     return True
+
+
+def _package_version() -> str:
+    """specmesh's installed version (the resource's service.version), "unknown" when it is not installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("specmesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _otlp_exporter():

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import http.client
 import json
+import logging
 import socket
 import subprocess
 import threading
@@ -24,8 +25,10 @@ import torch
 
 from orchestrator import http_api
 from orchestrator.embedded import EmbeddedBackend, EmbeddedStack
+from orchestrator.engine import GenerationResult
 from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
 from orchestrator.service import GenerationService
+from orchestrator.stats import RequestStats
 from specmesh.app.local_mesh import ServiceProcess
 from specmesh.chat import ChatTemplate
 from specmesh.sampling import SamplingParams
@@ -41,10 +44,11 @@ class AppThread:
     """The HTTP server of `specmesh serve --http` serving an app on 127.0.0.1 from a thread of this process,
     until ``stop`` (at once) or ``drain`` (as SIGTERM does)."""
 
-    def __init__(self, app, limits: HttpLimits | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(self, app, limits: HttpLimits | None = None, tls: TlsFiles | None = None,
+                 access_log: bool = False) -> None:
         sock = bind("127.0.0.1:0")
         self.server = HttpServer(app, sock, limits or HttpLimits(), tls, in_flight=lambda: app.state.api.in_flight,
-                                 on_drain=app.state.api.drain)
+                                 on_drain=app.state.api.drain, access_log=access_log)
         self.port = sock.getsockname()[1]
         self.url = self.server.url
         self._loop = asyncio.new_event_loop()
@@ -228,6 +232,67 @@ def test_chat_without_a_template_is_a_clear_400(stack):
         app.stop()
 
 
+def test_one_log_line_per_request_with_the_id_the_client_sees(stack, client, caplog):
+    """Every finished request logs one logfmt line on specmesh.requests: the response's id, its finish reason,
+    token counts, parameters and proposer; a client that went away mid-stream logs ``aborted``; a service
+    built with log_requests=False logs nothing."""
+    caplog.set_level(logging.INFO, logger="specmesh.requests")
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                    extra_body={"proposer": "prompt_lookup"})
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          stream=True, temperature=0.5, seed=3)
+    chat_id = next(iter(chat)).id
+    for _ in chat:
+        pass
+    lines = {r.getMessage().split()[0]: r.getMessage() for r in caplog.records if r.name == "specmesh.requests"}
+    assert set(lines) == {f"id={out.id}", f"id={chat_id}"}, lines
+    fields = dict(part.split("=", 1) for part in lines[f"id={out.id}"].split())
+    assert fields["op"] == "text_completion" and fields["finish"] == out.choices[0].finish_reason
+    assert int(fields["prompt_tokens"]) == out.usage.prompt_tokens
+    assert int(fields["output_tokens"]) == out.usage.completion_tokens and fields["proposer"] == "prompt_lookup"
+    assert float(fields["ttft_ms"]) <= float(fields["duration_ms"]) and float(fields["tau"]) >= 1
+    chat_fields = dict(part.split("=", 1) for part in lines[f"id={chat_id}"].split())
+    assert chat_fields["op"] == "chat" and chat_fields["temperature"] == "0.5" and chat_fields["seed"] == "3"
+
+    caplog.clear()
+    quiet = AppThread(http_api.build_app(make_service(stack, log_requests=False), None))
+    try:
+        openai.OpenAI(base_url=quiet.url + "/v1", api_key="x", max_retries=0).completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=3)
+    finally:
+        quiet.stop()
+    assert not [r for r in caplog.records if r.name == "specmesh.requests"]
+
+
+def test_access_log_only_when_asked(stack):
+    """--access-log: uvicorn logs each HTTP request (method, path, status) on uvicorn.access; off by default."""
+    for access_log in (False, True):
+        app = AppThread(http_api.build_app(make_service(stack), None), access_log=access_log)
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        access = logging.getLogger("uvicorn.access")  # uvicorn's own handler, not propagated to the root
+        access.addHandler(handler)
+        try:
+            assert get(app.url + "/health")[0] == 200
+        finally:
+            access.removeHandler(handler)
+            app.stop()
+        lines = [r.getMessage() for r in records]
+        assert (lines and "GET /health" in lines[0] and "200" in lines[0]) if access_log else not lines, lines
+
+
+def test_request_line_quotes_what_needs_quoting():
+    from orchestrator.service import Plan, request_line
+
+    plan = Plan([1, 2, 3], SamplingParams(max_new_tokens=4, stop=("a b",)), None, 0, 0, True, "static", None, "chat")
+    result = GenerationResult([7], "length", RequestStats(prompt_tokens=3))
+    line = request_line("cmpl-1", plan, result, time.monotonic() - 0.5, None, ValueError('bad "x" = y'))
+    assert line.startswith("id=cmpl-1 op=chat finish=error prompt_tokens=3 output_tokens=0 max_tokens=4 ")
+    assert "ttft_ms" not in line and "tau" not in line and "proposer=none" in line and "stop=1" in line
+    assert line.endswith('error="ValueError: bad \\"x\\" = y"') and "\n" not in line
+
+
 def test_models_health_and_metrics(server, client):
     service, app = server
     models = client.models.list()
@@ -328,8 +393,9 @@ def test_a_full_queue_is_429(stack):
         app.stop()
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_kv(stack, server):
+def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_kv(stack, server, caplog):
     service, app = server
+    caplog.set_level(logging.INFO, logger="specmesh.requests")
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 450, "temperature": 0, "stream": True,
             "ignore_eos": True, "proposer": "none"}
     conn, response = _open_stream(app.url, body)
@@ -342,6 +408,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_its_
     assert wait_until(lambda: service.num_requests == 0 and sum(v.num_sessions for v in stack.shared_verifiers()) == 0,
                       30)
     assert time.monotonic() - start < 20  # cancelled, not run to its 450 tokens
+    assert [r for r in caplog.records if r.name == "specmesh.requests" and " finish=aborted " in r.getMessage()]
 
 
 # ------------------------------------------------------------------------------------------ real processes

@@ -4,6 +4,7 @@ per request holding serve's request and step spans, the verifier's calls and the
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -113,6 +114,7 @@ from opentelemetry import trace
 from specmesh import rpc, tracing
 assert tracing.setup_tracing("specmesh-probe")
 print(trace.get_tracer_provider().resource.attributes["service.name"])
+print(trace.get_tracer_provider().resource.attributes["service.version"])
 print(len(tracing.server_interceptors()), len(tracing.aio_channel_interceptors()))
 print(type(rpc.insecure_or_secure_channel("127.0.0.1:1", rpc.Security(), [])).__name__)
 with tracing.span("probe-span"):
@@ -132,8 +134,9 @@ def test_console_exporter_and_interceptors_when_asked(env, service):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0] == service
-    assert lines[1] == "1 4"  # the aio server interceptor; the four aio client interceptors
-    assert lines[2] == "_InterceptorChannel"
+    assert lines[1] == importlib.metadata.version("specmesh")  # service.version
+    assert lines[2] == "1 4"  # the aio server interceptor; the four aio client interceptors
+    assert lines[3] == "_InterceptorChannel"
     assert '"name": "probe-span"' in out.stdout  # the batch was exported at exit
 
 
