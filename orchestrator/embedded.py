@@ -198,6 +198,19 @@ class EmbeddedBackend:
     def healthy(self) -> bool:
         return all(v.alive for v in self.stack.shared_verifiers())
 
+    def load(self) -> dict:
+        """Requests and KV blocks of the in-process verifiers (unlocked reads: a racing pair is clamped)."""
+        running = waiting = blocks = used = 0
+        for core in self.stack.shared_verifiers():
+            loop = core.loop
+            num_waiting = loop.num_waiting
+            running += max(0, loop.num_sessions - num_waiting)
+            waiting += num_waiting
+            blocks += loop.verifier.allocator.num_blocks
+            used += loop.verifier.allocator.num_used
+        return {"running": running, "waiting": waiting, "kv_blocks": blocks, "kv_blocks_used": used,
+                "kv_usage": used / blocks if blocks else 0.0}
+
     def register_metrics(self, registry) -> None:
         """The shared verifiers' metrics (KV pool, batches) in ``registry``, beside serve's."""
         from verifier_service.metrics import VerifierMetrics

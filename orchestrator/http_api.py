@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (`specmesh serve --http HOST:PORT`), a FastAPI shell over GenerationService.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template; 400 when it
-has none), ``GET /v1/models``, ``GET /health`` (200 while a verifier is up, else 503; 503 while draining),
-``GET /metrics`` (Prometheus), ``GET /openapi.json`` (behind the token when there is one; ``/docs`` and
+has none), ``GET /v1/models``, ``GET /health`` = ``GET /readyz`` (200 while a verifier is up, else 503; 503 while draining),
+``GET /livez`` (200 while the process answers), ``GET /load`` (requests, running / waiting, KV usage, draining: a
+router's view), ``GET /metrics`` (Prometheus), ``GET /openapi.json`` (behind the token when there is one; ``/docs`` and
 ``/redoc`` only without). The transport (TLS, timeouts, connection cap, drain) is orchestrator/http_server.py. Streaming is server-sent events ending in ``data: [DONE]``, with
 ``stream_options.include_usage``.
 
@@ -517,7 +518,7 @@ class CountInFlight:
 def build_app(service: GenerationService, chat_template: ChatTemplate | None = None, tokens: Sequence[str] = (),
               request_timeout: float | None = None, max_body_bytes: int | None = None) -> FastAPI:
     """The FastAPI app (its OpenAIApi is ``app.state.api``); ``tokens``: bearer tokens accepted (none = no
-    authentication; /health and /metrics are always open, as in vLLM; with tokens, /openapi.json needs one and
+    authentication; /health (= /readyz), /livez, /load and /metrics are always open, as /health and /metrics in vLLM; with tokens, /openapi.json needs one and
     the /docs and /redoc pages are off, since a browser cannot send it); ``request_timeout``: seconds a request
     may run (None = unbounded); ``max_body_bytes``: the largest body accepted (default: derived from the
     service's prompt limit)."""
@@ -577,12 +578,24 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
         return {"version": VERSION}
 
     @app.get("/health")
+    @app.get("/readyz")
     async def health() -> Response:
+        """Readiness: 200 while requests can be served; 503 while draining or with no verifier up."""
         if api.draining:
             return ApiError(503, "the server is shutting down", "server_error", code="service_unavailable").response()
         if await asyncio.get_running_loop().run_in_executor(None, service.healthy):
             return JSONResponse({"status": "ok"})
         return ApiError(503, "no verifier is serving", "server_error", code="service_unavailable").response()
+
+    @app.get("/livez")
+    async def live() -> dict:
+        """Liveness: the process answers (draining and without a verifier too: a restart would not help)."""
+        return {"status": "alive"}
+
+    @app.get("/load")
+    async def load() -> dict:
+        """What a router reads: requests in flight, their limit, running / waiting, KV usage, draining."""
+        return {**service.load(), "draining": api.draining}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -164,7 +164,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "given)")
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API here (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /tokenize, /detokenize, /version, /health, /metrics); default: off (with MODEL: "
+                        "/v1/models, /tokenize, /detokenize, /version, /health, /readyz, /livez, /load, /metrics); default: off (with MODEL: "
                         "--host:--port)")
     p.add_argument("--model-name", default=None,
                    help="the model's id in the HTTP API (the `model` field requests must name) and in traces and "

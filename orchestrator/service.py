@@ -134,6 +134,11 @@ class Backend(Protocol):
     def healthy(self) -> bool:
         """Whether a request could be served now (at least one verifier up)."""
 
+    def load(self) -> dict:
+        """What a router reads to place requests (``/load``): ``running`` and ``waiting`` requests of the engine
+        cores, the KV pool's ``kv_blocks`` / ``kv_blocks_used`` / ``kv_usage`` where the pool is in this
+        process, per-replica figures where it is not."""
+
     def register_metrics(self, registry) -> None:
         """Add the backend's own metrics (e.g. an in-process verifier's KV pool) to a Prometheus registry."""
 
@@ -222,6 +227,20 @@ class RemoteBackend:
     def healthy(self) -> bool:
         return any(v.healthy() for v in self.verifiers)
 
+    def load(self) -> dict:
+        """Requests per engine core (one per verifier replica); the replicas' KV pools are on their own /metrics."""
+        with self._lock:
+            cores = dict(self._cores)
+        replicas = []
+        for verifier in self.verifiers:
+            core = cores.get(verifier)
+            waiting = core.num_waiting if core is not None else 0
+            running = max(0, core.num_sessions - waiting) if core is not None else 0
+            replicas.append({"address": verifier.address, "healthy": verifier.healthy(), "running": running,
+                             "waiting": waiting})
+        return {"running": sum(r["running"] for r in replicas), "waiting": sum(r["waiting"] for r in replicas),
+                "verifiers": replicas}
+
     def register_metrics(self, registry) -> None:
         """Nothing to add: the verifiers' and drafters' metrics are served by their own processes."""
 
@@ -303,6 +322,11 @@ class GenerationService:
         self.metrics = metrics if metrics is not None else ServeMetrics(model_name)
         self.max_requests = max_concurrent + max_queued  # beyond this: Overloaded
         self.num_requests = 0  # admitted and not finished; touched only on the event loop
+
+    def load(self) -> dict:
+        """The backend's load (``Backend.load``) with this server's requests admitted and not finished
+        (``requests``) and their limit, --max-concurrent plus --max-queued (``max_requests``)."""
+        return {"requests": self.num_requests, "max_requests": self.max_requests, **self.backend.load()}
 
     # ------------------------------------------------------------- checks
     def plan(self, request: GenerateRequest) -> Plan:

@@ -297,8 +297,13 @@ def test_models_health_and_metrics(server, client):
     service, app = server
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert get(app.url + "/health") == (200, b'{"status":"ok"}')
+    assert get(app.url + "/health") == get(app.url + "/readyz") == (200, b'{"status":"ok"}')
+    assert get(app.url + "/livez") == (200, b'{"status":"alive"}')
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    load = json.loads(get(app.url + "/load")[1])
+    assert load == {"requests": 0, "max_requests": service.max_requests, "running": 0, "waiting": 0,
+                    "kv_blocks": load["kv_blocks"], "kv_blocks_used": 0, "kv_usage": 0.0, "draining": False}
+    assert load["kv_blocks"] == sum(v.loop.verifier.allocator.num_blocks for v in service.backend.stack.shared_verifiers())
     status, body = get(app.url + "/metrics")
     assert status == 200 and b"specmesh:" in body
 
@@ -456,10 +461,14 @@ def test_no_verifier_up_is_503():
         url = f"http://127.0.0.1:{port}"
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
         assert post(url + "/v1/completions", body)[0] == 200
+        load = json.loads(get(url + "/load")[1])
+        assert load["running"] == load["waiting"] == 0
+        assert load["verifiers"] == [{"address": v.address, "healthy": True, "running": 0, "waiting": 0}]
         v.stop()
         status, error = post(url + "/v1/completions", body)
         assert_openai_error(status, error, 503)
-        assert get(url + "/health")[0] == 503
+        assert get(url + "/health")[0] == get(url + "/readyz")[0] == 503 and get(url + "/livez")[0] == 200
+        assert not json.loads(get(url + "/load")[1])["verifiers"][0]["healthy"]
     finally:
         proc.stop()
         v.stop()

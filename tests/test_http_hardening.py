@@ -223,8 +223,12 @@ def test_a_drain_finishes_streams_and_answers_503_meanwhile(stack):
     conn.request("POST", "/v1/completions", json.dumps(STREAM), {"Content-Type": "application/json"})
     stream = conn.getresponse()
     assert stream.readline().startswith(b"data: ")
+    load = json.loads(get(app.url + "/load")[1])
+    assert load["running"] + load["waiting"] == load["requests"] == 1 and not load["draining"]
     stopped = app.drain(grace=60)
     assert wait_until(lambda: get(app.url + "/health")[0] == 503, 10)
+    assert get(app.url + "/readyz")[0] == 503 and get(app.url + "/livez") == (200, b'{"status":"alive"}')
+    assert json.loads(get(app.url + "/load")[1])["draining"]
     status, error = post(app.url + "/v1/completions", {**STREAM, "stream": False, "max_tokens": 2})
     assert_openai_error(status, error, 503)
     events = read_events(stream)
