@@ -12,7 +12,8 @@ The thread runs an asyncio event loop of its own with a ``grpc.aio`` channel to 
 in flight with no thread per call or per request. A step is one VerifyBatch: its items join one forward on
 the replica (``StepLoop.submit_verifies``), each answered as its own Verify would be, and each carries its
 request's step span (``tracing.carrier``), so a request's trace still shows the replica's work for every one
-of its steps. A replica without VerifyBatch (UNIMPLEMENTED) gets one Verify per request, all in flight at once.
+of its steps. A replica without VerifyBatch (UNIMPLEMENTED) gets one Verify per request, all in flight at once;
+until the first answer, one step at a time asks (``_verify_step``).
 
 A step begins whenever requests can step: at the start, when a step's answer lands (its requests commit and
 can step again), and when a late remote tree lands. The core never waits for a remote drafter (``core.late``):
@@ -83,7 +84,8 @@ class RemoteStepLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stub: verifier_pb2_grpc.VerifierStub | None = None
-        self._batch = True  # the replica answers VerifyBatch (until it says UNIMPLEMENTED)
+        self._batch: bool | None = None  # whether the replica answers VerifyBatch; None: not known yet
+        self._asking: asyncio.Event | None = None  # set when the step asking it (the first) has its answer
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
         self._thread.start()
@@ -262,7 +264,7 @@ class RemoteStepLoop:
         verifies = step.verifies
         started = time.perf_counter()
         try:
-            results = await (self._verify_batch(verifies) if self._batch else self._verify_each(verifies))
+            results = await self._verify_step(verifies)
         except asyncio.CancelledError:  # the loop is closing: the driver ends every request
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here fails this step's requests, not the loop
@@ -277,6 +279,21 @@ class RemoteStepLoop:
             self.driver.stop(exc)
         self._wake.set()
 
+    async def _verify_step(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+        """A VerifyBatch, or one Verify each to a replica without it. Until the replica has answered one VerifyBatch
+        it is asked by one step at a time (steps of other requests sent meanwhile wait for that answer), so an older
+        replica sees one VerifyBatch, not one per step in flight."""
+        while self._batch is None and self._asking is not None:
+            await self._asking.wait()
+        if self._batch is not None:
+            return await (self._verify_batch(verifies) if self._batch else self._verify_each(verifies))
+        asking = self._asking = asyncio.Event()
+        try:
+            return await self._verify_batch(verifies)
+        finally:  # answered (or failed without an answer: the next step asks again)
+            self._asking = None
+            asking.set()
+
     async def _verify_batch(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
         """The step's trees in one call; every item carries its request's step span (its trace)."""
         items = []
@@ -290,6 +307,7 @@ class RemoteStepLoop:
                 self._batch = False
                 return await self._verify_each(verifies)
             return [self.verifier.call_error(outcome, "verify")] * len(verifies)
+        self._batch = True
         return self.verifier.batch_results(outcome, len(verifies))
 
     async def _verify_each(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:

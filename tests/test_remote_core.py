@@ -48,10 +48,12 @@ class CountingReplica(VerifierServicer):
 
 
 class OlderReplica(CountingReplica):
-    """A replica built before VerifyBatch existed: grpc's answer for a method a servicer lacks."""
+    """A replica built before VerifyBatch existed: grpc's answer for a method a servicer lacks (slowly, so that the
+    other requests' steps are ready to go out before it arrives)."""
 
     async def VerifyBatch(self, request, context):
         self.calls["VerifyBatch"] += 1
+        await asyncio.sleep(0.3)
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
 
 
@@ -101,7 +103,7 @@ def test_remote_core_steps_in_one_call_and_equals_ar(model_sets, ar_reference, r
         if replica is CountingReplica:  # one call per step, carrying every running request's tree
             assert servicer.calls["Verify"] == 0 and servicer.calls["VerifyBatch"] == core.stats.steps
             assert servicer.calls["items"] == request_steps
-        else:  # asked once, then one Verify per request and step
+        else:  # asked once (the steps ready meanwhile wait for the answer), then one Verify per request and step
             assert servicer.calls["VerifyBatch"] == 1
             assert servicer.calls["Verify"] == request_steps
     finally:
