@@ -199,17 +199,10 @@ class EmbeddedBackend:
         return all(v.alive for v in self.stack.shared_verifiers())
 
     def load(self) -> dict:
-        """Requests and KV blocks of the in-process verifiers (unlocked reads: a racing pair is clamped)."""
-        running = waiting = blocks = used = 0
-        for core in self.stack.shared_verifiers():
-            loop = core.loop
-            num_waiting = loop.num_waiting
-            running += max(0, loop.num_sessions - num_waiting)
-            waiting += num_waiting
-            blocks += loop.verifier.allocator.num_blocks
-            used += loop.verifier.allocator.num_used
-        return {"running": running, "waiting": waiting, "kv_blocks": blocks, "kv_blocks_used": used,
-                "kv_usage": used / blocks if blocks else 0.0}
+        """Requests and KV blocks of the in-process verifiers (the figures of their /metrics)."""
+        from verifier_service.metrics import pool_load
+
+        return pool_load(core.loop for core in self.stack.shared_verifiers())
 
     def register_metrics(self, registry) -> None:
         """The shared verifiers' metrics (KV pool, batches) in ``registry``, beside serve's."""

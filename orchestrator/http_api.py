@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import importlib.metadata
 import json
 import logging
 import time
@@ -46,17 +45,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from orchestrator.service import Chunk, Final, GenerateRequest, GenerationService, Overloaded, Plan
-from specmesh import rpc
+from specmesh import package_version, rpc
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.sampling import SamplingParams
 
 log = logging.getLogger("specmesh.http")
 
-try:
-    VERSION = importlib.metadata.version("specmesh")
-except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
-    VERSION = "unknown"
+VERSION = package_version() or "unknown"  # unknown: run from a source tree that was never installed
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request sets none (0 = greedy)
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (chat: the rest of the context)
 BODY_BYTES_PER_PROMPT_BYTE = 2  # a body may be this many times the prompt limit (JSON escapes, chat framing)...

@@ -49,6 +49,7 @@ from orchestrator.stopping import TextStream
 from specmesh import rpc, tracing
 from specmesh.contract import ModelInfo
 from specmesh.sampling import SamplingParams
+from verifier_service.metrics import running_waiting
 from verifier_service.remote import VerifierClient
 
 log = logging.getLogger("specmesh.serve")
@@ -233,9 +234,7 @@ class RemoteBackend:
             cores = dict(self._cores)
         replicas = []
         for verifier in self.verifiers:
-            core = cores.get(verifier)
-            waiting = core.num_waiting if core is not None else 0
-            running = max(0, core.num_sessions - waiting) if core is not None else 0
+            running, waiting = running_waiting(cores[verifier]) if verifier in cores else (0, 0)
             replicas.append({"address": verifier.address, "healthy": verifier.healthy(), "running": running,
                              "waiting": waiting})
         return {"running": sum(r["running"] for r in replicas), "waiting": sum(r["waiting"] for r in replicas),

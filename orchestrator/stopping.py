@@ -34,7 +34,7 @@ class IncrementalText:
     def push(self, token: int) -> str:
         """Append one token; return the text it completes ("" while a character is incomplete)."""
         self.ids.append(token)
-        seen = self.decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        seen = self._seen()
         text = self.decode(self.ids[self.prefix :])
         if len(text) <= len(seen) or text.endswith(REPLACEMENT):
             return ""
@@ -46,11 +46,14 @@ class IncrementalText:
         """The text of the tokens not returned yet, an incomplete last character shown as the decoder shows it."""
         if self.read == len(self.ids):
             return ""
-        seen = self.decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
-        text = self.decode(self.ids[self.prefix :])[len(seen) :]
+        text = self.decode(self.ids[self.prefix :])[len(self._seen()) :]
         self.prefix = self.read = len(self.ids)
         self.length += len(text)
         return text
+
+    def _seen(self) -> str:
+        """The window's context as text: its tokens already returned."""
+        return self.decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
 
 
 class StopChecker:

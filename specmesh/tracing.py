@@ -30,6 +30,8 @@ from contextlib import contextmanager, nullcontext
 
 from opentelemetry import propagate, trace
 
+from specmesh import package_version
+
 log = logging.getLogger("specmesh.tracing")
 
 INSTRUMENTATION_NAME = "specmesh"
@@ -99,7 +101,7 @@ def setup_tracing(service_name: str) -> bool:
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))
     if SERVICE_VERSION not in resource.attributes:
-        resource = resource.merge(Resource({SERVICE_VERSION: _package_version()}))
+        resource = resource.merge(Resource({SERVICE_VERSION: package_version() or "unknown"}))
     exporters = [_otlp_exporter() if n == "otlp" else ConsoleSpanExporter() for n in names]
     provider = TracerProvider(resource=resource)  # shuts down (flushing every processor) at exit
     for exporter in exporters:
@@ -108,16 +110,6 @@ def setup_tracing(service_name: str) -> bool:
     _enabled = True
     log.info("tracing on: %s spans of %s", "+".join(names), resource.attributes.get(SERVICE_NAME))
     return True
-
-
-def _package_version() -> str:
-    """specmesh's installed version (the resource's service.version), "unknown" when it is not installed."""
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("specmesh")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _otlp_exporter():

@@ -45,6 +45,26 @@ HISTOGRAMS = (
 )
 
 
+def running_waiting(loop) -> tuple[int, int]:
+    """(running, waiting) sessions of a step loop, or of an engine core over one: unlocked reads, a racing pair
+    clamped."""
+    waiting = loop.num_waiting
+    return max(0, loop.num_sessions - waiting), waiting
+
+
+def pool_load(loops: Iterable[StepLoop]) -> dict:
+    """Sessions and KV blocks of step loops together: running, waiting, kv_blocks, kv_blocks_used, kv_usage."""
+    running = waiting = blocks = used = 0
+    for loop in loops:
+        num_running, num_waiting = running_waiting(loop)
+        running += num_running
+        waiting += num_waiting
+        blocks += loop.verifier.allocator.num_blocks
+        used += loop.verifier.allocator.num_used
+    return {"running": running, "waiting": waiting, "kv_blocks": blocks, "kv_blocks_used": used,
+            "kv_usage": used / blocks if blocks else 0.0}
+
+
 class VerifierMetrics:
     """Metrics of the verifiers ``verifiers()`` returns at each scrape, registered in ``registry`` (default: a
     new one, ``.registry``). ``verifiers`` must be cheap and thread-safe (it runs on the HTTP thread): e.g.
@@ -64,15 +84,8 @@ class VerifierMetrics:
 
     def collect(self):
         verifiers = list(self.verifiers())
-        sessions = waiting = blocks = used = 0
-        for v in verifiers:
-            num_waiting = v.num_waiting
-            sessions += max(0, v.num_sessions - num_waiting)  # unlocked reads: clamp a racing pair
-            waiting += num_waiting
-            allocator = v.verifier.allocator
-            blocks += allocator.num_blocks
-            used += allocator.num_used
-        values = (sessions, waiting, used / blocks if blocks else 0.0, blocks, used)
+        load = pool_load(verifiers)
+        values = (load["running"], load["waiting"], load["kv_usage"], load["kv_blocks"], load["kv_blocks_used"])
         for (name, doc), value in zip(GAUGES, values, strict=True):
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         for name, doc, attr in COUNTERS:

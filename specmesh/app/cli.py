@@ -420,13 +420,9 @@ def _resolve(target: str):
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    from specmesh import package_version
 
-    try:
-        return installed("specmesh")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return package_version() or "unknown (not installed)"
 
 
 def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
