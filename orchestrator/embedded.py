@@ -26,10 +26,10 @@ from orchestrator.engine import Engine
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
 from orchestrator.requests import CoreEngine, Method, RequestOutput
 from specmesh import models
-from specmesh.fast_llama import make_runner
 from specmesh.host_runtime import freeze_heap
 from specmesh.model_runner import ModelRunner
-from specmesh.models import load_model, load_tokenizer
+from specmesh.models import load_runner, load_tokenizer
+from specmesh.text_tokenizer import load_text_tokenizer
 from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
 
@@ -62,19 +62,22 @@ class EmbeddedStack:
         lookahead: LookaheadConfig | None = None,
         device: torch.device | str = "cpu",
         kv_cache_gb: float | None = None,
+        hf_modules: bool = False,
     ) -> EmbeddedStack:
         """Load the target (and draft) from local directories; ``runner``: auto | fast | hf; ``attention``: the
         fast runner's attention backend (auto | sdpa | triton);
         ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window;
-        ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool."""
+        ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool; ``hf_modules``: keep
+        the transformers modules and tokenizer (``runner.model``: `bench`'s HF peers), else a Llama-family model
+        and its tokenizer load without transformers where that is exact (``models.load_runner``)."""
         if draft is not None:  # from the configs, before any weights load
             check_vocab_sizes(config_vocab_size(target), config_vocab_size(draft))
-        tokenizer = model_tokenizer(target, "target")
-        target_runner = make_runner(load_model(target, dtype, device), runner, attention)
+        tokenizer = model_tokenizer(target, "target", hf_modules)
+        target_runner = load_runner(target, dtype, runner, device, attention, hf_modules)
         draft_runner = None
         if draft is not None:
-            draft_runner = make_runner(load_model(draft, draft_dtype or dtype, device), runner, attention)
-            check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft"))
+            draft_runner = load_runner(draft, draft_dtype or dtype, runner, device, attention, hf_modules)
+            check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft", hf_modules))
         return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target))
 
     @cached_property
@@ -240,17 +243,19 @@ def check_compatible(target: ModelRunner, draft: ModelRunner, target_tok, draft_
                                  "tokenizer")
 
 
-def model_tokenizer(path: str | Path, role: str):
-    """The tokenizer saved with a model; IncompatibleModels saying which model lacks one."""
+def model_tokenizer(path: str | Path, role: str, hf: bool = False):
+    """The tokenizer saved with a model (transformers' own with ``hf``, else without transformers where that
+    gives the same ids: ``specmesh.text_tokenizer``); IncompatibleModels saying which model lacks one."""
     try:
-        return load_tokenizer(path)
-    except (OSError, ValueError):  # transformers' own message runs to several lines of guesses
+        return load_tokenizer(path) if hf else load_text_tokenizer(path)
+    except Exception:  # transformers' own message runs to several lines of guesses; tokenizers' is a bare one
         raise IncompatibleModels(f"no tokenizer could be loaded from the {role} model's directory {path} (it needs "
                                  "the tokenizer files saved with the model, e.g. tokenizer.json)") from None
 
 
-def load_stack(args: argparse.Namespace) -> EmbeddedStack:
-    """The stack an embedded command's options name (`orchestrator.arguments.add_embedded_arguments`)."""
+def load_stack(args: argparse.Namespace, hf_modules: bool = False) -> EmbeddedStack:
+    """The stack an embedded command's options name (`orchestrator.arguments.add_embedded_arguments`);
+    ``hf_modules``: see ``EmbeddedStack.load``."""
     models.set_threads(args.threads)
     target, draft = resolve_models(args)
     try:
@@ -262,7 +267,7 @@ def load_stack(args: argparse.Namespace) -> EmbeddedStack:
             target, draft, models.torch_dtype(args.dtype, device),
             models.draft_dtype(args.draft_dtype, args.dtype, device), runner=args.runner, attention=args.attention,
             store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None), device=device,
-            kv_cache_gb=getattr(args, "kv_cache_gb", None),
+            kv_cache_gb=getattr(args, "kv_cache_gb", None), hf_modules=hf_modules,
         )
     except IncompatibleModels as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None

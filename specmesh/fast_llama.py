@@ -28,17 +28,23 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import PreTrainedModel
 
+from specmesh import checkpoint
+from specmesh.contract import ModelInfo
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.models import ATTENTION_BACKENDS
 from specmesh.padded_attention import PAD_LIMIT, PAD_MAX_NEW, padded_layout, padded_sdpa
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 ALIGN_INT32 = 4  # int32 elements per 16 bytes
@@ -47,7 +53,7 @@ ALIGN_INT32 = 4  # int32 elements per 16 bytes
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 ATTENTION_ENV = "SPECMESH_ATTENTION"  # what ``auto`` means when set (e.g. triton, to force the kernel in tests)
-SUPPORTED_TYPES = {"llama", "mistral", "qwen2"}
+SUPPORTED_TYPES = set(checkpoint.SUPPORTED_TYPES)
 STATIC_ROPE = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -335,6 +341,10 @@ def attention_backend(choice: str, device: torch.device, dtype: torch.dtype) -> 
 
 # ------------------------------------------------------------------------------------- runner
 class FastLlamaRunner(ModelRunner):
+    """The fast forward over a Llama-family model: built on a loaded transformers module (``FastLlamaRunner(model)``,
+    whose parameters become views of the runner's weights) or straight from a checkpoint directory
+    (``from_checkpoint``: no transformers import, ``self.model`` is None)."""
+
     def __init__(self, model: PreTrainedModel, attention: str = "auto") -> None:
         reason = supports(model)
         if reason is not None:
@@ -342,10 +352,6 @@ class FastLlamaRunner(ModelRunner):
         super().__init__(model)
         cfg = model.config
         inner = model.model
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.eps = cfg.rms_norm_eps
         # The runner's own layout of the weights ([in, out], fused QKV and gate/up) is the only copy kept: the
         # HF module's parameters become views into it (``_share``), so its forward (the HF peers of `bench`)
         # still runs, on the same numbers, without a second copy of the model in memory.
@@ -379,7 +385,59 @@ class FastLlamaRunner(ModelRunner):
             positions = torch.arange(self.info.max_positions, device=self.device)[None]
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = inner.rotary_emb(probe, positions)  # [1, max_positions, head_dim]
-        self.cos, self.sin = cos[0], sin[0]
+        self._setup(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None),
+                    getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, cfg.rms_norm_eps,
+                    cos[0], sin[0], attention)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        attention: str = "auto") -> FastLlamaRunner:
+        """The runner over the checkpoint in ``path`` read without transformers: config.json and safetensors,
+        exactly the weights and rotary tables transformers would load (``checkpoint.fast_reason`` must be
+        None, else ValueError with the reason). ``self.model`` is None: there is no transformers module."""
+        path = Path(path)
+        reason = checkpoint.fast_reason(path)
+        if reason is not None:
+            raise ValueError(f"{path} cannot be read without transformers: {reason}")
+        device = torch.device(device)
+        cfg = checkpoint.read_config(path)
+        tensors = checkpoint.load_tensors(path, dtype, device)
+        self = cls.__new__(cls)  # the ModelRunner fields without a module (ModelRunner.__init__ reads one)
+        self.model, self.dtype, self.device = None, dtype, device
+        eos = cfg["eos_token_id"] if cfg["eos_token_id"] is not None else ()
+        embed = tensors.pop("model.embed_tokens.weight")  # [vocab, hidden]
+        head = embed if cfg["tie_word_embeddings"] else tensors.pop("lm_head.weight")
+        self.info = ModelInfo(vocab_size=int(head.shape[0]), max_positions=int(cfg["max_position_embeddings"]),
+                              eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos))
+        self.layers = []
+        for i in range(cfg["num_hidden_layers"]):
+            w = {name[len(f"model.layers.{i}."):]: t for name, t in tensors.items()
+                 if name.startswith(f"model.layers.{i}.")}
+            att = [f"self_attn.{p}_proj" for p in "qkv"]
+            qkv_b = torch.cat([w[p + ".bias"] for p in att]) if att[0] + ".bias" in w else None
+            self.layers.append((w["input_layernorm.weight"], _t(torch.cat([w[p + ".weight"] for p in att])), qkv_b,
+                                _t(w["self_attn.o_proj.weight"]), w.get("self_attn.o_proj.bias"),
+                                w["post_attention_layernorm.weight"],
+                                _t(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]])),
+                                _t(w["mlp.down_proj.weight"])))
+        self.norm = tensors["model.norm.weight"]
+        self.lm_head, self.lm_head_bias = _t(head), None  # [hidden, vocab]
+        self.embed = None if cfg["tie_word_embeddings"] else embed
+        del tensors, embed, head
+        with torch.inference_mode():
+            cos, sin = checkpoint.rope_tables(cfg, dtype, device)
+        self._setup(cfg["num_attention_heads"], cfg.get("num_key_value_heads"), checkpoint.head_dim(cfg),
+                    cfg["rms_norm_eps"], cos, sin, attention)
+        return self
+
+    def _setup(self, num_heads: int, num_kv_heads: int | None, head_dim: int, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor, attention: str) -> None:
+        """What both constructors share, once the weights are in place; cos/sin: [max_positions, head_dim]."""
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim
+        self.eps = eps
+        self.cos, self.sin = cos, sin
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
 from specmesh.contract import ModelInfo
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class KVCache:
     """The keys/values of one session: a transformers ``DynamicCache`` plus the operations we need."""
 
     def __init__(self, model: PreTrainedModel) -> None:
+        from transformers import DynamicCache  # imported by the runner that needs it (a fast runner does not)
+
         self.hf_cache = DynamicCache(config=model.config)
         self.length = 0  # number of token positions held
 

@@ -189,12 +189,21 @@ def load_tokenizer(path: str | Path):
 
 
 def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto",
-                device: str | torch.device = "cpu", attention: str = "auto") -> ModelRunner:
+                device: str | torch.device = "cpu", attention: str = "auto", hf_module: bool = False) -> ModelRunner:
     """A model runner over the model in ``path`` on ``device``: ``backend`` auto (the fast Llama path where it
-    is exact, else transformers), fast or hf; ``attention``: the fast path's attention (auto, sdpa, triton)."""
-    from specmesh.fast_llama import make_runner
+    is exact, else transformers), fast or hf; ``attention``: the fast path's attention (auto, sdpa, triton).
+    The fast path reads a Llama-family checkpoint without importing transformers' modelling code (seconds of a
+    command's start, ``specmesh.checkpoint``) unless ``hf_module`` asks for the transformers module as well
+    (``runner.model``: the HF peers of `bench`, training)."""
+    import torch
 
-    return make_runner(load_model(path, dtype, device), backend, attention)
+    from specmesh.checkpoint import fast_reason
+    from specmesh.fast_llama import FastLlamaRunner, make_runner
+
+    directory = model_dir(path)
+    if backend in ("auto", "fast") and not hf_module and fast_reason(directory) is None:
+        return FastLlamaRunner.from_checkpoint(directory, dtype or torch.float32, device, attention)
+    return make_runner(load_model(directory, dtype, device), backend, attention)
 
 
 # ------------------------------------------------------------ model options

@@ -1,4 +1,5 @@
-"""Text <-> token ids in a process that runs no model (`specmesh serve`), without transformers and torch.
+"""Text <-> token ids without transformers (and torch): `specmesh serve`, which runs no model, and the embedded
+commands, which run the fast path without transformers' import cost.
 
 A model directory's ``tokenizer.json`` is read with the ``tokenizers`` library, which is what
 transformers' fast tokenizers run underneath; for the tokenizer classes that add nothing on the
@@ -24,11 +25,16 @@ class TextTokenizer:
 
         self._tokenizer = Tokenizer.from_file(str(tokenizer_json))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> list[int]:
+        """``verbose``: transformers' switch for its too-long-prompt warning; nothing is warned about here."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token -> id, added tokens included (as transformers' ``get_vocab``)."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
 
 
 def load_text_tokenizer(path: str | Path):

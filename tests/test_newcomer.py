@@ -165,7 +165,8 @@ def test_a_taken_port_fails_before_any_model_loads(flag):
 @pytest.mark.parametrize("argv", [["generate", "--target", "/nonexistent", "x"],
                                   ["generate", "--device", "tpu", "x"],
                                   ["serve", "--embedded", "--target", "/nonexistent"],
-                                  ["serve", "/nonexistent"]])
+                                  ["serve", "/nonexistent"],
+                                  ["generate", "--max-new-tokens", "100", "x " * 3000]])  # past the context
 def test_argument_and_path_errors_come_before_the_heavy_imports(argv):
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "specmesh", *argv], capture_output=True, text=True, timeout=120)

@@ -413,7 +413,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    stack = load_stack(args)
+    stack = load_stack(args, hf_modules=any(s.is_hf for s in specs))  # HF peers run the transformers modules
     with contextlib.ExitStack() as resources:
         client = _grpc_client(args, specs, target_dir, draft_dir, resources)
 
@@ -457,7 +457,7 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
 
     prompts = []
     for row in rows:
-        ids = stack.tokenizer(row["prompt"]).input_ids
+        ids = stack.tokenizer.encode(row["prompt"])
         max_new = args.max_new_tokens or int(row.get("max_new_tokens", 128))
         if len(ids) + max_new + 1 > stack.target_runner.info.max_positions:
             print(f"skipping {row['id']}: {len(ids)} prompt tokens + {max_new} do not fit the context", file=sys.stderr)

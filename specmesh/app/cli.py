@@ -225,12 +225,32 @@ def _stats(summary: dict) -> dict:
 WARMUP_TOKENS = 16
 
 
+def _check_prompt_fits(args: argparse.Namespace, prompt: str, max_new_tokens: int) -> None:
+    """The prompt's length against the target's context, from its tokenizer and config.json before any model
+    loads (the verifier checks it again, in the same words)."""
+    from orchestrator.arguments import resolve_models
+    from specmesh.checkpoint import read_config
+    from specmesh.models import model_dir
+    from specmesh.text_tokenizer import load_text_tokenizer
+
+    target = model_dir(resolve_models(args)[0])
+    context = read_config(target).get("max_position_embeddings")
+    try:
+        length = len(load_text_tokenizer(target).encode(prompt, verbose=False))
+    except Exception:  # no tokenizer: the stack's load says so, in its own words
+        return
+    if context is not None and length + max_new_tokens > context:
+        raise SystemExit(f"specmesh generate: prompt ({length} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the target's context of {context} positions")
+
+
 def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str):
     import dataclasses
 
     from orchestrator.arguments import check_embedded_options
 
     check_embedded_options(args)  # before the imports below: a bad path or device is told in a second
+    _check_prompt_fits(args, prompt, sampling.max_new_tokens)
     from orchestrator.acceptance import request_sampling
     from orchestrator.embedded import load_stack
     from orchestrator.engine import GenerationResult

@@ -259,7 +259,7 @@ def train_falcon(cfg: FalconTrainConfig, runner=None, tokenizer=None, progress: 
     if runner is None:
         from specmesh import models
 
-        runner = models.load_runner(cfg.target, torch.float32, "auto", "cpu", "sdpa")
+        runner = models.load_runner(cfg.target, torch.float32, "auto", "cpu", "sdpa", hf_module=True)
         tokenizer = models.load_tokenizer(cfg.target)
     tables: TargetTables = target_tables(runner).to(torch.float32)
     data = _features(cfg, runner, tokenizer)
