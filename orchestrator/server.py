@@ -152,7 +152,7 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="serve this model in this process with the OpenAI-compatible API on --host/--port, as "
-                        "`vllm serve MODEL` does: a local Hugging Face directory or ORG/NAME on the hub (from its "
+                        "`vllm serve MODEL` does: a local Hugging Face directory, a .gguf file or ORG/NAME on the hub (from its "
                         "local cache, downloaded when missing); the same as --embedded --target MODEL --http "
                         "HOST:PORT, with the gRPC port only when --listen asks for it")
     p.add_argument("--host", default=None,

@@ -38,15 +38,88 @@ HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktok
 
 
 def model_dir(path: str | Path) -> Path:
-    """The Hugging Face model directory ``path`` names: a local directory, or ``ORG/NAME`` on the hub, found in
+    """The Hugging Face model directory ``path`` names: a local directory, a ``.gguf`` file (``gguf_dir``), or
+    ``ORG/NAME`` on the hub, found in
     the local hub cache (``$HF_HOME``/``$HF_HUB_CACHE``) or downloaded into it (with a progress bar; offline,
     ``HF_HUB_OFFLINE=1``, the cache only). ValueError saying why not otherwise."""
     local = Path(path)
     if (local / "config.json").is_file():
         return local
+    if local.suffix == ".gguf" and local.is_file():
+        return gguf_dir(local)
     if local.exists() or not HUB_ID.fullmatch(str(path)):
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
     return hub_snapshot(str(path))
+
+
+GGUF_CACHE = "SPECMESH_GGUF_CACHE"  # where .gguf files are dequantized to (default ~/.cache/specmesh/gguf)
+GGUF_EXACT_TYPES = ("F32", "F16")  # tensor types a float32 checkpoint holds exactly; any other: bfloat16
+
+
+def gguf_dir(file: Path) -> Path:
+    """The Hugging Face directory a ``.gguf`` file is dequantized to, once: under $SPECMESH_GGUF_CACHE (default
+    ~/.cache/specmesh/gguf), named by the file's SHA-256, so an edited file is converted again. The weights
+    go through transformers' GGUF reader and are saved as safetensors, in float32 when every tensor of the
+    file is F32 or F16 (exact), else (quantized or BF16 tensors) in bfloat16; the tokenizer and chat template
+    come from the file. ValueError saying what to do when the optional ``gguf`` package is missing or the
+    file cannot be read."""
+    import hashlib
+    import shutil
+    import sys
+
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError(f"{file}: reading a GGUF file needs the gguf package: pip install 'specmesh[gguf]'") from None
+    root = Path(os.environ.get(GGUF_CACHE) or Path.home() / ".cache" / "specmesh" / "gguf")
+    stat = file.stat()  # a file seen before, unchanged, is not hashed again (seconds for a multi-GB file)
+    seen = root / "seen" / hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    if seen.is_file() and (root / seen.read_text() / "config.json").is_file():
+        return root / seen.read_text()
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    target = root / f"{file.stem}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        _remember(seen, target.name)
+        return target
+    print(f"specmesh: dequantizing {file} into {target} (once)", file=sys.stderr)
+    try:
+        types = {t.tensor_type.name for t in gguf.GGUFReader(str(file)).tensors}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file} cannot be read as a GGUF file: {exc}") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ValueError(f"{file}: transformers cannot load this GGUF file: {exc}") from None
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a plain checkpoint from here on
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    dtype = torch.float32 if types <= set(GGUF_EXACT_TYPES) else torch.bfloat16
+    partial = root / f".{target.name}.{os.getpid()}"  # written whole, then renamed: no half directory is ever seen
+    shutil.rmtree(partial, ignore_errors=True)
+    plain.to(dtype).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(target)
+    except OSError:  # another process converted it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    _remember(seen, target.name)
+    return target
+
+
+def _remember(seen: Path, name: str) -> None:
+    seen.parent.mkdir(parents=True, exist_ok=True)
+    seen.write_text(name)
 
 
 def served_name(spec: str | Path | None) -> str:
@@ -249,8 +322,10 @@ positive_float.__name__ = "float"
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     """The target model's options (`specmesh verifier`, and the target half of generate/bench)."""
     p.add_argument("--target", type=Path, default=None,
-                   help="target model: any local Hugging Face causal-LM directory, or ORG/NAME on the Hugging Face hub "
-                        "(its local cache; downloaded when missing) (default: the bundled demo target)")
+                   help="target model: any local Hugging Face causal-LM directory, a .gguf file (dequantized once into "
+                        "$SPECMESH_GGUF_CACHE, default ~/.cache/specmesh/gguf; needs the gguf extra), or ORG/NAME on "
+                        "the Hugging Face hub (its local cache; downloaded when missing) (default: the bundled demo "
+                        "target)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="target weights dtype; 'auto' = bfloat16 on a GPU, float32 on the CPU (default: auto)")
 
