@@ -1,27 +1,34 @@
 """Prometheus metrics of a drafter server (`specmesh drafter`), by proposer.
 
 The servicer calls ``proposed`` once per Propose it answered; open sessions are read at scrape time
-from ``sessions()`` (proposer -> sessions), so opening and closing sessions costs nothing here.
+from ``sessions()`` (proposer -> sessions), so opening and closing sessions costs nothing here. Every
+family carries ``model_name`` (the served model the drafter drafts for, as ``serve`` names it) and
+``proposer``; the children of the proposers served exist at 0 from the start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from specmesh.metrics import COUNT_BUCKETS, PREFIX, SECONDS_BUCKETS, new_registry
 
+LABELS = ["model_name", "proposer"]
+
 
 class DrafterMetrics:
-    """A drafter's metrics in ``registry`` (default: a new one, ``.registry``). ``sessions``: returns the open
-    sessions per proposer, called on the HTTP thread at each scrape (None: no sessions gauge)."""
+    """A drafter's metrics in ``registry`` (default: a new one, ``.registry``), labelled ``model_name``.
+    ``sessions``: returns the open sessions per proposer, called on the HTTP thread at each scrape (None: no
+    sessions gauge). ``proposers``: the proposers served, whose series exist at 0 before their first Propose."""
 
     def __init__(self, registry: CollectorRegistry | None = None,
-                 sessions: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 sessions: Callable[[], Mapping[str, int]] | None = None, *, model_name: str,
+                 proposers: Iterable[str] = ()) -> None:
         self.registry = registry = new_registry(registry)
-        label = ["proposer"]
+        self.model_name = model_name
+        label = LABELS
         self.proposals = Counter(PREFIX + "drafter_proposals", "Proposals drafted (Proposes with a non-zero budget).",
                                  label, registry=registry)
         self.seconds = Histogram(PREFIX + "drafter_proposal_seconds",
@@ -37,19 +44,25 @@ class DrafterMetrics:
                                 "Verifications' feedback received with Proposes (one per verification: the "
                                 "target's top-k rows, Jacobi n-grams).", label, registry=registry)
         self._children: dict[str, tuple] = {}
+        for proposer in proposers:
+            self._proposer(proposer)
         if sessions is not None:
-            registry.register(_SessionsCollector(sessions))
+            registry.register(_SessionsCollector(sessions, model_name))
+
+    def _proposer(self, proposer: str) -> tuple:
+        """The children of ``proposer`` (made on first use: labels() costs a lock and a lookup)."""
+        children = self._children.get(proposer)
+        if children is None:
+            children = self._children[proposer] = tuple(
+                m.labels(self.model_name, proposer)
+                for m in (self.proposals, self.seconds, self.nodes, self.tree_nodes, self.syncs, self.feedback))
+        return children
 
     def proposed(self, proposer: str, num_nodes: int, seconds: float, num_feedback: int = 0,
                  drafted: bool = True) -> None:
         """One Propose answered by ``proposer``: a tree of ``num_nodes`` nodes after ``seconds``, with
         ``num_feedback`` feedback items; ``drafted`` False for a zero budget (a context sync)."""
-        children = self._children.get(proposer)
-        if children is None:
-            children = self._children[proposer] = tuple(
-                m.labels(proposer) for m in (self.proposals, self.seconds, self.nodes, self.tree_nodes, self.syncs,
-                                             self.feedback))
-        proposals, latency, nodes, tree_nodes, syncs, feedback = children
+        proposals, latency, nodes, tree_nodes, syncs, feedback = self._proposer(proposer)
         if drafted:
             proposals.inc()
             latency.observe(seconds)
@@ -62,14 +75,15 @@ class DrafterMetrics:
 
 
 class _SessionsCollector:
-    def __init__(self, sessions: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, sessions: Callable[[], Mapping[str, int]], model_name: str) -> None:
         self.sessions = sessions
+        self.model_name = model_name
 
     def describe(self):
-        yield GaugeMetricFamily(PREFIX + "drafter_num_sessions", "Open drafter sessions.", labels=["proposer"])
+        yield GaugeMetricFamily(PREFIX + "drafter_num_sessions", "Open drafter sessions.", labels=LABELS)
 
     def collect(self):
-        family = GaugeMetricFamily(PREFIX + "drafter_num_sessions", "Open drafter sessions.", labels=["proposer"])
+        family = GaugeMetricFamily(PREFIX + "drafter_num_sessions", "Open drafter sessions.", labels=LABELS)
         for proposer, count in sorted(self.sessions().items()):
-            family.add_metric([proposer], count)
+            family.add_metric([self.model_name, proposer], count)
         yield family

@@ -104,9 +104,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
         self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256,
         max_context: int = DEFAULT_MAX_CONTEXT, metrics_registry: CollectorRegistry | None = None,
-        feature_hidden: int = 0, max_sessions: int = DEFAULT_MAX_SESSIONS,
+        feature_hidden: int = 0, max_sessions: int = DEFAULT_MAX_SESSIONS, model_name: str = "demo",
     ) -> None:
-        """``metrics_registry``: where to keep Prometheus metrics (``drafter_service/metrics.py``); None = none.
+        """``metrics_registry``: where to keep Prometheus metrics (``drafter_service/metrics.py``), labelled
+        ``model_name`` (the served model drafted for); None = none.
         ``feature_hidden``: the target's hidden size, the width of the target features its feature proposers read
         (0 = not checked). ``max_sessions``: sessions open at once; one more is RESOURCE_EXHAUSTED."""
         if max_sessions < 1:
@@ -125,7 +126,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.num_sessions = 0
         self.draining = False  # set when this replica is being stopped: new sessions go elsewhere
         self.drafts, self.draft_seconds = 0, 0.0  # proposals answered and their total time (autoscaling reads them)
-        self.metrics = DrafterMetrics(metrics_registry, self.sessions_by_proposer) if metrics_registry is not None else None
+        self.metrics = None
+        if metrics_registry is not None:
+            self.metrics = DrafterMetrics(metrics_registry, self.sessions_by_proposer, model_name=model_name,
+                                          proposers=self._drafters)
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new sessions (UNAVAILABLE: the orchestrator fails over) and wait up to ``timeout`` seconds for
@@ -330,6 +334,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_store_argument(p)
     add_members_argument(p)
     metrics.add_metrics_argument(p)
+    p.add_argument("--model-name", default=None,
+                   help="the served model this drafter drafts for, as the `model_name` label of its metrics (as "
+                        "`serve --model-name` gives it; default: what `serve` names --target: the directory's name, "
+                        "`demo` without --target)")
     serving.add_server_arguments(p)
 
 
@@ -422,7 +430,8 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
         raise SystemExit(f"specmesh drafter: {exc}") from None
     try:
         return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context, metrics_registry,
-                               feature_hidden=hidden, max_sessions=args.max_sessions)
+                               feature_hidden=hidden, max_sessions=args.max_sessions,
+                               model_name=args.model_name or models.served_name(args.target))
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
 
@@ -446,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
     security = serving.server_security(args)
     registry = None
     if args.metrics is not None:  # before loading anything: a port in use fails at once
-        registry = CollectorRegistry()
+        registry = metrics.new_registry()
         metrics.start_metrics_server(args.metrics, registry)
     servicer = build_servicer(args, registry)
     log.info("proposers: %s (default %s)", ", ".join(sorted(servicer._drafters)), servicer.default_proposer)

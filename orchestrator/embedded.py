@@ -207,11 +207,11 @@ class EmbeddedBackend:
 
         return pool_load(core.loop for core in self.stack.shared_verifiers())
 
-    def register_metrics(self, registry) -> None:
+    def register_metrics(self, registry, model_name: str) -> None:
         """The shared verifiers' metrics (KV pool, batches) in ``registry``, beside serve's."""
         from verifier_service.metrics import VerifierMetrics
 
-        VerifierMetrics(lambda: [core.loop for core in self.stack.shared_verifiers()], registry)
+        VerifierMetrics(lambda: [core.loop for core in self.stack.shared_verifiers()], registry, model_name=model_name)
 
 
 class IncompatibleModels(ValueError):

@@ -39,7 +39,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -48,6 +47,7 @@ from orchestrator.service import Chunk, Final, GenerateRequest, GenerationServic
 from specmesh import package_version, rpc
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, UnknownSessionError
+from specmesh.metrics import exposition
 from specmesh.sampling import SamplingParams
 
 log = logging.getLogger("specmesh.http")
@@ -594,8 +594,10 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
         return {**service.load(), "draining": api.draining}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        """The format the scraper asks for (OpenMetrics for a Prometheus server), as the --metrics port answers."""
+        body, content_type = exposition(service.metrics.registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     _add_docs(app, auth, public=not api.tokens)
     return app

@@ -9,7 +9,10 @@ request arrives and drives the ``RequestMetrics`` it returns through the request
     metrics.step(step_stats)                   # one speculative step (drafts, accepted tokens, failovers)
     metrics.finished(reason, prompt, generated)  # once; later calls do nothing (call it from a finally)
 
-Names follow vLLM's (``specmesh:`` for ``vllm:``); every metric carries vLLM's ``model_name`` label.
+Names follow vLLM's (``specmesh_`` for ``vllm:``); every metric carries vLLM's ``model_name`` label.
+Labelled children exist from the start at 0, as vLLM's ``finished_reason`` ones do, so ``increase()`` and
+error-ratio alerts see a series before its first event: every finish reason, every registered proposer as
+``source``, every ``position`` a proposer's default budget reaches (deeper ones appear when first used).
 Inter-token latency is per token: a chunk of n tokens arriving a gap g after the previous chunk is n
 samples of g / n (a speculative step commits several tokens at once; per-chunk samples would hide
 that). The first chunk with tokens gives time to first token, measured from ``request()`` (queueing
@@ -25,6 +28,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from drafter_service.proposer import proposer_names, proposer_spec
 from orchestrator.stats import StepStats
 from specmesh.metrics import PREFIX, new_registry
 
@@ -37,14 +41,21 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                240.0, 480.0, 960.0, 1920.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 MAX_SOURCES = 32  # distinct `source` labels (proposer names) before the rest count as "other"
+FINISHED_REASONS = ("stop", "length", "error", "aborted")  # the stop checker's, and the two failures
+
+
+def default_positions() -> int:
+    """Draft positions a default budget reaches: the deepest registered proposer's default depth."""
+    return max((proposer_spec(name).max_depth for name in proposer_names()), default=0)
 
 
 class ServeMetrics:
     """The orchestrator's metrics in ``registry`` (default: a new one of its own, ``.registry``)."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: seconds, for the latencies (tests pass a fake one)."""
+                 clock: Callable[[], float] = time.monotonic, num_positions: int | None = None) -> None:
+        """``clock``: seconds, for the latencies (tests pass a fake one). ``num_positions``: the per-position
+        children made at 0 up front (default: ``default_positions()``)."""
         self.registry = registry = new_registry(registry)
         self.model_name = model_name
         self.clock = clock
@@ -94,6 +105,14 @@ class ServeMetrics:
         self._sources: dict[tuple[bool, str], object] = {}  # children of the per-source counters
         self._source_names: set[str] = set()
         self._lock = threading.Lock()
+        # every known label value at 0 now, not at its first event
+        for reason in FINISHED_REASONS:
+            self.success(reason)
+        for name in proposer_names():
+            self.per_source(False, name)
+            self.per_source(True, name)
+        for position in range(default_positions() if num_positions is None else num_positions):
+            self.accepted_at(position)
 
     def request(self) -> RequestMetrics:
         """A request arrived: it waits for a worker until ``started()``."""

@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
     backend, tokenizer_dir, tokenizer = _embedded_backend(args) if args.embedded else _remote_backend(args, security)
     model_name = args.model_name or models.served_name(args.target if args.embedded else backend.model or tokenizer_dir)
     metrics = ServeMetrics(model_name)
-    backend.register_metrics(metrics.registry)
+    backend.register_metrics(metrics.registry, model_name)
     service = build_service(args, backend, tokenizer, model_name, metrics)
     if args.metrics:
         start_metrics_server(args.metrics, metrics.registry)

@@ -140,8 +140,9 @@ class Backend(Protocol):
         cores, the KV pool's ``kv_blocks`` / ``kv_blocks_used`` / ``kv_usage`` where the pool is in this
         process, per-replica figures where it is not."""
 
-    def register_metrics(self, registry) -> None:
-        """Add the backend's own metrics (e.g. an in-process verifier's KV pool) to a Prometheus registry."""
+    def register_metrics(self, registry, model_name: str) -> None:
+        """Add the backend's own metrics (e.g. an in-process verifier's KV pool) to a Prometheus registry,
+        labelled ``model_name`` as the orchestrator's."""
 
 
 def least_loaded(clients: Sequence, rng: random.Random) -> list:
@@ -240,7 +241,7 @@ class RemoteBackend:
         return {"running": sum(r["running"] for r in replicas), "waiting": sum(r["waiting"] for r in replicas),
                 "verifiers": replicas}
 
-    def register_metrics(self, registry) -> None:
+    def register_metrics(self, registry, model_name: str) -> None:
         """Nothing to add: the verifiers' and drafters' metrics are served by their own processes."""
 
 

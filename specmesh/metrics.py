@@ -2,9 +2,14 @@
 
 Each server keeps its metrics in a ``CollectorRegistry`` of its own (never prometheus_client's global
 one: tests build many servers in one process) and serves it with ``start_metrics_server`` when
-``--metrics HOST:PORT`` is given. Names start with ``specmesh:`` and follow vLLM's where vLLM has
-the same quantity (``vllm:spec_decode_num_drafts`` -> ``specmesh:spec_decode_num_drafts``); counters
-are exposed with prometheus_client's ``_total`` suffix, as vLLM's are.
+``--metrics HOST:PORT`` is given. Names start with ``specmesh_`` and follow vLLM's where vLLM has
+the same quantity (``vllm:spec_decode_num_drafts`` -> ``specmesh_spec_decode_num_drafts``); counters
+are exposed with prometheus_client's ``_total`` suffix, as vLLM's are. No colon: Prometheus reserves
+colons for recording rules, and prometheus_client's OpenMetrics exposition (what a Prometheus server
+negotiates) escapes one to ``_`` while its text format keeps it, so one counter would have two names.
+``Registry`` leaves out prometheus_client's ``_created`` samples (vLLM turns them off process-wide): in
+the text format they are gauges of their own (``X_created``) that the OpenMetrics format does not have,
+so each endpoint and format exposes the same series, with HELP/TYPE for exactly those.
 
 ``Buckets`` is a histogram that a hot loop fills without prometheus_client (one bisect and two
 additions, no lock) and a collector reads at scrape time: the verifier's scheduler records its
@@ -19,12 +24,13 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
 from specmesh.serving import split_host_port
 
-PREFIX = "specmesh:"
+PREFIX = "specmesh_"
 log = logging.getLogger("specmesh.metrics")
 
 # histogram bounds shared by the servers
@@ -78,8 +84,10 @@ class Buckets:
         self.sum += value
 
 
-def histogram_family(name: str, documentation: str, histograms: Iterable[Buckets]) -> HistogramMetricFamily:
-    """One Prometheus histogram summing ``histograms`` (all with the same bounds), for a custom collector."""
+def histogram_family(name: str, documentation: str, histograms: Iterable[Buckets], labels: Sequence[str] = (),
+                     label_values: Sequence[str] = ()) -> HistogramMetricFamily:
+    """One Prometheus histogram summing ``histograms`` (all with the same bounds), for a custom collector; its
+    one series has ``label_values`` for ``labels``."""
     histograms = list(histograms)
     bounds = histograms[0].bounds if histograms else ()
     counts = [0] * (len(bounds) + 1)
@@ -94,11 +102,33 @@ def histogram_family(name: str, documentation: str, histograms: Iterable[Buckets
     for bound, count in zip((*bounds, float("inf")), counts, strict=True):
         running += count
         cumulative.append((floatToGoString(bound), running))
-    family = HistogramMetricFamily(name, documentation)
-    family.add_metric([], cumulative, total)
+    family = HistogramMetricFamily(name, documentation, labels=labels)
+    family.add_metric(label_values, cumulative, total)
     return family
 
 
-def new_registry(registry: CollectorRegistry | None) -> CollectorRegistry:
-    """``registry``, or a fresh one (never the process-wide default)."""
-    return registry if registry is not None else CollectorRegistry()
+class Registry(CollectorRegistry):
+    """A CollectorRegistry without the ``_created`` samples prometheus_client adds to counters, histograms
+    and summaries (the text format shows each as a gauge family of its own, OpenMetrics as a sample of its
+    family: the two formats would disagree on the series and their metadata)."""
+
+    def collect(self):
+        for family in super().collect():
+            created = family.name + "_created"
+            if family.type in ("counter", "histogram", "summary") and any(s.name == created for s in family.samples):
+                kept = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples = [s for s in family.samples if s.name != created]
+                family = kept
+            yield family
+
+
+def new_registry(registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """``registry``, or a fresh ``Registry`` (never the process-wide default)."""
+    return registry if registry is not None else Registry()
+
+
+def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """``registry`` rendered in the format an ``Accept`` header asks for (OpenMetrics for a Prometheus server,
+    else text 0.0.4), as ``start_metrics_server`` answers: (body, content type)."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type

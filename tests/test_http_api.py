@@ -302,10 +302,11 @@ def test_models_health_and_metrics(server, client):
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     load = json.loads(get(app.url + "/load")[1])
     assert load == {"requests": 0, "max_requests": service.max_requests, "running": 0, "waiting": 0,
-                    "kv_blocks": load["kv_blocks"], "kv_blocks_used": 0, "kv_usage": 0.0, "draining": False}
+                    "kv_blocks": load["kv_blocks"], "kv_blocks_used": 0, "kv_blocks_reserved": 0, "kv_usage": 0.0,
+                    "draining": False}
     assert load["kv_blocks"] == sum(v.loop.verifier.allocator.num_blocks for v in service.backend.stack.shared_verifiers())
     status, body = get(app.url + "/metrics")
-    assert status == 200 and b"specmesh:" in body
+    assert status == 200 and b"specmesh_" in body
 
 
 def test_sampling_with_a_seed_repeats(client):
@@ -445,7 +446,7 @@ def test_specmesh_serve_embedded_answers_curl(stack):
         assert lines[-1] == "[DONE]"
         assert "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1]) == answer["choices"][0]["text"]
         assert json.loads(curl(url + "/v1/models"))["data"][0]["id"] == MODEL
-        assert b"specmesh:kv_cache_usage_perc" in get(url + "/metrics")[1]
+        assert b"specmesh_kv_cache_usage_perc" in get(url + "/metrics")[1]
     finally:
         proc.stop()
 
@@ -494,7 +495,7 @@ def test_serve_metrics_equal_the_requests_own_stats(stack):
                 samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
 
         def value(name: str, **labels) -> float:
-            return samples.get(("specmesh:" + name, tuple(sorted(labels.items()))), 0.0)
+            return samples.get(("specmesh_" + name, tuple(sorted(labels.items()))), 0.0)
 
         per_source = [s["per_source"] for s in stats]
         assert value("spec_decode_num_draft_tokens_total") == sum(v["proposed"] for p in per_source for v in p.values())

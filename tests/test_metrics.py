@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from spec_helpers import engine_for, greedy, make_prompts
 
 from drafter_service.metrics import DrafterMetrics
+from drafter_service.proposer import proposer_names
 from orchestrator.metrics import ServeMetrics
 from orchestrator.stats import StepStats
 from specmesh.metrics import Buckets, add_metrics_argument, histogram_family, start_metrics_server
@@ -31,7 +32,9 @@ MODEL = "m"
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float:
-    got = registry.get_sample_value("specmesh:" + name, labels)
+    """A sample's value (0 when absent); every family has ``model_name``, MODEL unless given."""
+    labels.setdefault("model_name", MODEL)
+    got = registry.get_sample_value("specmesh_" + name, labels)
     return 0.0 if got is None else got
 
 
@@ -93,7 +96,7 @@ def test_spec_decode_counters_are_sums_over_the_steps():
     assert value(r, "prompt_tokens_total", model_name=MODEL) == 30
     assert value(r, "generation_tokens_total", model_name=MODEL) == sum(s.num_accepted + 1 for s in steps)
     text = generate_latest(r).decode()
-    assert 'specmesh:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
+    assert 'specmesh_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
 
 
 def test_source_labels_are_bounded():
@@ -105,8 +108,10 @@ def test_source_labels_are_bounded():
     names = [f"p{i}" for i in range(MAX_SOURCES + 5)]
     req.step(StepStats(len(names), 1, 0, (), tuple(names), 0.0, 0.0))
     r = metrics.registry
+    free = MAX_SOURCES - len(proposer_names())  # the registered proposers' labels exist from the start
     assert value(r, "spec_decode_num_draft_tokens_per_source_total", model_name=MODEL, source="p0") == 1
-    assert value(r, "spec_decode_num_draft_tokens_per_source_total", model_name=MODEL, source="other") == 5
+    assert value(r, "spec_decode_num_draft_tokens_per_source_total", model_name=MODEL, source="other") == len(
+        names) - free
     labels = {s.labels["source"] for f in r.collect() for s in f.samples if "source" in s.labels}
     assert len(labels) == MAX_SOURCES + 1
 
@@ -182,10 +187,10 @@ def test_every_metrics_object_has_its_own_registry_and_they_can_share_one():
     assert ServeMetrics(MODEL).registry is not ServeMetrics(MODEL).registry  # no clash: no global registry
     shared = CollectorRegistry()  # the embedded server: orchestrator, verifiers and drafters in one process
     ServeMetrics(MODEL, shared)
-    VerifierMetrics(list, shared)
-    DrafterMetrics(shared, dict)
+    VerifierMetrics(list, shared, model_name=MODEL)
+    DrafterMetrics(shared, dict, model_name=MODEL)
     with pytest.raises(ValueError, match="Duplicated"):
-        VerifierMetrics(list, shared)
+        VerifierMetrics(list, shared, model_name=MODEL)
     generate_latest(shared)
 
 
@@ -198,7 +203,7 @@ def runner(model_sets):
 def test_verifier_counts_equal_the_requests_steps(runner):
     prompts = make_prompts(6, seed=5, min_len=10, max_len=45)
     verifiers = [StepLoop(LocalVerifier(runner, max_tree_nodes=16, prefill_chunk=16)) for _ in range(2)]
-    metrics = VerifierMetrics(lambda: verifiers)
+    metrics = VerifierMetrics(lambda: verifiers, model_name=MODEL)
     r = metrics.registry
     results = [None] * len(prompts)
 
@@ -241,19 +246,25 @@ def test_verifier_gauges_follow_sessions_and_the_admission_queue(runner):
     local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=per_session * runner.kv_bytes_per_token / 2**30,
                           block_size=1)
     batching = StepLoop(local, max_waiting=4)
-    r = VerifierMetrics(lambda: [batching]).registry
+    r = VerifierMetrics(lambda: [batching], model_name=MODEL).registry
     try:
         batching.prefill("a", prompt, greedy(8))
-        assert value(r, "verifier_num_sessions") == 1 and value(r, "kv_cache_usage_perc") == 1.0
+        # the session reserved the whole pool, but only its prompt's blocks hold tokens (blocks of one token)
+        assert value(r, "verifier_num_sessions") == 1 and value(r, "verifier_kv_blocks_reserved") == per_session
+        assert value(r, "verifier_kv_blocks_used") == len(prompt)
+        assert value(r, "kv_cache_usage_perc") == pytest.approx(len(prompt) / per_session)
         waiting = batching.submit_prefill("b", prompt, greedy(8))  # the pool is full: it waits
         assert value(r, "verifier_num_waiting") == 1 and value(r, "verifier_num_sessions") == 1
-        batching.verify("a", TokenTree.empty())
+        batching.verify("a", TokenTree.empty())  # the pending token goes into the cache
+        assert value(r, "verifier_kv_blocks_used") == len(prompt) + 1
+        assert value(r, "kv_cache_usage_perc") == pytest.approx((len(prompt) + 1) / per_session)
         batching.release("a")
         waiting.result(timeout=30)
         assert value(r, "verifier_num_waiting") == 0 and value(r, "verifier_num_sessions") == 1
         batching.release("b")
         assert value(r, "verifier_num_sessions") == 0 and value(r, "kv_cache_usage_perc") == 0.0
-        assert value(r, "verifier_kv_blocks_used") == 0 and value(r, "verifier_kv_blocks") == per_session
+        assert value(r, "verifier_kv_blocks_used") == 0 == value(r, "verifier_kv_blocks_reserved")
+        assert value(r, "verifier_kv_blocks") == per_session
         assert value(r, "verifier_verify_calls_total") == 1 and value(r, "verifier_prefill_calls_total") == 2
     finally:
         batching.close()
@@ -264,20 +275,20 @@ def test_histogram_family_sums_buckets():
     for x in (1, 2, 5):
         a.observe(x)
     b.observe(0.5)
-    family = histogram_family("specmesh:x", "x", [a, b])
+    family = histogram_family("specmesh_x", "x", [a, b])
     samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
-    assert samples["specmesh:x_bucket", "1.0"] == 2
-    assert samples["specmesh:x_bucket", "4.0"] == 3
-    assert samples["specmesh:x_bucket", "+Inf"] == 4 == samples["specmesh:x_count", None]
-    assert samples["specmesh:x_sum", None] == 8.5
+    assert samples["specmesh_x_bucket", "1.0"] == 2
+    assert samples["specmesh_x_bucket", "4.0"] == 3
+    assert samples["specmesh_x_bucket", "+Inf"] == 4 == samples["specmesh_x_count", None]
+    assert samples["specmesh_x_sum", None] == 8.5
     with pytest.raises(ValueError, match="different bounds"):
-        histogram_family("specmesh:x", "x", [a, Buckets((1, 2))])
+        histogram_family("specmesh_x", "x", [a, Buckets((1, 2))])
 
 
 # ------------------------------------------------------------------ drafter
 def test_drafter_counts_by_proposer():
     open_sessions = {"copy": 2, "retrieval": 0}
-    metrics = DrafterMetrics(sessions=lambda: open_sessions)
+    metrics = DrafterMetrics(sessions=lambda: open_sessions, model_name=MODEL)
     r = metrics.registry
     metrics.proposed("copy", 5, 0.002, num_feedback=2)
     metrics.proposed("copy", 0, 0.001)
@@ -315,7 +326,7 @@ def test_metrics_endpoint_serves_the_registry_and_refuses_a_port_in_use():
     assert port > 0
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    assert 'specmesh:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
+    assert 'specmesh_request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
     assert "python_gc" not in text  # its own registry, not the process-wide default
     with pytest.raises(SystemExit) as exc:
         start_metrics_server(f"127.0.0.1:{port}", CollectorRegistry())

@@ -25,7 +25,8 @@ from verifier_service.remote import VerifierClient
 
 PROPOSERS = ("prompt_lookup", "copy")
 METRICS_LINE = re.compile(r"Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics")
-SAMPLE = re.compile(r"^(specmesh:[a-z_]+)(\{[^}]*\})? (\S+)$")
+MODEL_LABEL = 'model_name="tiny"'
+SAMPLE = re.compile(r"^(specmesh_[a-z_]+)(\{[^}]*\})? (\S+)$")
 
 
 def model_free_drafter(*extra: str) -> sh.Service:
@@ -40,20 +41,24 @@ def metrics_port(service: sh.Service) -> int:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """specmesh:* samples as {'name{labels}': value}."""
+    """specmesh_* samples as {'name{labels}': value}, without the ``model_name`` label, which every sample has
+    (the servers' --model-name)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     samples = {}
     for line in text.splitlines():
         if (m := SAMPLE.match(line)) is not None:
-            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+            labels = re.findall(r'\w+="[^"]*"', m.group(2) or "")
+            assert MODEL_LABEL in labels, line
+            labels.remove(MODEL_LABEL)
+            samples[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
     return samples
 
 
 @pytest.fixture(scope="module")
 def servers():
-    verifier = sh.verifier("--metrics", "127.0.0.1:0", "--no-cost-profile")
-    drafter = model_free_drafter("--metrics", "127.0.0.1:0")
+    verifier = sh.verifier("--metrics", "127.0.0.1:0", "--no-cost-profile", "--model-name", "tiny")
+    drafter = model_free_drafter("--metrics", "127.0.0.1:0", "--model-name", "tiny")
     try:
         sh.start_all(verifier, drafter)
         yield verifier, drafter
@@ -93,18 +98,18 @@ def test_scrapes_equal_what_the_requests_did(servers):
     assert sum(s.num_accepted for s in steps) > 0  # speculation really ran
 
     v = scrape(v_port)
-    assert v["specmesh:verifier_verify_calls_total"] == len(steps)
-    assert v["specmesh:verifier_verify_rows_total"] == sum(s.num_proposed + 1 for s in steps)
-    assert v["specmesh:verifier_prefill_calls_total"] == len(runs)
-    assert v["specmesh:verifier_prefill_tokens_total"] == sum(len(p) for _, p, _ in runs)
-    assert v["specmesh:verifier_batch_sessions_count"] == v["specmesh:verifier_steps_total"]
-    assert v["specmesh:verifier_num_sessions"] == 0 and v["specmesh:kv_cache_usage_perc"] == 0  # all released
-    assert v["specmesh:verifier_kv_blocks"] > 0
+    assert v["specmesh_verifier_verify_calls_total"] == len(steps)
+    assert v["specmesh_verifier_verify_rows_total"] == sum(s.num_proposed + 1 for s in steps)
+    assert v["specmesh_verifier_prefill_calls_total"] == len(runs)
+    assert v["specmesh_verifier_prefill_tokens_total"] == sum(len(p) for _, p, _ in runs)
+    assert v["specmesh_verifier_batch_sessions_count"] == v["specmesh_verifier_steps_total"]
+    assert v["specmesh_verifier_num_sessions"] == 0 and v["specmesh_kv_cache_usage_perc"] == 0  # all released
+    assert v["specmesh_verifier_kv_blocks"] > 0
 
     def drafter_counts_settled() -> bool:  # the close-time context sync and close run after the reply
         d = scrape(d_port)
-        return all(d.get(f'specmesh:drafter_context_syncs_total{{proposer="{p}"}}') == 2 for p in PROPOSERS) and all(
-            d.get(f'specmesh:drafter_num_sessions{{proposer="{p}"}}') == 0 for p in PROPOSERS)
+        return all(d.get(f'specmesh_drafter_context_syncs_total{{proposer="{p}"}}') == 2 for p in PROPOSERS) and all(
+            d.get(f'specmesh_drafter_num_sessions{{proposer="{p}"}}') == 0 for p in PROPOSERS)
 
     assert sh.wait_until(drafter_counts_settled, timeout=10), scrape(d_port)
     d = scrape(d_port)
@@ -112,10 +117,10 @@ def test_scrapes_equal_what_the_requests_did(servers):
         mine = [s for p, _, r in runs if p == proposer for s in r.stats.steps]
         label = f'{{proposer="{proposer}"}}'
         drafted = [s for s in mine if s.budget[0] and s.budget[1]]  # sequential loop: one Propose per budget
-        assert d["specmesh:drafter_proposals_total" + label] == len(drafted)
-        assert d["specmesh:drafter_proposal_seconds_count" + label] == len(drafted)
-        assert d["specmesh:drafter_proposed_nodes_total" + label] == sum(s.num_proposed for s in mine)
-        assert d["specmesh:drafter_feedback_items_total" + label] == len(mine)  # top-k rows of every Verify
+        assert d["specmesh_drafter_proposals_total" + label] == len(drafted)
+        assert d["specmesh_drafter_proposal_seconds_count" + label] == len(drafted)
+        assert d["specmesh_drafter_proposed_nodes_total" + label] == sum(s.num_proposed for s in mine)
+        assert d["specmesh_drafter_feedback_items_total" + label] == len(mine)  # top-k rows of every Verify
 
 
 def test_metrics_port_in_use_is_a_one_line_error():

@@ -5,28 +5,31 @@ process's current ``StepLoop``s (the embedded stack's engine cores have one each
 configuration) and sums their state (sessions, waiting admissions, KV blocks) and their ``BatchStats``, which
 the loop keeps anyway; its per-step histograms are ``specmesh.metrics.Buckets`` filled once per
 step. Names cannot clash with the orchestrator's (``orchestrator/metrics.py``), so an embedded
-server may put both in one registry.
+server may put both in one registry. Every family carries the ``model_name`` label, as the orchestrator's do.
+KV usage counts the blocks holding tokens; admission reserves a session's worst case up front, and the
+reserved blocks are a gauge of their own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from specmesh.metrics import PREFIX, histogram_family, new_registry
+from verifier_service.step_loop import BatchStats, StepLoop
 
-if TYPE_CHECKING:
-    from verifier_service.step_loop import StepLoop
+LABELS = ["model_name"]
+EMPTY = BatchStats()  # what a verifier's histograms hold before its first step
 
 GAUGES = (
     ("verifier_num_sessions", "Sessions admitted (holding KV blocks), prefilling or decoding."),
     ("verifier_num_waiting", "Prefills waiting for KV blocks (admission queue depth)."),
-    ("kv_cache_usage_perc", "Fraction of the KV pool's blocks reserved by sessions (0-1)."),
+    ("kv_cache_usage_perc", "Fraction of the KV pool's blocks holding tokens (0-1)."),
     ("verifier_kv_blocks", "KV blocks in the pool."),
-    ("verifier_kv_blocks_used", "KV blocks reserved by sessions."),
+    ("verifier_kv_blocks_used", "KV blocks holding tokens."),
+    ("verifier_kv_blocks_reserved", "KV blocks reserved by sessions (each its worst case, at admission)."),
 )
 # (name, documentation, BatchStats field)
 COUNTERS = (
@@ -53,43 +56,55 @@ def running_waiting(loop) -> tuple[int, int]:
 
 
 def pool_load(loops: Iterable[StepLoop]) -> dict:
-    """Sessions and KV blocks of step loops together: running, waiting, kv_blocks, kv_blocks_used, kv_usage."""
-    running = waiting = blocks = used = 0
+    """Sessions and KV blocks of step loops together: running, waiting, kv_blocks, kv_blocks_used (holding
+    tokens), kv_blocks_reserved (reserved at admission, a session's worst case), kv_usage (used / blocks)."""
+    running = waiting = blocks = used = reserved = 0
     for loop in loops:
         num_running, num_waiting = running_waiting(loop)
         running += num_running
         waiting += num_waiting
         blocks += loop.verifier.allocator.num_blocks
-        used += loop.verifier.allocator.num_used
+        used += loop.verifier.num_blocks_filled
+        reserved += loop.verifier.allocator.num_used
     return {"running": running, "waiting": waiting, "kv_blocks": blocks, "kv_blocks_used": used,
-            "kv_usage": used / blocks if blocks else 0.0}
+            "kv_blocks_reserved": reserved, "kv_usage": used / blocks if blocks else 0.0}
 
 
 class VerifierMetrics:
     """Metrics of the verifiers ``verifiers()`` returns at each scrape, registered in ``registry`` (default: a
-    new one, ``.registry``). ``verifiers`` must be cheap and thread-safe (it runs on the HTTP thread): e.g.
-    ``lambda: [loop]`` or ``lambda: [core.loop for core in stack.shared_verifiers()]``."""
+    new one, ``.registry``), labelled ``model_name`` (the served model, as ``serve`` names it). ``verifiers``
+    must be cheap and thread-safe (it runs on the HTTP thread): e.g. ``lambda: [loop]`` or
+    ``lambda: [core.loop for core in stack.shared_verifiers()]``."""
 
     def __init__(self, verifiers: Callable[[], Iterable[StepLoop]],
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, *, model_name: str) -> None:
         self.verifiers = verifiers
+        self.model_name = model_name
         self.registry = new_registry(registry)
         self.registry.register(self)
 
     def describe(self):
         """The families, without values: the registry refuses a name another collector already has."""
-        yield from (GaugeMetricFamily(PREFIX + name, doc) for name, doc in GAUGES)
-        yield from (CounterMetricFamily(PREFIX + name, doc) for name, doc, _ in COUNTERS)
-        yield from (HistogramMetricFamily(PREFIX + name, doc) for name, doc, _ in HISTOGRAMS)
+        yield from (GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc in GAUGES)
+        yield from (CounterMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in COUNTERS)
+        yield from (HistogramMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in HISTOGRAMS)
 
     def collect(self):
         verifiers = list(self.verifiers())
         load = pool_load(verifiers)
-        values = (load["running"], load["waiting"], load["kv_usage"], load["kv_blocks"], load["kv_blocks_used"])
+        labels = [self.model_name]
+        values = (load["running"], load["waiting"], load["kv_usage"], load["kv_blocks"], load["kv_blocks_used"],
+                  load["kv_blocks_reserved"])
         for (name, doc), value in zip(GAUGES, values, strict=True):
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            yield family
         for name, doc, attr in COUNTERS:
-            yield CounterMetricFamily(PREFIX + name, doc, value=sum(getattr(v.stats, attr) for v in verifiers))
+            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, sum(getattr(v.stats, attr) for v in verifiers))
+            yield family
         for name, doc, attr in HISTOGRAMS:
-            if verifiers:  # no bounds to show before the first verifier exists
-                yield histogram_family(PREFIX + name, doc, (getattr(v.stats, attr) for v in verifiers))
+            # with no verifier yet (the embedded stack makes them lazily), a histogram of zeros over the bounds
+            # every verifier uses: the series exist from the first scrape
+            histograms = [getattr(v.stats, attr) for v in verifiers] or [getattr(EMPTY, attr)]
+            yield histogram_family(PREFIX + name, doc, histograms, LABELS, labels)

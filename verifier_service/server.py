@@ -307,6 +307,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "every verified tree ((N-1)*W extra rows per forward) and report the N-grams it "
                               "harvests with each Verify, for the lookahead and retrieval drafters (default: off)")
     metrics.add_metrics_argument(p)
+    p.add_argument("--model-name", default=None,
+                   help="the model's name in the `model_name` label of the metrics, as `serve --model-name` gives "
+                        "it (default: --target as given for a hub id, the directory's name for a local one, `demo` "
+                        "for the bundled demo target: what `serve` names the same target)")
     serving.add_server_arguments(p)
 
 
@@ -343,7 +347,8 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
     if registry is not None:
         from verifier_service.metrics import VerifierMetrics
 
-        VerifierMetrics(lambda: [verifier], registry)
+        model_name = args.model_name or models.served_name(args.target)
+        VerifierMetrics(lambda: [verifier], registry, model_name=model_name)
     log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", local.allocator.num_blocks, local.allocator.block_size,
              local.allocator.num_blocks * local.allocator.block_size * runner.kv_bytes_per_token / 2**30)
     return VerifierServicer(verifier, str(path), args.session_ttl)
@@ -355,9 +360,7 @@ def run(args: argparse.Namespace) -> int:
     security = serving.server_security(args)
     registry = None
     if args.metrics is not None:  # before loading the model: a port in use fails at once
-        from prometheus_client import CollectorRegistry
-
-        registry = CollectorRegistry()
+        registry = metrics.new_registry()
         metrics.start_metrics_server(args.metrics, registry)
     servicer = build_servicer(args, registry)
     try:

@@ -583,6 +583,13 @@ class LocalVerifier:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def num_blocks_filled(self) -> int:
+        """KV blocks holding tokens: each session's cache length in blocks (admission reserves more, the
+        allocator's ``num_used``). Safe from another thread (a scrape): one copy of the sessions, no lock."""
+        blocks_for = self.allocator.blocks_for
+        return sum(blocks_for(session.cache.length) for session in list(self._sessions.values()))
+
     def session_ids(self) -> list[str]:
         return list(self._sessions)
 

@@ -1,0 +1,102 @@
+"""A real Prometheus server for tests: Debian's `prometheus` package (2.42 here), started on a free loopback
+port with a temporary config and TSDB, scraping the given targets every second, stopped when the context ends.
+Where the binary is absent (CI may not have it) the test skips, saying how to install it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 20.0
+
+
+def prometheus_binary() -> str:
+    """The `prometheus` executable; skips the test where there is none."""
+    found = shutil.which("prometheus") or (Path("/usr/bin/prometheus").is_file() and "/usr/bin/prometheus")
+    if not found:
+        pytest.skip("prometheus binary not installed: apt-get install prometheus")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Prometheus:
+    """A running server's HTTP API (``/api/v1/...``)."""
+
+    def __init__(self, url: str, log: Path) -> None:
+        self.url, self.log = url, log
+
+    def api(self, path: str, **params: str):
+        """``data`` of GET /api/v1/``path``; AssertionError unless the status is success."""
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}{query}", timeout=10) as reply:
+            body = json.load(reply)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        """An instant vector: [{"metric": labels, "value": [time, "value"]}]."""
+        return self.api("query", query=expr)["result"]
+
+    def names(self) -> set[str]:
+        return set(self.api("label/__name__/values"))
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.25)
+        return condition()
+
+
+@contextmanager
+def prometheus_server(tmp_path: Path, jobs: Mapping[str, Sequence[str]]) -> Iterator[Prometheus]:
+    """A Prometheus scraping ``jobs`` (job name -> ``host:port`` targets, path /metrics) every second, its
+    TSDB in ``tmp_path``; stopped (terminated, then killed) when the block ends."""
+    binary = prometheus_binary()
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+              "scrape_configs": [{"job_name": job, "static_configs": [{"targets": list(targets)}]}
+                                 for job, targets in jobs.items()]}
+    config_file = tmp_path / "prometheus.yml"
+    config_file.write_text(json.dumps(config))  # JSON is YAML
+    port = _free_port()
+    log = tmp_path / "prometheus.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [binary, f"--config.file={config_file}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = Prometheus(f"http://127.0.0.1:{port}", log)
+    try:
+        def ready() -> bool:
+            assert process.poll() is None, f"prometheus exited: {log.read_text()}"
+            try:
+                with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as reply:
+                    return reply.status == 200
+            except OSError:
+                return False
+
+        assert server.wait_for(ready), f"prometheus not ready after {START_TIMEOUT_S} s: {log.read_text()}"
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
