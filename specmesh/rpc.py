@@ -182,19 +182,30 @@ def _bearer(metadata) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def bearer_accepted(metadata, expected: Sequence[bytes]) -> bool:
+    """Whether a call's metadata carries ``authorization`` equal to one of ``expected`` (``b"Bearer <token>"``
+    each). Compared with every one (a list, not a short-circuit): the time taken says nothing about which
+    matched."""
+    given = _bearer(metadata).encode()
+    return any([hmac.compare_digest(given, e) for e in expected])
+
+
+def bearer_values(tokens: Sequence[str]) -> list[bytes]:
+    """The ``authorization`` values ``tokens`` stand for."""
+    return [f"Bearer {t}".encode() for t in tokens]
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <token>`` for one of ``tokens`` with UNAUTHENTICATED.
     Health checks stay open so load balancers and Kubernetes probes need no secret."""
 
     def __init__(self, tokens: Sequence[str]) -> None:
-        self._expected = [f"Bearer {t}".encode() for t in tokens]
+        self._expected = bearer_values(tokens)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return await continuation(details)
-        given = _bearer(details.invocation_metadata).encode()
-        # compare with every token (a list, not a short-circuit): the time taken says nothing about which matched
-        if any([hmac.compare_digest(given, expected) for expected in self._expected]):
+        if bearer_accepted(details.invocation_metadata, self._expected):
             return await continuation(details)
         handler = await continuation(details)
         return _denying_handler(handler)

@@ -111,3 +111,39 @@ def test_serve_call_context_abort_sets_the_status_the_proxy_sends():
         asyncio.run(ServeCallContext(proxy).abort(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
     assert (proxy.code, proxy.details) == (grpc.StatusCode.INVALID_ARGUMENT, "bad")
     assert ServeCallContext(proxy).time_remaining() is None
+
+
+class _ProxyContext:
+    """What Serve's gRPC proxy hands a deployment method: the call's metadata, a status to set."""
+
+    def __init__(self, metadata) -> None:
+        self.metadata, self.code, self.details = metadata, None, None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+def test_generate_through_serve_s_grpc_proxy_needs_the_token():
+    """Serve's gRPC proxy runs no interceptor: the Orchestrator checks the bearer token itself."""
+    from specmesh import rpc
+    from specmesh.app.deploy import Orchestrator
+
+    cls = Orchestrator.func_or_class
+    orchestrator = cls.__new__(cls)  # only the security settings matter here
+    orchestrator.security = rpc.Security(tokens=("s3cret", "other"))
+    for metadata in ([], [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
+        context = _ProxyContext(metadata)
+        with pytest.raises(RuntimeError, match="bearer token"):
+            asyncio.run(orchestrator._call_context(context))
+        assert context.code == grpc.StatusCode.UNAUTHENTICATED
+    for token in ("s3cret", "other"):
+        context = _ProxyContext([("authorization", f"Bearer {token}")])
+        assert asyncio.run(orchestrator._call_context(context)).context is context and context.code is None
+    orchestrator.security = rpc.Security()  # no --token-file: open
+    assert asyncio.run(orchestrator._call_context(_ProxyContext([]))).context is not None

@@ -334,12 +334,20 @@ class Orchestrator:
         return http_api.build_app(self.service, ChatTemplate.load(self.tokenizer_dir), self.security.tokens,
                                   self.args.request_timeout)
 
-    # the Generate service through Serve's gRPC proxy (grpc_servicer_functions in the Serve config)
+    # the Generate service through Serve's gRPC proxy (grpc_servicer_functions in the Serve config), which has
+    # no interceptors: the bearer token is checked here, as `serve`'s gRPC port checks it
+    async def _call_context(self, grpc_context) -> ServeCallContext:
+        context = ServeCallContext(grpc_context)
+        expected = rpc.bearer_values(self.security.tokens)
+        if expected and not rpc.bearer_accepted(grpc_context.invocation_metadata(), expected):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        return context
+
     async def Generate(self, request, grpc_context):
-        return await self.grpc.Generate(request, ServeCallContext(grpc_context))
+        return await self.grpc.Generate(request, await self._call_context(grpc_context))
 
     async def GenerateStream(self, request, grpc_context):
-        async for chunk in self.grpc.GenerateStream(request, ServeCallContext(grpc_context)):
+        async for chunk in self.grpc.GenerateStream(request, await self._call_context(grpc_context)):
             yield chunk
 
     def check_health(self) -> None:

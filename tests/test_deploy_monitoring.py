@@ -1,0 +1,264 @@
+"""The shipped monitoring (deploy/monitoring/), checked offline: alert rules, Grafana dashboard, Kubernetes objects.
+
+- prometheus/alerts.yaml passes `promtool check rules`, and `promtool test rules` runs prometheus/alerts_test.yaml,
+  which fires every alert once and keeps it silent on a healthy series (skipped where promtool is absent).
+- grafana/specmesh.json is a Grafana dashboard with the panels an operator needs, every expression is valid
+  PromQL (promtool parses each as a recording rule), and every series the dashboard and the alerts name is one the
+  code exports: the list comes from the project's own registries, instantiated here, not from a copy.
+- The PrometheusRule holds the groups of alerts.yaml; `kubectl kustomize deploy/monitoring` builds the PodMonitors,
+  the PrometheusRule and the dashboard's ConfigMap, whose selectors and ports match deploy/k8s/rayservice.yaml.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+MONITORING = DEPLOY / "monitoring"
+ALERTS = MONITORING / "prometheus" / "alerts.yaml"
+ALERTS_TEST = MONITORING / "prometheus" / "alerts_test.yaml"
+DASHBOARD = MONITORING / "grafana" / "specmesh.json"
+PROVISIONING = MONITORING / "grafana" / "provisioning"
+PROMTOOL = shutil.which("promtool")
+KUBECTL = shutil.which("kubectl")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian/Ubuntu: apt install "
+                                                             "prometheus; or a Prometheus release tarball)")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (its built-in kustomize builds "
+                                                           "deploy/monitoring)")
+
+# Series the rules and the dashboard may name that specmesh does not export: name -> (module file of the package
+# that does, relative to the package, the name as that file spells it)
+EXTERNAL = {
+    # Ray Serve's controller: healthy replicas per deployment (Ray's metrics port, 8080 on KubeRay pods)
+    "ray_serve_deployment_replica_healthy": ("ray", "serve/_private/deployment_state.py",
+                                             "serve_deployment_replica_healthy"),
+}
+# what the dashboard shows, by panel title (the issue's list)
+REQUIRED_PANELS = ("Draft acceptance rate", "τ: tokens committed per verification step", "Acceptance per position",
+                   "Acceptance per proposer", "Time to first token", "Inter-token latency",
+                   "End-to-end request latency", "Requests running / waiting", "KV cache usage", "Drafter failovers",
+                   "Verifier batch size")
+MODEL = "m"
+
+
+# ------------------------------------------------------------------ what the code exports
+def family_series(name: str, kind: str) -> set[str]:
+    """The series names Prometheus stores for a metric family of ``kind``."""
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "summary": ("", "_sum", "_count", "_created"), "gaugehistogram": ("_bucket", "_gsum", "_gcount")}
+    return {name + suffix for suffix in suffixes.get(kind, ("",))}
+
+
+def exported_series() -> set[str]:
+    """Every series name the three servers' registries can expose, from the registries themselves: the samples
+    they hold now and, for families with no child yet (or custom collectors with nothing to report), the series
+    their type implies."""
+    from drafter_service.metrics import DrafterMetrics
+    from orchestrator.metrics import ServeMetrics
+    from verifier_service.metrics import VerifierMetrics
+
+    registries = [ServeMetrics(MODEL).registry, VerifierMetrics(list, model_name=MODEL).registry,
+                  DrafterMetrics(sessions=dict, model_name=MODEL).registry]
+    names: set[str] = set()
+    for registry in registries:
+        families = list(registry.collect())
+        for collector in list(registry._collector_to_names):  # custom collectors: families without samples too
+            describe = getattr(collector, "describe", None)
+            if describe is not None:
+                families += list(describe())
+        for family in families:
+            names |= family_series(family.name, family.type)
+            names |= {sample.name for sample in family.samples}
+    return names
+
+
+# ------------------------------------------------------------------ PromQL
+PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "and", "or",
+                   "unless", "atan2", "inf", "nan"}
+
+
+def series_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects: identifiers that are not functions, keywords, label names in
+    grouping clauses, or inside label matchers, ranges and strings. Grafana's variables are replaced first."""
+    expr = re.sub(r"\$__\w+|\$\{?\w+\}?", "5m", expr)
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set()
+    for match in re.finditer(r"(?<![\w:.])([A-Za-z_:][\w:]*)(?![\w:])(\s*\()?", expr):
+        name, call = match.group(1), match.group(2)
+        if not call and name.lower() not in PROMQL_KEYWORDS:
+            names.add(name)
+    return names
+
+
+def alert_rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(dash: dict) -> list[dict]:
+    return [p for p in dash["panels"] if p["type"] != "row"]
+
+
+def dashboard_exprs(dash: dict) -> list[str]:
+    exprs = [t["expr"] for p in panels(dash) for t in p.get("targets", [])]
+    for variable in dash["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]
+            exprs.append(re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", query["query"] if isinstance(query, dict)
+                                else query))
+    return exprs
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+# ------------------------------------------------------------------ alert rules
+@needs_promtool
+def test_alert_rules_pass_promtool_check():
+    done = promtool("check", "rules", str(ALERTS))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_alert_rules_pass_their_unit_tests():
+    done = promtool("test", "rules", ALERTS_TEST.name, cwd=ALERTS_TEST.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_promtool_unit_tests_can_fail(tmp_path):
+    """A rule file whose threshold moved fails the same unit tests: passing them means something."""
+    (tmp_path / "alerts.yaml").write_text(ALERTS.read_text().replace("specmesh_kv_cache_usage_perc > 0.9",
+                                                                     "specmesh_kv_cache_usage_perc > 0.99"))
+    shutil.copy(ALERTS_TEST, tmp_path / ALERTS_TEST.name)
+    done = promtool("test", "rules", ALERTS_TEST.name, cwd=tmp_path)
+    assert done.returncode != 0 and "SpecmeshKVCacheNearFull" in done.stdout + done.stderr
+
+
+def test_every_alert_fires_and_stays_silent_in_a_unit_test():
+    """Each alert has a test case that expects it firing and one that expects it silent."""
+    tests = yaml.safe_load(ALERTS_TEST.read_text())["tests"]
+    cases = [case for test in tests for case in test["alert_rule_test"]]
+    for rule in alert_rules():
+        expected = [case["exp_alerts"] for case in cases if case["alertname"] == rule["alert"]]
+        assert any(expected) and any(not e for e in expected), rule["alert"]
+        assert rule["labels"]["severity"] in {"critical", "warning"}
+        assert {"summary", "description"} <= rule["annotations"].keys()
+
+
+def test_prometheusrule_holds_the_alert_rules():
+    (doc,) = yaml.safe_load_all((MONITORING / "prometheusrule.yaml").read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert doc["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+
+
+# ------------------------------------------------------------------ dashboard
+def test_dashboard_is_a_grafana_dashboard():
+    dash = dashboard()
+    assert dash["uid"] == "specmesh" and dash["schemaVersion"] >= 36
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in panels(dash):
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert panel["targets"] and len(refs) == len(set(refs)), panel["title"]
+    titles = {p["title"] for p in panels(dash)}
+    assert set(REQUIRED_PANELS) <= titles, set(REQUIRED_PANELS) - titles
+
+
+@needs_promtool
+def test_dashboard_expressions_are_promql(tmp_path):
+    """Each expression, Grafana's variables filled in, parses as PromQL (promtool checks it as a recording
+    rule)."""
+    exprs = [re.sub(r"\$__rate_interval", "1m", e).replace("$model_name", ".*") for e in dashboard_exprs(dashboard())]
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:expr_{i}", "expr": e}
+                                                        for i, e in enumerate(exprs)]}]}
+    path = tmp_path / "dashboard_rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    done = promtool("check", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dashboard_and_alerts_name_only_exported_series():
+    exported = exported_series()
+    named = {name: where for where, exprs in (("dashboard", dashboard_exprs(dashboard())),
+                                              ("alerts.yaml", [r["expr"] for r in alert_rules()]))
+             for expr in exprs for name in series_names(expr)}
+    unknown = {name: where for name, where in named.items() if name not in exported and name not in EXTERNAL}
+    assert not unknown, f"series the code does not export: {unknown}"
+    assert {"specmesh_spec_decode_num_accepted_tokens_total", "specmesh_time_to_first_token_seconds_bucket",
+            "specmesh_kv_cache_usage_perc", "specmesh_verifier_batch_sessions_sum"} <= named.keys()
+
+
+def test_external_series_are_exported_by_their_package():
+    """The Ray Serve series the rules use exist in the installed Ray (skipped without Ray)."""
+    for name, (package, module, spelled) in EXTERNAL.items():
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            pytest.skip(f"{package} not installed")
+        source = Path(spec.origin).parent / module
+        assert f'"{spelled}"' in source.read_text(), f"{name}: not in {source}"
+
+
+def test_series_names_finds_metrics_not_labels_or_functions():
+    expr = ('histogram_quantile(0.9, sum by (model_name, le) (rate(specmesh_a_bucket{model_name=~"$model_name"}'
+            '[$__rate_interval]))) / on () group_left () sum(rate(specmesh_b_total[5m] offset 1d)) > 0.5\n'
+            'and absent(up{job="x"} > 0) unless label_replace(c, "dst", "$1", "src", "(.*)")')
+    assert series_names(expr) == {"specmesh_a_bucket", "specmesh_b_total", "up", "c"}
+    assert "specmesh_no_such_total" not in exported_series()  # so a misspelt name fails the test above
+
+
+def test_grafana_provisioning_loads_the_dashboard():
+    (source,) = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert source["type"] == "prometheus"
+    (provider,) = yaml.safe_load((PROVISIONING / "dashboards" / "specmesh.yaml").read_text())["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+
+
+# ------------------------------------------------------------------ Kubernetes objects
+@needs_kubectl
+def test_monitoring_kustomization_builds():
+    """PodMonitors select the RayService's pods by its pod templates' labels and scrape ports those pods name;
+    the dashboard's ConfigMap is the JSON file, labelled for Grafana's sidecar."""
+    done = subprocess.run([KUBECTL, "kustomize", str(MONITORING)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    by_kind: dict[str, list] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    assert set(by_kind) == {"ConfigMap", "PodMonitor", "PrometheusRule"}
+    (config_map,) = by_kind["ConfigMap"]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(config_map["data"]["specmesh.json"]) == dashboard()
+
+    (rayservice,) = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "rayservice.yaml").read_text())]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for monitor in by_kind["PodMonitor"]:
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        selected = [t for t in templates if wanted.items() <= t["metadata"]["labels"].items()]
+        assert selected, monitor["metadata"]["name"]
+        for template in selected:
+            ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+            for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+                assert endpoint["port"] in ports, (monitor["metadata"]["name"], endpoint["port"])
