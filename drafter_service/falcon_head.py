@@ -70,7 +70,12 @@ class TargetTables:
 
 
 def target_tables(runner_or_model) -> TargetTables:
-    """The embedding and LM head of a ModelRunner / FastLlamaRunner (their ``model``) or a HF causal LM."""
+    """The embedding and LM head of a ModelRunner / FastLlamaRunner or a HF causal LM."""
+    fast_head = getattr(runner_or_model, "lm_head", None)
+    if isinstance(fast_head, torch.Tensor):  # a FastLlamaRunner's own tables (one read from a checkpoint has no module)
+        head, bias = fast_head.t(), runner_or_model.lm_head_bias  # [vocab, hidden] view
+        embed = runner_or_model.embed if runner_or_model.embed is not None else head
+        return TargetTables(embed.detach(), head.detach(), None if bias is None else bias.detach())
     is_lm = hasattr(runner_or_model, "get_output_embeddings")
     model = runner_or_model if is_lm else runner_or_model.model
     head = model.get_output_embeddings()

@@ -77,10 +77,11 @@ class ForwardMeter:
             return
         for name in ("forward", "forward_batch"):  # instance attributes shadow the methods until close()
             setattr(runner, name, self._counted(getattr(runner, name)))
-        self._handles = [
-            runner.model.register_forward_pre_hook(lambda *_: self._enter()),
-            runner.model.register_forward_hook(lambda *_: self._exit(), always_call=True),
-        ]
+        if runner.model is not None:  # a runner read from the checkpoint has no module (HF peers need one)
+            self._handles = [
+                runner.model.register_forward_pre_hook(lambda *_: self._enter()),
+                runner.model.register_forward_hook(lambda *_: self._exit(), always_call=True),
+            ]
 
     def _counted(self, fn):
         def counted(*args, **kwargs):
