@@ -64,11 +64,13 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None]:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
 
 
-def check_embedded_options(args: argparse.Namespace) -> None:
+def check_embedded_options(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """What an embedded command's options name, checked before torch and transformers load (a second instead of
-    ten): the model directories (or hub ids), the device's name. SystemExit with one line."""
-    resolve_models(args)
+    ten): the model directories (or hub ids), the device's name. SystemExit with one line; else the resolved
+    (target, draft) directories (``resolve_models``)."""
+    resolved = resolve_models(args)
     try:
         models.check_device_name(getattr(args, "device", None))
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
+    return resolved

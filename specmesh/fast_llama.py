@@ -411,19 +411,22 @@ class FastLlamaRunner(ModelRunner):
                               eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos))
         self.layers = []
         for i in range(cfg["num_hidden_layers"]):
-            w = {name[len(f"model.layers.{i}."):]: t for name, t in tensors.items()
-                 if name.startswith(f"model.layers.{i}.")}
+            def take(name: str, layer: str = f"model.layers.{i}.") -> torch.Tensor | None:
+                """A tensor of this layer, let go of by the dict as it is fused (the peak stays one layer's)."""
+                return tensors.pop(layer + name, None)
+
             att = [f"self_attn.{p}_proj" for p in "qkv"]
-            qkv_b = torch.cat([w[p + ".bias"] for p in att]) if att[0] + ".bias" in w else None
-            self.layers.append((w["input_layernorm.weight"], _t(torch.cat([w[p + ".weight"] for p in att])), qkv_b,
-                                _t(w["self_attn.o_proj.weight"]), w.get("self_attn.o_proj.bias"),
-                                w["post_attention_layernorm.weight"],
-                                _t(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]])),
-                                _t(w["mlp.down_proj.weight"])))
+            biases = [take(p + ".bias") for p in att]
+            self.layers.append((take("input_layernorm.weight"), _t(torch.cat([take(p + ".weight") for p in att])),
+                                None if biases[0] is None else torch.cat(biases),
+                                _t(take("self_attn.o_proj.weight")), take("self_attn.o_proj.bias"),
+                                take("post_attention_layernorm.weight"),
+                                _t(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])),
+                                _t(take("mlp.down_proj.weight"))))
         self.norm = tensors["model.norm.weight"]
         self.lm_head, self.lm_head_bias = _t(head), None  # [hidden, vocab]
         self.embed = None if cfg["tie_word_embeddings"] else embed
-        del tensors, embed, head
+        del embed, head  # the fused copies are kept; every layer's tensor has left ``tensors`` already
         with torch.inference_mode():
             cos, sin = checkpoint.rope_tables(cfg, dtype, device)
         self._setup(cfg["num_attention_heads"], cfg.get("num_key_value_heads"), checkpoint.head_dim(cfg),

@@ -225,15 +225,12 @@ def _stats(summary: dict) -> dict:
 WARMUP_TOKENS = 16
 
 
-def _check_prompt_fits(args: argparse.Namespace, prompt: str, max_new_tokens: int) -> None:
-    """The prompt's length against the target's context, from its tokenizer and config.json before any model
-    loads (the verifier checks it again, in the same words)."""
-    from orchestrator.arguments import resolve_models
+def _check_prompt_fits(target: Path, prompt: str, max_new_tokens: int) -> None:
+    """The prompt's length against the target's context (``target``: its resolved directory), from its tokenizer
+    and config.json before any model loads (the verifier checks it again, in the same words)."""
     from specmesh.checkpoint import read_config
-    from specmesh.models import model_dir
     from specmesh.text_tokenizer import load_text_tokenizer
 
-    target = model_dir(resolve_models(args)[0])
     context = read_config(target).get("max_position_embeddings")
     try:
         length = len(load_text_tokenizer(target).encode(prompt, verbose=False))
@@ -249,8 +246,8 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
 
     from orchestrator.arguments import check_embedded_options
 
-    check_embedded_options(args)  # before the imports below: a bad path or device is told in a second
-    _check_prompt_fits(args, prompt, sampling.max_new_tokens)
+    target, _ = check_embedded_options(args)  # before the imports below: a bad path or device is told in a second
+    _check_prompt_fits(target, prompt, sampling.max_new_tokens)
     from orchestrator.acceptance import request_sampling
     from orchestrator.embedded import load_stack
     from orchestrator.engine import GenerationResult
