@@ -51,7 +51,7 @@ from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
 from orchestrator.tracing_steps import PREFILL_SPAN, STEP_SPAN, step_attributes, step_start_attributes
 from specmesh import tracing
-from specmesh.contract import Budget, PrefillResult, VerifyCosts, VerifyResult
+from specmesh.contract import Budget, PrefillResult, SessionPreemptedError, VerifyCosts, VerifyResult
 from specmesh.feedback import TargetFeatures
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # torch: `serve` over replicas runs no model and never import
 log = logging.getLogger("specmesh.core")
 EMPTY_TREE = TokenTree.empty()  # every plain step's tree: one shared instance (its derived arrays computed once)
 PLAIN = (EMPTY_TREE, Budget(0, 0), 0.0)  # (tree, budget, draft seconds) of a request without a drafter
+PREEMPTED_RETRY_S = 0.005  # a replica preempted a request's session: its tree is sent again after this
 
 
 class EngineCore:
@@ -242,6 +243,11 @@ class EngineCore:
         for request in list(self._running.values()):
             if not _can_step(request):
                 continue
+            if request.deferred is not None:  # preempted out of its last step: the same tree, as if it had run
+                drafts.append(request.deferred)
+                request.deferred = None
+                running.append(request)
+                continue
             landed = request.ahead  # a remote drafter's tree that was late, landed now
             try:
                 if landed is not None and not landed.hypothesis and landed.base == len(request.committed):
@@ -384,6 +390,13 @@ class EngineCore:
                 step_started: float, draft_seconds: float, started_ns: int) -> None:
         """A verification's outcome: commit its tokens, hand feedback to the drafter, take the tree drafted ahead,
         stream, check stops."""
+        if isinstance(result, SessionPreemptedError):  # its KV went back to the pool before the forward: the same
+            # tree steps once it resumes (its drafter asked nothing new, so a seeded request's tokens do not change)
+            request.deferred = (tree, budget, draft_seconds)
+            if isinstance(self.loop, RemoteStepLoop):  # the replica's: sent again a little later (it resumes there)
+                request.status = Status.PREEMPTED
+                self.loop.call_later(PREEMPTED_RETRY_S, lambda: _resume(request))
+            return
         try:
             if isinstance(result, InvalidTreeError):  # the verifier refused the drafter's tree: fail it over
                 request.ahead = None  # drafted on that tree's main line
@@ -490,6 +503,19 @@ class _Admission:
     def abandoned(self) -> bool:
         return self.request.status is Status.FINISHED
 
+    def preempted(self) -> None:
+        if self.request.status is Status.RUNNING:
+            self.request.status = Status.PREEMPTED
+
+    def resumed(self) -> None:
+        _resume(self.request)
+
+
+def _resume(request: Request) -> None:
+    """A preempted request steps again (on the loop's thread)."""
+    if request.status is Status.PREEMPTED:
+        request.status = Status.RUNNING
+
 
 def draft_batch(items: Sequence[tuple[Request, Budget, list[int], threading.Event | None]]) -> list[PendingDraft | None]:
     """Ask each (request, budget, hypothesis, stop)'s drafter for a tree from its committed tokens + hypothesis:
@@ -539,8 +565,9 @@ def late(request: Request, pending: PendingDraft | None) -> bool:
 
 
 def _can_step(request: Request) -> bool:
-    """Not in a step already, and not waiting for a remote drafter's tree."""
-    return not request.in_step and not (request.ahead is not None and late(request, request.ahead.pending))
+    """Decoding (not preempted), not in a step already, and not waiting for a remote drafter's tree."""
+    return (request.status is Status.RUNNING and not request.in_step
+            and not (request.ahead is not None and late(request, request.ahead.pending)))
 
 
 def _nothing() -> None:

@@ -8,7 +8,9 @@ deployments run their requests on the same engine core, over verifier replicas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,12 +28,16 @@ from orchestrator.engine import Engine
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
 from orchestrator.requests import CoreEngine, Method, RequestOutput
 from specmesh import models
+from specmesh.blocks import DEFAULT_BLOCK_SIZE
+from specmesh.contract import ModelInfo
 from specmesh.host_runtime import freeze_heap
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_runner, load_tokenizer
 from specmesh.text_tokenizer import load_text_tokenizer
 from verifier_service.lookahead import LookaheadConfig
-from verifier_service.verifier import LocalVerifier
+from verifier_service.verifier import LocalVerifier, kv_pool_blocks, served_positions
+
+log = logging.getLogger("specmesh.embedded")
 
 MAX_TREE_NODES = 256  # the largest tree an embedded verifier takes (as `specmesh verifier`'s default)
 
@@ -158,6 +164,18 @@ class EmbeddedStack:
             self._shared[key] = EngineCore(local, self.decode, costs=local.profile_costs())
         return self._shared[key]
 
+    def served_info(self) -> ModelInfo:
+        """The target's ModelInfo with the context the shared verifiers serve (less than the model's when one
+        request alone could outgrow the KV pool: ``served_positions``; with the stack's lookahead window)."""
+        info = self.target_runner.info
+        num_blocks = kv_pool_blocks(self.target_runner, self.kv_cache_gb, DEFAULT_BLOCK_SIZE)
+        window = self.lookahead.rows if self.lookahead is not None else 0
+        served = served_positions(info.max_positions, num_blocks, DEFAULT_BLOCK_SIZE, MAX_TREE_NODES, window)
+        if served < info.max_positions:
+            log.warning("serving a context of %d positions, not the model's %d: one request's KV must fit the pool "
+                        "(raise --kv-cache-gb for more)", served, info.max_positions)
+        return dataclasses.replace(info, max_positions=served)
+
     def shared_verifiers(self) -> list[EngineCore]:
         """The engine cores created so far (one per feedback configuration)."""
         return list(self._shared.values())
@@ -176,7 +194,7 @@ class EmbeddedBackend:
 
     def __init__(self, stack: EmbeddedStack, draft_timeout: float = 1.0) -> None:
         self.stack = stack
-        self.info = stack.target_runner.info
+        self.info = stack.served_info()
         self.max_tree_nodes = MAX_TREE_NODES
         self.draft_timeout = draft_timeout
         self.model = str(stack.target_dir or "")

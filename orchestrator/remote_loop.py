@@ -160,6 +160,14 @@ class RemoteStepLoop:
             except RuntimeError:  # the loop has closed: nothing left to wake
                 pass
 
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop's thread after ``delay`` seconds, then look for requests that can step."""
+        def run() -> None:
+            fn()
+            self._wake.set()
+
+        self._notify(lambda: self._loop.call_later(delay, run))
+
     # ------------------------------------------------------------- the loop
     def _run(self, started: threading.Event) -> None:
         asyncio.run(self._main(started))

@@ -36,6 +36,7 @@ class Status(Enum):
     WAITING = "waiting"  # submitted, not admitted (no KV blocks yet)
     PREFILLING = "prefilling"  # admitted; prompt chunks still to run
     RUNNING = "running"  # decoding: one tree per step
+    PREEMPTED = "preempted"  # decoding, its KV given back to the pool for others' steps: steps again once resumed
     FINISHED = "finished"
 
 
@@ -92,6 +93,7 @@ class Request:
     step_started_ns: int | None = None  # when its current step began (its span's start)
     ready: tuple[TokenTree, Budget, float] | None = None  # overlap: next step's tree, drafted ahead (+ seconds)
     predrafted: bool = False  # this step's tree was drafted ahead
+    deferred: tuple[TokenTree, Budget, float] | None = None  # the tree of a step it was preempted out of
 
     @property
     def stats(self) -> RequestStats:

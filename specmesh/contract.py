@@ -129,6 +129,15 @@ class SessionReleasedError(RuntimeError):
     that call ends with this, and the session is gone (its KV blocks back in the pool)."""
 
 
+class SessionPreemptedError(RuntimeError):
+    """A step gave the session's KV blocks back to the pool before its tree ran (the pool ran short): the tree
+    steps once the session has resumed. A step loop's driver sees it, and a VerifyBatch item (RESOURCE_EXHAUSTED
+    with ``PREEMPTED_MESSAGE``: sent again later); a plain Verify call waits for the session instead."""
+
+
+PREEMPTED_MESSAGE = "preempted for KV blocks, send the tree again"
+
+
 class CapacityError(RuntimeError):
     """The verifier cannot take the request now (its KV pool or its admission queue is full): retry later or
     elsewhere. Raised before any work is done, never for a session already admitted."""

@@ -5,15 +5,13 @@ num_blocks * block_size, head_dim]; a *slot* is ``block * block_size + offset``.
 A session owns a block table (its blocks, in order); position p of the session
 lives in slot ``table[p // block_size] * block_size + p % block_size``.
 
-Admission reserves a session's whole worst case up front (prompt + max_new_tokens
-+ the largest tree it may send): the blocks are taken at once, so a running
-session can never run out of memory mid-request, and a request the pool cannot
-hold is refused (``CapacityError``) before any work is done. The allocator
-prefers one contiguous run of free blocks for a session (then the PyTorch
-attention path reads the session's keys as a view, without a gather); when the
-pool is fragmented it stitches a table from several runs, and attention gathers
-the slots instead. Compaction after a tree step moves only the accepted tree rows;
-the prefix is never copied.
+A session's table grows as its positions do (``ensure``: the blocks a step's rows write, taken before the
+forward) and shrinks back to the blocks holding its positions (``trim``: a rejected tree branch's blocks go
+back after compaction); ``free`` gives back every block (release, or preemption: the session's positions are
+computed again when it resumes). A table is contiguous where the allocator can keep it so (then the PyTorch
+attention path reads the session's keys as a view, without a gather); a table stitched from several runs works
+everywhere, through a gather. Compaction after a tree step moves only the accepted tree rows; the prefix is
+never copied.
 
 ``specmesh.blocks.BlockAllocator`` is the bookkeeping (no torch); ``KVPool`` adds the tensors and
 ``PagedKVCache`` is one session's view of them, with the cache interface of
@@ -28,7 +26,6 @@ import numpy as np
 import torch
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
-from specmesh.contract import CapacityError
 
 
 class KVPool:
@@ -54,7 +51,8 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def open(self, num_tokens: int) -> PagedKVCache:
-        """A session cache holding up to ``num_tokens`` positions; CapacityError when the pool cannot."""
+        """A session cache with blocks for its first ``num_tokens`` positions (it takes more as it grows,
+        ``PagedKVCache.ensure``); CapacityError when the pool cannot."""
         return PagedKVCache(self, self.allocator.allocate(num_tokens))
 
 
@@ -67,24 +65,58 @@ def gather_blocks(layer: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
 
 
 class PagedKVCache:
-    """One session's positions in a KVPool: a fixed block table, reserved at admission."""
+    """One session's positions in a KVPool: a block table that grows with the positions (``ensure``)."""
 
     def __init__(self, pool: KVPool, table: list[int]) -> None:
         self.pool, self.table = pool, table
         self.length = 0
-        size = pool.block_size
+        self._tables_changed()
+
+    def _tables_changed(self) -> None:
+        size = self.pool.block_size
+        table = self.table
         self.capacity = len(table) * size
-        # [capacity] slot of each position: on the host (index building) and on the pool's device (gathers)
+        # [capacity] slot of each position, on the host (index building); the device copies on first use
         self.host_slots = (np.asarray(table, np.int64)[:, None] * size + np.arange(size)).reshape(-1)
-        self.slots = torch.from_numpy(self.host_slots).to(pool.device)
-        self.blocks = torch.as_tensor(table, dtype=torch.long).to(pool.device)  # [blocks]
-        contiguous = table == list(range(table[0], table[0] + len(table))) if table else True
-        self.base = table[0] * size if contiguous and table else None  # first slot when contiguous
+        self._slots = self._blocks = None
+        contiguous = bool(table) and table[-1] - table[0] == len(table) - 1 and (
+            len(table) < 3 or bool((np.diff(table) == 1).all()))
+        self.base = table[0] * size if contiguous else None  # first slot when contiguous
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[capacity] long: the slot of each position, on the pool's device."""
+        if self._slots is None:
+            self._slots = torch.from_numpy(self.host_slots).to(self.pool.device)
+        return self._slots
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """[blocks] long: the table on the pool's device."""
+        if self._blocks is None:
+            self._blocks = torch.as_tensor(self.table, dtype=torch.long).to(self.pool.device)
+        return self._blocks
 
     # ------------------------------------------------------------ cache interface
-    def reserve(self, length: int) -> None:
-        if length > self.capacity:
-            raise CapacityError(f"the session needs {length} KV positions but reserved {self.capacity} at admission")
+    def ensure(self, length: int) -> None:
+        """Hold positions [0, length): take the blocks missing from the pool. CapacityError (nothing taken) when
+        it has too few free."""
+        missing = self.pool.allocator.blocks_for(length) - len(self.table)
+        if missing > 0:
+            self.pool.allocator.grow(self.table, missing)
+            self._tables_changed()
+
+    reserve = ensure  # the runner's call before it writes new rows
+
+    def trim(self) -> int:
+        """Give back the blocks past the one holding the last position; returns how many."""
+        keep = self.pool.allocator.blocks_for(self.length)
+        extra = self.table[keep:]
+        if extra:
+            self.pool.allocator.free(extra)
+            del self.table[keep:]
+            self._tables_changed()
+        return len(extra)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -117,12 +149,15 @@ class PagedKVCache:
         kept tree rows move (all layers at once), the prefix stays where it is. ``compact`` for one session."""
         compact([self], [prefix_len], [keep_offsets])
 
-    def free(self) -> None:
-        """Return the blocks to the pool (idempotent)."""
-        if self.table:
+    def free(self) -> int:
+        """Return every block to the pool (idempotent; the cache may grow again from empty); returns how many."""
+        freed = len(self.table)
+        if freed:
             self.pool.allocator.free(self.table)
             self.table = []
-            self.capacity = self.length = 0
+            self._tables_changed()
+        self.length = 0
+        return freed
 
 
 def compact(caches: Sequence[PagedKVCache], prefix_lens: Sequence[int],

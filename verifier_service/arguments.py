@@ -23,10 +23,11 @@ def add_batching_arguments(p: argparse.ArgumentParser) -> None:
     """The KV pool and the continuous-batching scheduler (`specmesh verifier`, and embedded `bench`)."""
     g = p.add_argument_group("KV pool and batching")
     g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
-                   help=f"memory of the paged KV pool shared by all sessions; a session reserves its worst case "
-                        f"(prompt + max_new_tokens + the largest tree) at admission, so a running request never "
-                        f"runs out (default: {DEFAULT_KV_CACHE_GB:g}, or less when 64 sessions at full context "
-                        f"need less)")
+                   help=f"memory of the paged KV pool shared by all sessions, taken block by block as they are "
+                        f"written (admission: the prompt's; a step: its rows'); when a step cannot get its blocks, "
+                        f"the newest session is preempted and recomputed later; the context served is at most what "
+                        f"one session alone can hold (default: {DEFAULT_KV_CACHE_GB:g}, or less when 64 sessions at "
+                        f"full context need less)")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
                    help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",

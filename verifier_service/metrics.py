@@ -6,8 +6,8 @@ configuration) and sums their state (sessions, waiting admissions, KV blocks) an
 the loop keeps anyway; its per-step histograms are ``specmesh.metrics.Buckets`` filled once per
 step. Names cannot clash with the orchestrator's (``orchestrator/metrics.py``), so an embedded
 server may put both in one registry. Every family carries the ``model_name`` label, as the orchestrator's do.
-KV usage counts the blocks holding tokens; admission reserves a session's worst case up front, and the
-reserved blocks are a gauge of their own.
+KV usage counts the blocks holding tokens; the blocks sessions have taken (a step takes those its rows
+write before its forward) are a gauge of their own, and so are the sessions preempted for them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ GAUGES = (
     ("kv_cache_usage_perc", "Fraction of the KV pool's blocks holding tokens (0-1)."),
     ("verifier_kv_blocks", "KV blocks in the pool."),
     ("verifier_kv_blocks_used", "KV blocks holding tokens."),
-    ("verifier_kv_blocks_reserved", "KV blocks reserved by sessions (each its worst case, at admission)."),
+    ("verifier_kv_blocks_reserved", "KV blocks taken by sessions (their tokens', and a step's rows until it ends)."),
+    ("verifier_num_preempted", "Sessions preempted for other sessions' KV blocks, holding none until they resume."),
 )
 # (name, documentation, BatchStats field)
 COUNTERS = (
@@ -39,7 +40,10 @@ COUNTERS = (
      "verify_rows"),
     ("verifier_prefill_calls", "Prefills finished (one per session).", "prefills"),
     ("verifier_prefill_chunks", "Prompt chunks run (a long prompt runs in several steps).", "prefill_chunks"),
-    ("verifier_prefill_tokens", "Prompt tokens run.", "prefill_tokens"),
+    ("verifier_prefill_tokens", "Prompt tokens run (a resumed session's recomputed tokens included).",
+     "prefill_tokens"),
+    ("num_preemptions", "Sessions preempted: their KV blocks given back for a step's rows, recomputed on resuming.",
+     "preemptions"),
 )
 HISTOGRAMS = (
     ("verifier_batch_sessions", "Sessions in one forward (Verify calls + prompt chunks).", "batch_sessions"),
@@ -56,17 +60,18 @@ def running_waiting(loop) -> tuple[int, int]:
 
 
 def pool_load(loops: Iterable[StepLoop]) -> dict:
-    """Sessions and KV blocks of step loops together: running, waiting, kv_blocks, kv_blocks_used (holding
-    tokens), kv_blocks_reserved (reserved at admission, a session's worst case), kv_usage (used / blocks)."""
-    running = waiting = blocks = used = reserved = 0
+    """Sessions and KV blocks of step loops together: running, waiting, preempted, kv_blocks, kv_blocks_used
+    (holding tokens), kv_blocks_reserved (taken by sessions), kv_usage (used / blocks)."""
+    running = waiting = preempted = blocks = used = reserved = 0
     for loop in loops:
         num_running, num_waiting = running_waiting(loop)
         running += num_running
         waiting += num_waiting
+        preempted += getattr(loop, "num_preempted", 0)  # an engine core over a replica: the replica's own
         blocks += loop.verifier.allocator.num_blocks
         used += loop.verifier.num_blocks_filled
         reserved += loop.verifier.allocator.num_used
-    return {"running": running, "waiting": waiting, "kv_blocks": blocks, "kv_blocks_used": used,
+    return {"running": running, "waiting": waiting, "preempted": preempted, "kv_blocks": blocks, "kv_blocks_used": used,
             "kv_blocks_reserved": reserved, "kv_usage": used / blocks if blocks else 0.0}
 
 
@@ -94,7 +99,7 @@ class VerifierMetrics:
         load = pool_load(verifiers)
         labels = [self.model_name]
         values = (load["running"], load["waiting"], load["kv_usage"], load["kv_blocks"], load["kv_blocks_used"],
-                  load["kv_blocks_reserved"])
+                  load["kv_blocks_reserved"], load["preempted"])
         for (name, doc), value in zip(GAUGES, values, strict=True):
             family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             family.add_metric(labels, value)

@@ -13,7 +13,15 @@ from collections.abc import Sequence
 import grpc
 
 from specmesh import rpc
-from specmesh.contract import ModelInfo, PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
+from specmesh.contract import (
+    PREEMPTED_MESSAGE,
+    ModelInfo,
+    PrefillResult,
+    SessionPreemptedError,
+    UnknownSessionError,
+    VerifyCosts,
+    VerifyResult,
+)
 from specmesh.feedback import TargetFeatures
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
@@ -118,6 +126,8 @@ class RemoteVerifier:
                                     f"VerifyBatch answered {len(msg.items)} items of {num_items}")
             return [exc] * num_items
         return [self.verify_result(o.result) if o.code == 0
+                else SessionPreemptedError(o.message) if o.message.startswith(PREEMPTED_MESSAGE)
+                and o.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
                 else self._error(rpc.status_code(o.code), o.message, InvalidTreeError)
                 for o in msg.items]
 

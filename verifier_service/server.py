@@ -25,7 +25,9 @@ import grpc
 
 from specmesh import metrics, models, rpc, serving, tracing
 from specmesh.contract import (
+    PREEMPTED_MESSAGE,
     CapacityError,
+    SessionPreemptedError,
     SessionReleasedError,
     UnknownSessionError,
     VerifyResult,
@@ -198,7 +200,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             except Exception as exc:  # noqa: BLE001 - that item's alone
                 trees.append(exc)
         try:
-            submitted = self.verifier.submit_verifies(submits)
+            # an item whose session the loop preempts answers at once (RESOURCE_EXHAUSTED) and is sent again: the
+            # other items must not wait for it
+            submitted = self.verifier.submit_verifies(submits, wait_if_preempted=False)
         except Exception as exc:  # noqa: BLE001 - closed: every item's answer
             submitted = [exc] * len(submits)
         futures = iter(submitted)
@@ -225,6 +229,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return grpc.StatusCode.NOT_FOUND, _not_found(session_id)
         if isinstance(exc, SessionReleasedError):  # the caller's own Release overtook it
             return grpc.StatusCode.ABORTED, _released(session_id, "Verify")
+        if isinstance(exc, SessionPreemptedError):  # a VerifyBatch item: send it again (RemoteStepLoop does)
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{PREEMPTED_MESSAGE}: session {session_id!r}"
         if isinstance(exc, (InvalidTreeError, ValueError)):
             return grpc.StatusCode.INVALID_ARGUMENT, _as_caller_sees(f"invalid tree: {exc}", key)
         return self._unexpected("Verify", key, exc)  # a failed step or a bug
@@ -349,8 +355,12 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
 
         model_name = args.model_name or models.served_name(args.target)
         VerifierMetrics(lambda: [verifier], registry, model_name=model_name)
-    log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", local.allocator.num_blocks, local.allocator.block_size,
+    log.info("KV pool: %d blocks of %d tokens = %d tokens (%.2f GiB)", local.allocator.num_blocks,
+             local.allocator.block_size, local.allocator.num_blocks * local.allocator.block_size,
              local.allocator.num_blocks * local.allocator.block_size * runner.kv_bytes_per_token / 2**30)
+    if local.info.max_positions < local.model_positions:
+        log.warning("serving a context of %d positions, not the model's %d: one request's KV must fit the pool "
+                    "(raise --kv-cache-gb for more)", local.info.max_positions, local.model_positions)
     return VerifierServicer(verifier, str(path), args.session_ttl)
 
 

@@ -14,13 +14,17 @@ One round of the loop:
 1. run the functions queued with ``call_soon`` (a driver's cancels) and apply releases (their blocks go back
    to the pool first; a Prefill or Verify of a released session still waiting ends with
    ``SessionReleasedError``),
-2. admit waiting sessions in arrival order while the KV pool can reserve them (a session that must wait sits
-   in a bounded queue; beyond ``max_waiting`` waiting, or when it could never fit in the pool, it gets
+2. resume preempted sessions, oldest admission first, then admit waiting sessions in arrival order, while the
+   KV pool has their blocks free (a resumed session its tokens', a new one its prompt's) with a small watermark
+   to spare; a session that must wait sits in a bounded queue (beyond ``max_waiting`` waiting it gets
    ``CapacityError`` = RESOURCE_EXHAUSTED),
 3. ``step``: the driver's trees and every pending Verify (decode first: they are the latency), then the next
-   prompt chunk of prefilling sessions while the step's token budget (``max_batch_tokens``) lasts, so a long
-   prompt never stalls the others; one forward with acceptance for all (``LocalVerifier.step``); then the
-   driver commits its results and the callers' futures resolve.
+   prompt chunk of prefilling (or resumed) sessions while the step's token budget (``max_batch_tokens``)
+   lasts, so a long prompt never stalls the others; when the pool lacks the blocks the step's rows write,
+   **preemption**: the most recently admitted session gives all its blocks back and leaves the step, until the
+   rest fit (it resumes at a later round and computes its positions again; its tree, or its caller's Verify,
+   waits for it); one forward with acceptance for all (``LocalVerifier.step``); then the driver commits its
+   results and the callers' futures resolve.
 
 A step runs as soon as there is work: the driver's requests never wait. A caller's calls are sequential (it
 drafts between two Verifys) and arrive over the network at their own pace, so without care they split into
@@ -41,7 +45,14 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from specmesh.contract import CapacityError, PrefillResult, SessionReleasedError, VerifyCosts, VerifyResult
+from specmesh.contract import (
+    CapacityError,
+    PrefillResult,
+    SessionPreemptedError,
+    SessionReleasedError,
+    VerifyCosts,
+    VerifyResult,
+)
 from specmesh.metrics import COUNT_BUCKETS, SECONDS_BUCKETS, Buckets
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -51,6 +62,7 @@ if TYPE_CHECKING:  # the loop only calls it: importing it (torch) is its owner's
     from verifier_service.verifier import LocalVerifier
 
 DEFAULT_MAX_WAIT_MS = 5.0
+_PREEMPTED = SessionPreemptedError("the session was preempted for this step's KV blocks; its tree steps once it resumes")
 log = logging.getLogger("specmesh.step_loop")
 
 
@@ -69,6 +81,12 @@ class SessionOwner(Protocol):
 
     def abandoned(self) -> bool:
         """Its caller went away while it waited for blocks (it is skipped)."""
+
+    def preempted(self) -> None:
+        """Its decoding session gave its KV blocks back (the pool ran short): it cannot step until ``resumed``."""
+
+    def resumed(self) -> None:
+        """Its preempted session has its KV back (recomputed): it steps again."""
 
 
 class StepDriver(Protocol):
@@ -109,6 +127,12 @@ class _CallerOwner:
     def abandoned(self) -> bool:
         return self.future.cancelled()
 
+    def preempted(self) -> None:  # the caller's Verify waits in the loop meanwhile
+        pass
+
+    def resumed(self) -> None:
+        pass
+
 
 @dataclass
 class _Opening:
@@ -120,7 +144,7 @@ class _Opening:
     owner: SessionOwner
     features: bool = False  # report the session's target features
     driven: bool = False  # the driver's (no Verify calls: never waited for as a straggler)
-    blocks: int = 0  # KV blocks its admission reserves (set when queued)
+    blocks: int = 0  # KV blocks its admission takes (set when queued)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -152,6 +176,7 @@ class BatchStats:
     verify_rows: int = 0  # rows of the Verify calls: the pending token + the tree's nodes each
     prefills: int = 0  # prefills finished
     prefill_tokens: int = 0  # prompt tokens run (every chunk)
+    preemptions: int = 0  # sessions that gave their KV blocks back for a step's rows
     # per step, for /metrics (verifier_service/metrics.py): sessions and rows in the forward, its seconds
     batch_sessions: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
     batch_rows: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
@@ -210,6 +235,16 @@ class StepLoop:
         self._releases: list[tuple[str, Future]] = []
         self._soon: list[Callable[[], None]] = []  # call_soon
         self._sessions: set[str] = set()  # admitted or waiting, not released: what num_sessions counts
+        # preemption (module doc): admission order of every admitted session (the newest is preempted first), the
+        # preempted ones (resumed oldest first), decoding sessions computing their KV again, Verifys that wait for
+        # their session to resume, and each admitted session's owner
+        self._admitted = 0
+        self._order: dict[str, int] = {}
+        self._paused: dict[str, int] = {}
+        self._resuming: set[str] = set()
+        self._parked: dict[str, tuple[TokenTree, Future]] = {}
+        self._owners: dict[str, SessionOwner] = {}
+        self._no_wait: set[str] = set()  # sessions whose pending Verify ends instead of waiting if preempted
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -243,8 +278,12 @@ class StepLoop:
     def submit_verify(self, session_id: str, tree: TokenTree) -> Future:
         return self.submit_verifies([(session_id, tree)])[0]
 
-    def submit_verifies(self, requests: Sequence[tuple[str, TokenTree]]) -> list[Future]:
-        """One future per (session, tree); Verifys submitted together join the same step (a VerifyBatch call)."""
+    def submit_verifies(self, requests: Sequence[tuple[str, TokenTree]], wait_if_preempted: bool = True
+                        ) -> list[Future]:
+        """One future per (session, tree); Verifys submitted together join the same step (a VerifyBatch call).
+        ``wait_if_preempted``: a Verify whose session is (or gets) preempted waits for it to resume; False: it ends
+        at once with ``SessionPreemptedError``, to be sent again (a VerifyBatch: its other items must not wait for
+        that session, whose blocks their own steps may have to free)."""
         futures = []
         with self._cond:
             self._check_open()
@@ -254,6 +293,8 @@ class StepLoop:
                     future.set_exception(ValueError(f"session {session_id!r} already has a Verify in flight"))
                 else:
                     self._verifies[session_id] = (tree, future)
+                    if not wait_if_preempted:
+                        self._no_wait.add(session_id)
                 futures.append(future)
             self._cond.notify()
         return futures
@@ -283,6 +324,7 @@ class StepLoop:
             self._sessions.discard(session_id)
             self._waiting = deque(o for o in self._waiting if o.session_id != session_id)
             self._prefilling.pop(session_id, None)
+            self._forget(session_id)
             self.verifier.release(session_id)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -313,6 +355,11 @@ class StepLoop:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_preempted(self) -> int:
+        """Sessions holding no KV blocks until they resume."""
+        return len(self._paused)
+
     def has_session(self, session_id: str) -> bool:
         """Admitted or waiting, and not released."""
         with self._cond:
@@ -328,17 +375,14 @@ class StepLoop:
 
     def _enqueue(self, opening: _Opening) -> None:
         """Queue a new session, or raise why it cannot wait (see ``open``)."""
-        self.verifier.check_request(opening.prompt, opening.sampling)  # fixed configuration: no lock needed
-        need = opening.blocks = self.verifier.allocator.blocks_for(
-            self.verifier.reservation(len(opening.prompt), opening.sampling))
+        # fixed configuration, no lock needed: a request past the context served (what one request alone can hold
+        # in the pool) is refused here, so every admitted one can finish
+        self.verifier.check_request(opening.prompt, opening.sampling)
+        need = opening.blocks = self.verifier.admission_blocks(len(opening.prompt))
         with self._cond:
             self._check_open()
             if opening.session_id in self._sessions:
                 raise ValueError(f"session {opening.session_id!r} already exists")
-            if need > self.verifier.allocator.num_blocks:
-                raise CapacityError(
-                    f"the request needs {need} KV blocks (prompt + max_new_tokens + the largest tree), more than "
-                    f"the whole pool has ({self.verifier.allocator.num_blocks}); raise --kv-cache-gb")
             if self._queue_full(need):
                 raise CapacityError(f"the verifier is full: {len(self._waiting)} requests already wait for KV blocks")
             self._sessions.add(opening.session_id)
@@ -349,7 +393,9 @@ class StepLoop:
         """Under the lock: whether a session needing ``need`` blocks would wait for blocks behind ``max_waiting``
         others that do. Queued sessions that the pool can hold now are not waiting: the loop admits them at its
         next round."""
-        free, blocked = self.verifier.allocator.num_free, 0
+        free = self.verifier.allocator.num_free - self.verifier.watermark_blocks
+        free -= sum(self.verifier.resume_blocks(sid) for sid in self._paused)  # they come first
+        blocked = 0
         for opening in self._waiting:
             if blocked or opening.blocks > free:
                 blocked += 1
@@ -374,8 +420,9 @@ class StepLoop:
     def _iterate(self) -> bool:
         """One round (see module doc); False once closed."""
         with self._cond:
-            while not (self._closed or self._soon or self._releases or self._verifies or self._prefilling
-                       or (self._waiting and self._admissible()) or self._driven()):
+            while not (self._closed or self._soon or self._releases or self._steppable_calls()
+                       or any(sid not in self._paused for sid in self._prefilling) or self._resuming
+                       or self._admissible() or self._driven()):
                 self._cond.wait()
             self._gather_stragglers()
             if self._closed:
@@ -397,9 +444,11 @@ class StepLoop:
                 opening = self._prefilling.pop(session_id, None)
                 if opening is not None:
                     gone.append((opening.owner, exc))
-                _, verify = self._verifies.pop(session_id, (None, None))
-                if verify is not None:
-                    _settle(verify, exc=exc)
+                for calls in (self._verifies, self._parked):
+                    _, verify = calls.pop(session_id, (None, None))
+                    if verify is not None:
+                        _settle(verify, exc=exc)
+                self._forget(session_id)
         for owner, exc in gone:
             owner.failed(exc)
         for fn in soon:
@@ -421,21 +470,43 @@ class StepLoop:
                and (remaining := deadline - time.monotonic()) > 0):
             self._cond.wait(remaining)
 
+    def _steppable_calls(self) -> bool:
+        """Under the lock: a caller's Verify (new, or parked while its session was preempted) can step."""
+        return any(sid not in self._paused and sid not in self._resuming
+                   for calls in (self._verifies, self._parked) for sid in calls)
+
+    def _fits(self, blocks: int) -> bool:
+        """Whether ``blocks`` are free with the watermark to spare (all of them when no session holds any)."""
+        allocator = self.verifier.allocator
+        spare = self.verifier.watermark_blocks if allocator.num_used else 0
+        return blocks + spare <= allocator.num_free
+
     def _admissible(self) -> bool:
-        head = self._waiting[0]
-        return self.verifier.can_admit(len(head.prompt), head.sampling)
+        """Under the lock: the first preempted session can resume, or (none preempted) the first waiting one can
+        be admitted."""
+        if self._paused:
+            return self._fits(self.verifier.resume_blocks(min(self._paused, key=self._paused.get)))
+        return bool(self._waiting) and self._fits(self.verifier.admission_blocks(len(self._waiting[0].prompt)))
 
     def _admit(self) -> None:
-        """Admit waiting sessions in arrival order while the pool can reserve them; then tell their owners."""
+        """Resume preempted sessions, oldest admission first, then admit waiting sessions in arrival order, while
+        the pool has their blocks; then tell the owners of the admitted ones."""
         admitted, refused = [], []
         with self._cond:
-            while self._waiting:
+            for session_id in sorted(self._paused, key=self._paused.get):
+                if not self._fits(self.verifier.resume_blocks(session_id)):
+                    break  # later ones and new admissions wait: the oldest work goes first
+                self.verifier.resume(session_id)
+                del self._paused[session_id]
+                if session_id not in self._prefilling:  # decoding before: its KV is computed again, then it decodes
+                    self._resuming.add(session_id)
+            while self._waiting and not self._paused:
                 head = self._waiting[0]
                 if head.owner.abandoned():  # its caller went away while it waited
                     self._waiting.popleft()
                     self._sessions.discard(head.session_id)
                     continue
-                if not self.verifier.can_admit(len(head.prompt), head.sampling):
+                if not self._fits(head.blocks):
                     break  # wait for blocks; later arrivals do not overtake it
                 self._waiting.popleft()
                 try:
@@ -445,6 +516,9 @@ class StepLoop:
                     refused.append((head, exc))
                     continue
                 self._prefilling[head.session_id] = head
+                self._admitted += 1
+                self._order[head.session_id] = self._admitted
+                self._owners[head.session_id] = head.owner
                 admitted.append(head)
         for opening, exc in refused:
             opening.owner.failed(exc)
@@ -456,7 +530,7 @@ class StepLoop:
         """Prefilling sessions whose next chunk fits the step's token budget (at least one if nothing else)."""
         budget = self.max_batch_tokens - verify_tokens
         chosen = []
-        for session_id in self._prefilling:
+        for session_id in [*self._resuming, *(s for s in self._prefilling if s not in self._paused)]:
             chunk = self.verifier.next_chunk(session_id)
             if (chosen or verify_tokens) and chunk > budget:
                 break
@@ -467,35 +541,114 @@ class StepLoop:
     # ------------------------------------------------------------- the step
     def step(self) -> None:
         """One step on the loop thread: the driver's trees and the callers' Verifys, prompt chunks in what the
-        token budget leaves -> one forward with acceptance for all -> the driver commits, the futures resolve."""
+        token budget leaves -> room in the KV pool for their rows (preemption) -> one forward with acceptance for
+        all -> the driver commits, the futures resolve."""
         driven = self.driver.draft() if self.driver is not None else []
         with self._cond:
-            calls = {sid: (tree, f) for sid, (tree, f) in self._verifies.items() if _claim(f)}
-            self._verifies = {}
+            calls = self._take_calls()
             verifies = driven + [(sid, tree) for sid, (tree, _) in calls.items()]
             rows = sum(tree.num_nodes + 1 for _, tree in verifies)
             prefills = self._pick_prefills(rows)
         if not verifies and not prefills:
             return
+        out = self._make_room(verifies, prefills)  # the sessions preempted from this step
+        stepping = [item for item in verifies if item[0] not in out]
+        prefills = [sid for sid in prefills if sid not in out]
         chunk_tokens = sum(self.verifier.next_chunk(sid) for sid in prefills)
         started = time.perf_counter()
         try:
-            firsts, results = self.verifier.step(prefills, verifies)
+            firsts, results = self.verifier.step(prefills, stepping)
         except Exception as exc:  # a model failure: every session of the step gets it
             log.exception("batched step failed")
-            firsts, results = exc, [exc] * len(verifies)
+            firsts, results = exc, [exc] * len(stepping)
         else:
             seconds = time.perf_counter() - started
             self._step_seconds = 0.8 * self._step_seconds + 0.2 * seconds
-            self.stats.record(seconds, len(verifies), rows, len(prefills), chunk_tokens, len(firsts))
+            if out:
+                rows = sum(tree.num_nodes + 1 for _, tree in stepping)
+            self.stats.record(seconds, len(stepping), rows, len(prefills), chunk_tokens, len(firsts))
+        if out:  # the preempted sessions' results: their trees step again once they resume
+            ran = iter(results)
+            results = [_PREEMPTED if sid in out else next(ran) for sid, _ in verifies]
         if self.driver is not None:
             self.driver.commit(results[: len(driven)])
-        for (_, future), result in zip(calls.values(), results[len(driven) :], strict=True):
-            if isinstance(result, Exception):
+        for (session_id, (tree, future)), result in zip(calls.items(), results[len(driven) :], strict=True):
+            if result is _PREEMPTED and session_id not in self._no_wait:
+                with self._cond:
+                    self._parked[session_id] = (tree, future)
+            elif isinstance(result, Exception):
                 _settle(future, exc=result)
             else:
                 _settle(future, result)
+        if self._no_wait:
+            with self._cond:
+                self._no_wait.difference_update(calls)
         self._prefilled(prefills, firsts)
+        self._resumed(prefills)
+
+    def _take_calls(self) -> dict[str, tuple[TokenTree, Future]]:
+        """Under the lock: the callers' Verifys this step runs (claimed), parked ones first; those of preempted
+        or resuming sessions stay queued."""
+        waiting = self._paused.keys() | self._resuming
+        calls = {sid: call for sid, call in self._parked.items() if sid not in waiting}
+        for sid in calls:
+            del self._parked[sid]
+        for sid, (tree, future) in list(self._verifies.items()):
+            if sid in waiting and sid in self._no_wait:  # preempted: its caller sends it again later
+                del self._verifies[sid]
+                self._no_wait.discard(sid)
+                _settle(future, exc=_PREEMPTED)
+            elif sid not in waiting:
+                del self._verifies[sid]
+                if _claim(future):
+                    calls[sid] = (tree, future)
+        return calls
+
+    def _make_room(self, verifies: Sequence[tuple[str, TokenTree]], prefills: Sequence[str]) -> set[str]:
+        """Preempt the most recently admitted sessions until the pool has the blocks the step's rows write (a
+        victim in the step leaves it); returns the victims of the step. A session alone always fits the pool
+        (the context served is what it can hold), so the last one standing is never preempted."""
+        need = self.verifier.step_blocks(verifies)
+        short = sum(need.values()) - self.verifier.allocator.num_free
+        if short <= 0:
+            return set()
+        victims, told = set(), []
+        with self._cond:
+            active = sorted((sid for sid in self._order if sid not in self._paused), key=self._order.get)
+            while short > 0 and len(active) > 1:
+                victim = active.pop()
+                short -= self.verifier.preempt(victim) + need.pop(victim, 0)
+                self._paused[victim] = self._order[victim]
+                self.stats.preemptions += 1
+                if victim in self._resuming:  # preempted again before it was told it resumed
+                    self._resuming.discard(victim)
+                elif victim not in self._prefilling and victim in self._owners:  # decoding: its owner waits
+                    told.append(self._owners[victim])
+                victims.add(victim)
+        log.debug("preempted %d sessions for a step's KV blocks", len(victims))
+        for owner in told:
+            owner.preempted()
+        in_step = {sid for sid, _ in verifies} | set(prefills)
+        return victims & in_step
+
+    def _resumed(self, prefills: Sequence[str]) -> None:
+        """Tell the owners of resumed sessions whose KV is computed again: they decode on."""
+        done = [sid for sid in prefills if sid in self._resuming and not self.verifier.prefilling(sid)]
+        if not done:
+            return
+        with self._cond:
+            self._resuming.difference_update(done)
+            owners = [self._owners[sid] for sid in done if sid in self._owners]
+        for owner in owners:
+            owner.resumed()
+
+    def _forget(self, session_id: str) -> None:
+        """Under the lock: the session's preemption state (it is released or dropped)."""
+        self._order.pop(session_id, None)
+        self._paused.pop(session_id, None)
+        self._resuming.discard(session_id)
+        self._owners.pop(session_id, None)
+        self._no_wait.discard(session_id)
 
     def _prefilled(self, prefills: list[str], firsts: dict[str, int] | Exception) -> None:
         """Tell the owners of the step's prompt chunks whose prefill finished (or failed with the step)."""
@@ -523,7 +676,7 @@ class StepLoop:
     def _fail_all(self, exc: Exception) -> None:
         for opening in [*self._waiting, *self._prefilling.values()]:
             opening.owner.failed(exc)
-        for _, future in self._verifies.values():
+        for _, future in [*self._verifies.values(), *self._parked.values()]:
             if not future.cancelled():
                 _settle(future, exc=exc)
         for _, future in self._releases:
@@ -531,5 +684,6 @@ class StepLoop:
         self._waiting.clear()
         self._prefilling.clear()
         self._verifies.clear()
+        self._parked.clear()
         self._releases.clear()
         self._soon.clear()

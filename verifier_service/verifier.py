@@ -17,9 +17,14 @@ Batching: ``step`` runs one forward over the next prompt chunk of any number of 
 sessions and the trees of any number of verifying ones (``ModelRunner.forward_batch``:
 packed rows, attention per session under its own tree mask), then one argmax (and top-k)
 over all rows and one host copy. Every session's KV lives in one paged pool
-(``specmesh.kv_pool``); ``admit`` reserves a session's worst case, so a step never runs out
-of memory. ``prefill`` / ``verify`` are the one-session case; ``StepLoop``
-(``verifier_service/step_loop.py``) gathers the calls of many threads into steps.
+(``specmesh.kv_pool``): ``admit`` takes the prompt's blocks, a step the blocks its rows write
+(``step_blocks`` says how many, before the forward), and compaction gives back a rejected
+branch's. When a step cannot get them, its scheduler ``preempt``s a session (every block back;
+the session keeps its tokens, sampler and window) and ``resume``s it later: its positions are
+computed again as a prefill that yields no token, after which it decodes on exactly as before.
+The context served is what one session alone can hold in the pool (``info.max_positions``), so a
+request that fits it can always finish. ``prefill`` / ``verify`` are the one-session case; ``StepLoop``
+(``verifier_service/step_loop.py``) gathers the calls of many threads into steps and preempts.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 import torch
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
-from specmesh.contract import PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
+from specmesh.contract import CapacityError, PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
 from specmesh.feedback import TargetFeatures, VerifyFeedback
 from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
@@ -76,6 +81,18 @@ def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: i
     return max(1, min(int(DEFAULT_KV_CACHE_GB * 2**30 // per_block), cap))
 
 
+def served_positions(model_positions: int, num_blocks: int, block_size: int, max_tree_nodes: int,
+                     window_rows: int = 0) -> int:
+    """The context a verifier serves: the model's, or less when one session alone (its tokens, the pending token,
+    the largest tree and the lookahead window of a step) could outgrow the pool. ValueError when the pool cannot
+    hold one request at all."""
+    fits = num_blocks * block_size - 1 - max_tree_nodes - window_rows
+    if fits < 2:
+        raise ValueError(f"a KV pool of {num_blocks} blocks of {block_size} tokens cannot hold one request with "
+                         f"a tree of {max_tree_nodes} nodes; raise --kv-cache-gb")
+    return min(model_positions, fits)
+
+
 def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
     """Least squares of seconds = base + per_session * sessions + per_row * rows over (sessions, rows,
     seconds) points, each coefficient kept >= 0 (a negative one is dropped and the rest refitted)."""
@@ -109,10 +126,12 @@ class _Session:
     cache: KVCache | PagedKVCache
     sampling: SamplingParams
     generator: torch.Generator | None
-    table: list[int]  # the KV blocks accounted to the session (the paged cache's own table, or bookkeeping only)
-    prompt: list[int]  # the whole prompt
-    prefilled: int = 0  # prompt tokens in the cache; < len(prompt) while the prefill runs (chunked)
-    pending: int = -1  # newest committed token, not yet in the cache (-1 until the prefill is done)
+    table: list[int]  # a runner cache's KV blocks, bookkeeping only (a paged cache holds its own table)
+    # every token whose KV the cache holds (or will, once computed): the prompt, then each step's pending token and
+    # accepted path; what a preempted session computes again when it resumes
+    tokens: list[int]
+    prefilled: int = 0  # tokens in the cache; < len(tokens) while a prefill (the first, or a resume's) runs
+    pending: int = -1  # newest committed token, not yet in the cache (-1 until the first prefill is done)
     # lookahead only: the 2-D Jacobi window (N - 1 levels x W columns) and the most recent successor of
     # each committed token (fills)
     window: Window | None = None
@@ -124,7 +143,7 @@ class _Session:
 
     @property
     def prefilling(self) -> bool:
-        return self.pending < 0
+        return self.prefilled < len(self.tokens)
 
 
 @dataclass(slots=True)
@@ -151,7 +170,7 @@ class _Row:
 
 class LocalVerifier:
     """Verifier running the target model in this process; one thread drives it (see StepLoop for
-    many callers). Its sessions share one paged KV pool; admission reserves a session's worst case."""
+    many callers). Its sessions share one paged KV pool, taken step by step (see module doc)."""
 
     def __init__(
         self,
@@ -182,6 +201,13 @@ class LocalVerifier:
         num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size)
         self.pool = runner.new_pool(num_blocks, block_size)  # None on the generic HF path
         self.allocator = self.pool.allocator if self.pool is not None else BlockAllocator(num_blocks, block_size)
+        # admission leaves this many blocks free, so the running sessions' next steps rarely preempt (vLLM's 1 %)
+        self.watermark_blocks = max(1, num_blocks // 100)
+        self.model_positions = runner.info.max_positions
+        served = served_positions(self.model_positions, num_blocks, block_size, max_tree_nodes,
+                                  lookahead.rows if lookahead is not None else 0)
+        if served < self.model_positions:
+            self.info = dataclasses.replace(runner.info, max_positions=served)
         self._sessions: dict[str, _Session] = {}
 
     # --------------------------------------------------------------- protocol
@@ -210,18 +236,17 @@ class LocalVerifier:
     def release(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            self._unreserve(session.cache, session.table)
+            self._free(session)
 
     # ------------------------------------------------------------ scheduling
     def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, features: bool = False) -> None:
-        """Check the request and reserve its KV blocks (prompt + max_new_tokens + the largest tree + the
-        lookahead window); the prefill itself runs in ``step``. CapacityError when the pool cannot hold it.
-        ``features``: report the session's target features (see ``__init__``)."""
+        """Check the request and take its prompt's KV blocks; the prefill itself runs in ``step``. CapacityError
+        when the pool has too few free. ``features``: report the session's target features (see ``__init__``)."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
         self.check_request(prompt, sampling)
-        cache, table = self._reserve(self.reservation(len(prompt), sampling))
+        cache, table = self._reserve(len(prompt))
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.runner.device)
@@ -232,27 +257,71 @@ class LocalVerifier:
         self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt,
                                               features=features or self.features)
 
+    def preempt(self, session_id: str) -> int:
+        """Give back every KV block of a session (prefilling or decoding); returns how many. It keeps its tokens,
+        pending token, sampler and lookahead window, and holds nothing until ``resume``."""
+        session = self._get(session_id)
+        session.prefilled = 0
+        session.prompt_features = []  # a first prefill cut short collects them again
+        return self._free(session)
+
+    def resume_blocks(self, session_id: str) -> int:
+        """KV blocks ``resume`` takes: those of every token the session had in its cache."""
+        return self.allocator.blocks_for(len(self._get(session_id).tokens))
+
+    def resume(self, session_id: str) -> None:
+        """Take the blocks of a preempted session's tokens again; its next steps as a prefill compute their KV (a
+        resumed first prefill finishes as usual; a decoding session's yields no token and decodes on after it).
+        CapacityError (nothing taken) when the pool has too few free."""
+        session = self._get(session_id)
+        self._grow(session, len(session.tokens))
+
+    def held_blocks(self, session_id: str) -> int:
+        session = self._get(session_id)
+        return len(session.cache.table) if isinstance(session.cache, PagedKVCache) else len(session.table)
+
+    def step_blocks(self, verifies: Sequence[tuple[str, TokenTree]]) -> dict[str, int]:
+        """The KV blocks each session of ``verifies`` has yet to take for its rows of a step (the pending token,
+        the tree, the lookahead window). A prefill chunk takes none (admission and ``resume`` took its blocks);
+        an unknown or prefilling session counts none (its Verify fails, or waits)."""
+        need = {}
+        for session_id, tree in verifies:
+            session = self._sessions.get(session_id)
+            if session is None or session.prefilling:
+                continue
+            rows = 1 + tree.num_nodes
+            if session.window is not None:
+                rows += window_span(session.cache.length, self.lookahead, self.info.max_positions) * self._levels
+            missing = self.allocator.blocks_for(session.cache.length + rows) - self.held_blocks(session_id)
+            if missing > 0:
+                need[session_id] = missing
+        return need
+
     def check_request(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        """ValueError for a request this verifier can never serve (reads only its fixed configuration)."""
+        """ValueError for a request this verifier can never serve (reads only its fixed configuration): one past
+        the context it serves (the model's, or less when one request alone could outgrow the KV pool)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         vocab = self.info.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) + sampling.max_new_tokens > self.info.max_positions:
+            why = ""
+            if self.info.max_positions < self.model_positions:
+                why = (f" (the model's is {self.model_positions}; one request's KV must fit the pool of "
+                       f"{self.allocator.num_blocks * self.allocator.block_size} tokens: raise --kv-cache-gb)")
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
-                f"target's context of {self.info.max_positions} positions"
+                f"context of {self.info.max_positions} positions this verifier serves{why}"
             )
 
-    def reservation(self, prompt_len: int, sampling: SamplingParams) -> int:
-        """KV positions a session may ever hold: its prompt and output, plus the pending token, the largest
-        tree and the lookahead window of a step."""
-        window = self.lookahead.rows if self.lookahead is not None else 0
-        return prompt_len + sampling.max_new_tokens + 1 + self.max_tree_nodes + window
+    def admission_blocks(self, prompt_len: int) -> int:
+        """KV blocks ``admit`` takes: the prompt's."""
+        return self.allocator.blocks_for(prompt_len)
 
-    def can_admit(self, prompt_len: int, sampling: SamplingParams) -> bool:
-        return self.allocator.blocks_for(self.reservation(prompt_len, sampling)) <= self.allocator.num_free
+    def can_admit(self, prompt_len: int) -> bool:
+        """Whether the pool has the prompt's blocks free with the watermark to spare."""
+        return self.admission_blocks(prompt_len) + self.watermark_blocks <= self.allocator.num_free
 
     def prefilling(self, session_id: str) -> bool:
         return self._get(session_id).prefilling
@@ -260,7 +329,7 @@ class LocalVerifier:
     def next_chunk(self, session_id: str) -> int:
         """Prompt tokens the session's next ``step`` as a prefill runs (0 once its prefill is done)."""
         session = self._get(session_id)
-        return min(self.prefill_chunk, len(session.prompt) - session.prefilled)
+        return min(self.prefill_chunk, len(session.tokens) - session.prefilled)
 
     @torch.inference_mode()
     def step(
@@ -277,7 +346,7 @@ class LocalVerifier:
         packed = 0
         for session_id in prefills:
             session = self._get(session_id)
-            chunk = session.prompt[session.prefilled : session.prefilled + self.prefill_chunk]
+            chunk = session.tokens[session.prefilled : session.prefilled + self.prefill_chunk]
             row = _Row(session, packed, len(chunk), session.prefilled)
             ids.append(np.asarray(chunk, np.int64))
             positions.append(np.arange(session.prefilled, session.prefilled + len(chunk)))
@@ -290,7 +359,7 @@ class LocalVerifier:
                 if session_id in seen:
                     raise ValueError(f"session {session_id!r} appears twice in one step")
                 row = self._verify_row(self._get(session_id), tree, packed)
-            except (ValueError, KeyError) as exc:  # an invalid tree or a step past the reservation; UnknownSessionError
+            except (ValueError, KeyError, CapacityError) as exc:  # an invalid tree; UnknownSessionError; no blocks
                 results[index] = exc
                 continue
             seen.add(session_id)
@@ -307,7 +376,7 @@ class LocalVerifier:
         runs = []
         for row in rows:
             if row.tree is None:
-                if row.prefix_len + row.num_new == len(row.session.prompt):
+                if row.session.pending < 0 and row.prefix_len + row.num_new == len(row.session.tokens):
                     runs.append((row.start + row.num_new - 1, 1))
             else:
                 runs.append((row.start, 1 + row.tree.num_nodes))
@@ -317,7 +386,7 @@ class LocalVerifier:
         # features of the sessions that asked: every row of a prefill chunk and every verified row (pending + tree),
         # picked after acceptance; span_start: a row's first feature row
         hidden_index, span_start = None, {}
-        asking = [r for r in rows if r.session.features]
+        asking = [r for r in rows if r.session.features and not (r.tree is None and r.session.pending >= 0)]
         if asking:
             spans = [(r.start, r.start + (r.num_new if r.tree is None else 1 + r.tree.num_nodes)) for r in asking]
             hidden_index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans])).to(self.runner.device)
@@ -339,10 +408,11 @@ class LocalVerifier:
         finishing: list[str] = []
         offset = 0
         for session_id, row in zip(prefills, rows, strict=False):
-            if id(row) in span_start:
+            first_prefill = row.session.pending < 0  # else a resumed session's KV computed again: no token
+            if id(row) in span_start and first_prefill:
                 row.session.prompt_features.append(features[span_start[id(row)] :][: row.num_new])
             row.session.prefilled += row.num_new
-            if row.session.prefilled == len(row.session.prompt):
+            if first_prefill and not row.session.prefilling:
                 accepting.append((row.session, TokenTree.empty(), offset))
                 finishing.append(session_id)
                 offset += 1
@@ -414,11 +484,10 @@ class LocalVerifier:
 
     # -------------------------------------------------------------- internals
     def _reserve(self, num_tokens: int) -> tuple[KVCache | PagedKVCache, list[int]]:
-        """A cache for ``num_tokens`` positions and its KV blocks: from the paged pool, or a runner cache with
-        the blocks accounted only. CapacityError when the pool has too few free blocks."""
+        """A cache with blocks for ``num_tokens`` positions: from the paged pool (table in the cache, [] returned),
+        or a runner cache with the blocks accounted only. CapacityError when the pool has too few free blocks."""
         if self.pool is not None:
-            cache = self.pool.open(num_tokens)
-            return cache, cache.table
+            return self.pool.open(num_tokens), []
         table = self.allocator.allocate(num_tokens)
         return self.runner.new_cache(), table
 
@@ -427,6 +496,35 @@ class LocalVerifier:
             cache.free()
         else:
             self.allocator.free(table)
+
+    def _grow(self, session: _Session, positions: int) -> None:
+        """Blocks for the session's positions [0, positions). CapacityError (nothing taken) when too few are free."""
+        if isinstance(session.cache, PagedKVCache):
+            session.cache.ensure(positions)
+            return
+        missing = self.allocator.blocks_for(positions) - len(session.table)
+        if missing > 0:
+            self.allocator.grow(session.table, missing)
+
+    def _trim(self, session: _Session) -> None:
+        """Give back the blocks past the session's last position (a rejected branch's)."""
+        if isinstance(session.cache, PagedKVCache):
+            session.cache.trim()
+            return
+        keep = self.allocator.blocks_for(session.cache.length)
+        if len(session.table) > keep:
+            self.allocator.free(session.table[keep:])
+            del session.table[keep:]
+
+    def _free(self, session: _Session) -> int:
+        """Every block of the session back to the pool (its cache empty); returns how many."""
+        if isinstance(session.cache, PagedKVCache):
+            return session.cache.free()
+        freed = len(session.table)
+        self.allocator.free(session.table)
+        session.table = []
+        session.cache = self.runner.new_cache()
+        return freed
 
     def _get(self, session_id: str) -> _Session:
         try:
@@ -443,7 +541,7 @@ class LocalVerifier:
             raise InvalidTreeError("tree would run past the target's context length")
         window = session.window
         if window is None and not tree.num_nodes:  # plain decoding: the pending token alone, causal
-            self._check_capacity(session, prefix_len + 1)
+            self._grow(session, prefix_len + 1)
             return _Row(session, start, 1, prefix_len, tree, 0, np.array([session.pending]), np.array([prefix_len]))
         if window is None:  # no lookahead: [pending, tree]
             span, levels = 0, 1
@@ -454,7 +552,7 @@ class LocalVerifier:
             span, levels = window_span(prefix_len, self.lookahead, self.info.max_positions), self._levels
             guesses = window_inputs(window, span)  # [levels * span]
             input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
-        self._check_capacity(session, prefix_len + len(input_ids))
+        self._grow(session, prefix_len + len(input_ids))
         if rows_are_causal(tree.num_nodes, tree.is_chain, span, levels):  # one chain in row order: causal
             positions = np.arange(prefix_len, prefix_len + len(input_ids))
             attend = None
@@ -467,15 +565,7 @@ class LocalVerifier:
             attend = TreeMask(prefix_len, torch.from_numpy(ancestor_mask(branch_parents(tree.parents, span, levels))))
         return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids, positions, attend)
 
-    @staticmethod
-    def _check_capacity(session: _Session, positions: int) -> None:
-        capacity = getattr(session.cache, "capacity", None)
-        if capacity is not None and positions > capacity:
-            raise ValueError(f"the step needs {positions} KV positions, more than the session reserved at admission "
-                             f"({capacity}: prompt + max_new_tokens + the largest tree)")
-
-    @staticmethod
-    def _compact(rows: Sequence[_Row], acceptances: Sequence[Acceptance]) -> None:
+    def _compact(self, rows: Sequence[_Row], acceptances: Sequence[Acceptance]) -> None:
         """Keep each verified session's pending row and accepted path in its cache (dropping the rest of the tree
         and the window): the paged sessions in one batched move (``kv_pool.compact``), other caches one by one."""
         paged, prefix_lens, offsets = [], [], []
@@ -489,6 +579,9 @@ class LocalVerifier:
                 row.session.cache.keep(row.prefix_len, keep)
         if paged:
             compact(paged, prefix_lens, offsets)
+        for row in rows:
+            if row.num_new > 1:
+                self._trim(row.session)
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
                        elapsed: float, batch_sessions: int) -> VerifyResult:
@@ -502,13 +595,16 @@ class LocalVerifier:
             if session.window is not None:  # the outputs after the window's top level
                 ngrams = self._advance_window(session, argmax[verified:], tokens)
             feedback = VerifyFeedback.of(row.input_ids[:verified], None if topk is None else topk[:verified], ngrams)
+        session.tokens.append(session.pending)  # the cache now holds the pending token and the accepted path
+        session.tokens.extend(tokens[:-1])
+        session.prefilled = len(session.tokens)
         session.pending = acceptance.bonus_token
         return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback, batch_sessions)
 
     def _start_decoding(self, session: _Session, first: int) -> None:
         session.pending = first
         if self.lookahead is not None:
-            note_successors(session.successors, session.prompt + [first])
+            note_successors(session.successors, session.tokens + [first])
             session.window = initial_window(first, self.lookahead, session.successors)
 
     @property
