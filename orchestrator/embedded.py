@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -53,7 +54,9 @@ class EmbeddedStack:
     lookahead: LookaheadConfig | None = None  # the verifier's Jacobi window (lookahead n-grams); None = off
     kv_cache_gb: float | None = None  # the shared verifiers' KV pool (None: LocalVerifier's default)
     target_dir: Path | None = None  # where the target was loaded from (its tokenizer, chat template, name)
+    prefix_caching: bool = True  # the shared verifiers share identical prompt prefixes' KV blocks
     _shared: dict = field(default_factory=dict)  # (feedback_topk, lookahead) -> EngineCore
+    _shared_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
     def load(
@@ -69,11 +72,13 @@ class EmbeddedStack:
         device: torch.device | str = "cpu",
         kv_cache_gb: float | None = None,
         hf_modules: bool = False,
+        prefix_caching: bool = True,
     ) -> EmbeddedStack:
         """Load the target (and draft) from local directories; ``runner``: auto | fast | hf; ``attention``: the
         fast runner's attention backend (auto | sdpa | triton);
         ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window;
-        ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool; ``hf_modules``: keep
+        ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool (``prefix_caching``: with
+        a prefix cache, LocalVerifier's); ``hf_modules``: keep
         the transformers modules and tokenizer (``runner.model``: `bench`'s HF peers), else a Llama-family model
         and its tokenizer load without transformers where that is exact (``models.load_runner``)."""
         if draft is not None:  # from the configs, before any weights load
@@ -84,7 +89,8 @@ class EmbeddedStack:
         if draft is not None:
             draft_runner = load_runner(draft, draft_dtype or dtype, runner, device, attention, hf_modules)
             check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft", hf_modules))
-        return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target))
+        return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target),
+                   prefix_caching)
 
     @cached_property
     def store_namespace(self) -> str:
@@ -159,10 +165,12 @@ class EmbeddedStack:
         shared engine of that configuration submits its requests to it, and one thread steps them all. Target
         features are asked per request (``Method.features``): they need no verifier of their own."""
         key = (feedback_topk, lookahead)
-        if key not in self._shared:
-            local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb)
-            self._shared[key] = EngineCore(local, self.decode, costs=local.profile_costs())
-        return self._shared[key]
+        with self._shared_lock:  # the first requests may come at once (serve builds engines off its event loop)
+            if key not in self._shared:
+                local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb,
+                                      prefix_caching=self.prefix_caching)
+                self._shared[key] = EngineCore(local, self.decode, costs=local.profile_costs())
+            return self._shared[key]
 
     def served_info(self) -> ModelInfo:
         """The target's ModelInfo with the context the shared verifiers serve (less than the model's when one
@@ -286,6 +294,7 @@ def load_stack(args: argparse.Namespace, hf_modules: bool = False) -> EmbeddedSt
             models.draft_dtype(args.draft_dtype, args.dtype, device), runner=args.runner, attention=args.attention,
             store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None), device=device,
             kv_cache_gb=getattr(args, "kv_cache_gb", None), hf_modules=hf_modules,
+            prefix_caching=getattr(args, "prefix_caching", True),
         )
     except IncompatibleModels as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None

@@ -233,6 +233,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_embedded_arguments(g)
     g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="memory of the embedded verifier's paged KV pool (default: the verifier's)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="the embedded verifier computes every prompt whole (default: identical prompt prefixes "
+                        "share their KV blocks, as `specmesh verifier`)")
 
 
 def load_tokenizer(args: argparse.Namespace, verifier_model: str):

@@ -240,31 +240,32 @@ def _sampling(max_new: int = MAX_NEW) -> SamplingParams:
 
 def test_full_pool_waits_then_admits_and_loses_nothing(model_sets, ar_reference):
     runner = model_sets("cyclic").runner("target", "fast")
-    prompt = (PROMPTS[1] * 20)[:80]  # admission takes a prompt's blocks: two of these fit, a third waits
-    per_session = len(prompt) + MAX_NEW + 1 + 8  # a session's largest footprint (max_tree_nodes=8)
+    # admission takes a prompt's blocks: two of these fit, a third waits (distinct: nothing in the prefix cache)
+    prompt = {sid: (PROMPTS[i] * 20)[:80] for i, sid in enumerate("abcdf")}
+    per_session = len(prompt["a"]) + MAX_NEW + 1 + 8  # a session's largest footprint (max_tree_nodes=8)
     local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=2 * per_session * runner.kv_bytes_per_token / 2**30,
                           block_size=1)
     batching = StepLoop(local, max_waiting=1)
     try:
-        batching.prefill("a", prompt, _sampling())
-        batching.prefill("b", prompt, _sampling())
-        waiting = batching.submit_prefill("c", prompt, _sampling())  # no blocks: waits
+        batching.prefill("a", prompt["a"], _sampling())
+        batching.prefill("b", prompt["b"], _sampling())
+        waiting = batching.submit_prefill("c", prompt["c"], _sampling())  # no blocks: waits
         time.sleep(0.2)
         assert not waiting.done() and batching.num_waiting == 1
         with pytest.raises(CapacityError, match="already wait"):  # the wait queue (1) is full
-            batching.prefill("d", prompt, _sampling())
+            batching.prefill("d", prompt["d"], _sampling())
         with pytest.raises(ValueError, match="raise --kv-cache-gb"):  # past what the pool can ever hold for one
             batching.prefill("e", list(range(3)) * per_session, _sampling())
         # the running sessions are unaffected: finish "a" by plain decoding
         tokens = []
         for _ in range(MAX_NEW - 1):
             tokens += batching.verify("a", TokenTree.empty()).tokens
-        assert tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)[1:]
+        assert tokens == ar_reference("cyclic", "fast", prompt["a"], MAX_NEW)[1:]
         batching.release("a")
         first = waiting.result(timeout=10)  # admitted once "a" gave its blocks back
-        assert first.first_token == ar_reference("cyclic", "fast", prompt, MAX_NEW)[0]
+        assert first.first_token == ar_reference("cyclic", "fast", prompt["c"], MAX_NEW)[0]
         # a waiting request that is released (its caller went away) takes nothing
-        later = batching.submit_prefill("f", prompt, _sampling())
+        later = batching.submit_prefill("f", prompt["f"], _sampling())
         batching.release("f")
         with pytest.raises(RuntimeError, match="released"):
             later.result(timeout=10)

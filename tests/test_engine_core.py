@@ -178,8 +178,9 @@ def test_cancel_ends_a_request_and_frees_its_blocks(model_sets, ar_reference):
 
 def test_a_full_pool_makes_requests_wait_and_refuses_what_never_fits(model_sets, ar_reference):
     runner = model_sets("cyclic").runner("target", "fast")
-    prompt = (PROMPTS[2] * 20)[:80]  # admission takes a prompt's blocks: two of these fit, a third waits
-    per_request = len(prompt) + MAX_NEW + 1 + 8  # a request's largest footprint (max_tree_nodes=8)
+    # admission takes a prompt's blocks: two of these fit, a third waits (distinct: nothing in the prefix cache)
+    prompts = [(PROMPTS[i] * 20)[:80] for i in range(6)]
+    per_request = len(prompts[0]) + MAX_NEW + 1 + 8  # a request's largest footprint (max_tree_nodes=8)
     local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=2 * per_request * runner.kv_bytes_per_token / 2**30,
                           block_size=1)
     assert local.info.max_positions == 2 * per_request - 1 - 8  # the context served: what one request can hold
@@ -188,13 +189,14 @@ def test_a_full_pool_makes_requests_wait_and_refuses_what_never_fits(model_sets,
         with pytest.raises(ValueError, match="raise --kv-cache-gb"):  # past what the pool could ever hold for it
             core.submit(list(range(3)) * per_request, greedy(MAX_NEW), Method(), Collect())
         outputs = [Collect() for _ in range(5)]
-        for out in outputs:  # two prompts (and the watermark) fit at a time: three wait
+        for prompt, out in zip(prompts, outputs, strict=False):  # two prompts (and the watermark) fit at a time
             core.submit(prompt, greedy(MAX_NEW), Method(), out)
         with pytest.raises(CapacityError, match="already wait"):  # a sixth would wait behind three: refused
-            core.submit(prompt, greedy(MAX_NEW), Method(), Collect())
+            core.submit(prompts[5], greedy(MAX_NEW), Method(), Collect())
         for out in outputs:
             assert out.done.wait(120) and out.error is None, out.error
-        assert all(o.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW) for o in outputs)
+        assert all(o.tokens == ar_reference("cyclic", "fast", p, MAX_NEW) for p, o in zip(prompts, outputs,
+                                                                                         strict=False))
         assert core.stats.max_batch <= 2
         assert_idle(core)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import http.client
 import json
 import logging
@@ -301,7 +302,7 @@ def test_models_health_and_metrics(server, client):
     assert get(app.url + "/livez") == (200, b'{"status":"alive"}')
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     load = json.loads(get(app.url + "/load")[1])
-    assert load == {"requests": 0, "max_requests": service.max_requests, "running": 0, "waiting": 0,
+    assert load == {"requests": 0, "max_requests": service.max_requests, "running": 0, "waiting": 0, "preempted": 0,
                     "kv_blocks": load["kv_blocks"], "kv_blocks_used": 0, "kv_blocks_reserved": 0, "kv_usage": 0.0,
                     "draining": False}
     assert load["kv_blocks"] == sum(v.loop.verifier.allocator.num_blocks for v in service.backend.stack.shared_verifiers())
@@ -538,3 +539,30 @@ def test_chat_without_max_tokens_fills_the_rest_of_the_context(stack, client):
     assert response.usage.prompt_tokens == prompt_tokens
     assert response.usage.completion_tokens == context - prompt_tokens
     assert response.choices[0].finish_reason == "length"
+
+
+def test_chat_without_max_tokens_is_admitted_on_a_pool_smaller_than_the_context(stack):
+    """Issue 31: on a pool of 592 tokens (37 blocks; the model's context is 2,048) the context served is what one request can
+    hold there; three concurrent chats without max_tokens are admitted, preempt each other as they grow, and each
+    runs to that context's end."""
+    small = dataclasses.replace(stack, kv_cache_gb=592 * stack.target_runner.kv_bytes_per_token / 2**30, _shared={},
+                                _shared_lock=threading.Lock())
+    service = make_service(small)
+    app = AppThread(http_api.build_app(service, ChatTemplate(TEMPLATE, {"eos_token": "<|endoftext|>"})))
+    try:
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        served = client.models.list().data[0].model_extra["max_model_len"]
+        assert served == 592 - 1 - 256 < stack.target_runner.info.max_positions  # the largest tree: 256 nodes
+        messages = [[{"role": "user", "content": f"def f{i}(x):\n"}] for i in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda m: client.chat.completions.create(
+                model=MODEL, messages=m, temperature=0, extra_body={"ignore_eos": True}), messages))
+        for answer in answers:
+            assert answer.choices[0].finish_reason == "length"
+            assert answer.usage.prompt_tokens + answer.usage.completion_tokens == served
+        (core,) = small.shared_verifiers()  # one engine core, though the first requests came at once
+        assert core.stats.preemptions > 0 and core.stats.max_batch > 1
+        assert wait_until(lambda: core.verifier.allocator.num_used == 0, timeout=10)
+    finally:
+        app.stop()
+        small.close()

@@ -241,22 +241,22 @@ def test_verifier_counts_equal_the_requests_steps(runner):
 
 
 def test_verifier_gauges_follow_sessions_and_the_admission_queue(runner):
-    prompt = make_prompts(1, seed=9, min_len=20, max_len=20)[0]
-    per_session = len(prompt) + 8 + 1 + 8  # what admission reserves: prompt + max_new + pending + largest tree
+    prompt, other = make_prompts(2, seed=9, min_len=20, max_len=20)
+    per_session = len(prompt) + 8 + 1 + 8  # a session's largest footprint: prompt + max_new + pending + largest tree
     local = LocalVerifier(runner, max_tree_nodes=8, kv_cache_gb=per_session * runner.kv_bytes_per_token / 2**30,
                           block_size=1)
     batching = StepLoop(local, max_waiting=4)
     r = VerifierMetrics(lambda: [batching], model_name=MODEL).registry
     try:
         batching.prefill("a", prompt, greedy(8))
-        # the session reserved the whole pool, but only its prompt's blocks hold tokens (blocks of one token)
-        assert value(r, "verifier_num_sessions") == 1 and value(r, "verifier_kv_blocks_reserved") == per_session
+        # admission took the prompt's blocks (blocks of one token)
+        assert value(r, "verifier_num_sessions") == 1 and value(r, "verifier_kv_blocks_reserved") == len(prompt)
         assert value(r, "verifier_kv_blocks_used") == len(prompt)
         assert value(r, "kv_cache_usage_perc") == pytest.approx(len(prompt) / per_session)
-        waiting = batching.submit_prefill("b", prompt, greedy(8))  # the pool is full: it waits
+        waiting = batching.submit_prefill("b", other, greedy(8))  # its prompt's blocks are not free: it waits
         assert value(r, "verifier_num_waiting") == 1 and value(r, "verifier_num_sessions") == 1
-        batching.verify("a", TokenTree.empty())  # the pending token goes into the cache
-        assert value(r, "verifier_kv_blocks_used") == len(prompt) + 1
+        batching.verify("a", TokenTree.empty())  # the pending token goes into the cache: a step takes its block
+        assert value(r, "verifier_kv_blocks_used") == len(prompt) + 1 == value(r, "verifier_kv_blocks_reserved")
         assert value(r, "kv_cache_usage_perc") == pytest.approx((len(prompt) + 1) / per_session)
         batching.release("a")
         waiting.result(timeout=30)

@@ -165,7 +165,7 @@ def test_labelled_children_exist_at_zero_in_a_fresh_registry():
     verifier = VerifierMetrics(list, model_name=MODEL).registry
     names = samples_of(generate_latest(verifier).decode(), parse_text)
     assert names == series_names({n: k for n, k in documented().items() if n.startswith(
-        ("specmesh_verifier_", "specmesh_kv_cache"))})
+        ("specmesh_verifier_", "specmesh_kv_cache", "specmesh_num_preemptions", "specmesh_prefix_cache"))})
 
 
 def test_every_sample_carries_model_name(registries):

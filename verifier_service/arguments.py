@@ -28,6 +28,9 @@ def add_batching_arguments(p: argparse.ArgumentParser) -> None:
                         f"the newest session is preempted and recomputed later; the context served is at most what "
                         f"one session alone can hold (default: {DEFAULT_KV_CACHE_GB:g}, or less when 64 sessions at "
                         f"full context need less)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share the KV blocks of identical prompt prefixes between sessions (by default full "
+                        "blocks of committed tokens are cached, read-only, and evicted least recently used)")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
                    help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",

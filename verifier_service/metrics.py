@@ -45,6 +45,11 @@ COUNTERS = (
     ("num_preemptions", "Sessions preempted: their KV blocks given back for a step's rows, recomputed on resuming.",
      "preemptions"),
 )
+# (name, documentation, BlockAllocator counter): the prefix cache, in tokens (vLLM's)
+POOL_COUNTERS = (
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (a resumed session's included).", "queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache: their KV reused, not computed.", "hits"),
+)
 HISTOGRAMS = (
     ("verifier_batch_sessions", "Sessions in one forward (Verify calls + prompt chunks).", "batch_sessions"),
     ("verifier_batch_rows", "Rows in one forward (tree rows + prompt chunk tokens).", "batch_rows"),
@@ -92,6 +97,7 @@ class VerifierMetrics:
         """The families, without values: the registry refuses a name another collector already has."""
         yield from (GaugeMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc in GAUGES)
         yield from (CounterMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in COUNTERS)
+        yield from (CounterMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in POOL_COUNTERS)
         yield from (HistogramMetricFamily(PREFIX + name, doc, labels=LABELS) for name, doc, _ in HISTOGRAMS)
 
     def collect(self):
@@ -107,6 +113,10 @@ class VerifierMetrics:
         for name, doc, attr in COUNTERS:
             family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             family.add_metric(labels, sum(getattr(v.stats, attr) for v in verifiers))
+            yield family
+        for name, doc, attr in POOL_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, sum(getattr(v.verifier.allocator, attr) for v in verifiers))
             yield family
         for name, doc, attr in HISTOGRAMS:
             # with no verifier yet (the embedded stack makes them lazily), a histogram of zeros over the bounds

@@ -471,8 +471,9 @@ class StepLoop:
             self._cond.wait(remaining)
 
     def _steppable_calls(self) -> bool:
-        """Under the lock: a caller's Verify (new, or parked while its session was preempted) can step."""
-        return any(sid not in self._paused and sid not in self._resuming
+        """Under the lock: a caller's Verify (new, or parked while its session was preempted) can step, or one that
+        does not wait for its preempted session has to be answered."""
+        return any(sid not in self._paused and sid not in self._resuming or sid in self._no_wait
                    for calls in (self._verifies, self._parked) for sid in calls)
 
     def _fits(self, blocks: int) -> bool:
@@ -491,15 +492,19 @@ class StepLoop:
     def _admit(self) -> None:
         """Resume preempted sessions, oldest admission first, then admit waiting sessions in arrival order, while
         the pool has their blocks; then tell the owners of the admitted ones."""
-        admitted, refused = [], []
+        admitted, refused, resumed = [], [], []
         with self._cond:
             for session_id in sorted(self._paused, key=self._paused.get):
                 if not self._fits(self.verifier.resume_blocks(session_id)):
                     break  # later ones and new admissions wait: the oldest work goes first
                 self.verifier.resume(session_id)
                 del self._paused[session_id]
-                if session_id not in self._prefilling:  # decoding before: its KV is computed again, then it decodes
+                if session_id in self._prefilling:  # its first prefill goes on
+                    continue
+                if self.verifier.prefilling(session_id):  # decoding before: its KV is computed again, then it decodes
                     self._resuming.add(session_id)
+                elif session_id in self._owners:  # all of it found in the prefix cache: it decodes on at once
+                    resumed.append(self._owners[session_id])
             while self._waiting and not self._paused:
                 head = self._waiting[0]
                 if head.owner.abandoned():  # its caller went away while it waited
@@ -520,6 +525,8 @@ class StepLoop:
                 self._order[head.session_id] = self._admitted
                 self._owners[head.session_id] = head.owner
                 admitted.append(head)
+        for owner in resumed:
+            owner.resumed()
         for opening, exc in refused:
             opening.owner.failed(exc)
         for opening in admitted:
@@ -617,7 +624,9 @@ class StepLoop:
             active = sorted((sid for sid in self._order if sid not in self._paused), key=self._order.get)
             while short > 0 and len(active) > 1:
                 victim = active.pop()
-                short -= self.verifier.preempt(victim) + need.pop(victim, 0)
+                self.verifier.preempt(victim)  # (blocks it shares with others stay taken)
+                need.pop(victim, None)
+                short = sum(need.values()) - self.verifier.allocator.num_free
                 self._paused[victim] = self._order[victim]
                 self.stats.preemptions += 1
                 if victim in self._resuming:  # preempted again before it was told it resumed

@@ -131,6 +131,7 @@ class _Session:
     # accepted path; what a preempted session computes again when it resumes
     tokens: list[int]
     prefilled: int = 0  # tokens in the cache; < len(tokens) while a prefill (the first, or a resume's) runs
+    registered: int = 0  # leading full blocks offered to the prefix cache
     pending: int = -1  # newest committed token, not yet in the cache (-1 until the first prefill is done)
     # lookahead only: the 2-D Jacobi window (N - 1 levels x W columns) and the most recent successor of
     # each committed token (fills)
@@ -182,11 +183,14 @@ class LocalVerifier:
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         features: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         """``features``: report the target's final-layer features of the prompt (``PrefillResult.features``) and
         of every verification's pending + accepted rows (``VerifyResult.features``) for every session, as if each
         had asked (``prefill``/``admit`` ``features=True``); off by default: only the sessions that ask get them,
-        and a step with none computes none."""
+        and a step with none computes none. ``prefix_caching``: sessions share the KV blocks of identical prompt
+        prefixes (``specmesh.blocks``; the paged pool only; a session that asks for features computes its whole
+        prompt: a Falcon head needs every position's)."""
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
         if prefill_chunk < 1:
@@ -201,6 +205,7 @@ class LocalVerifier:
         num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size)
         self.pool = runner.new_pool(num_blocks, block_size)  # None on the generic HF path
         self.allocator = self.pool.allocator if self.pool is not None else BlockAllocator(num_blocks, block_size)
+        self.prefix_caching = prefix_caching and self.pool is not None
         # admission leaves this many blocks free, so the running sessions' next steps rarely preempt (vLLM's 1 %)
         self.watermark_blocks = max(1, num_blocks // 100)
         self.model_positions = runner.info.max_positions
@@ -246,7 +251,8 @@ class LocalVerifier:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
         self.check_request(prompt, sampling)
-        cache, table = self._reserve(len(prompt))
+        features = features or self.features
+        cache, table = self._take(prompt, (len(prompt) - 1) // self.allocator.block_size, features)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.runner.device)
@@ -254,14 +260,15 @@ class LocalVerifier:
                 generator.manual_seed(sampling.seed)
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
-        self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt,
-                                              features=features or self.features)
+        reused = cache.length  # prompt positions found in the prefix cache
+        self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt, reused,
+                                              reused // self.allocator.block_size, features=features)
 
     def preempt(self, session_id: str) -> int:
         """Give back every KV block of a session (prefilling or decoding); returns how many. It keeps its tokens,
         pending token, sampler and lookahead window, and holds nothing until ``resume``."""
         session = self._get(session_id)
-        session.prefilled = 0
+        session.prefilled = session.registered = 0
         session.prompt_features = []  # a first prefill cut short collects them again
         return self._free(session)
 
@@ -274,7 +281,10 @@ class LocalVerifier:
         resumed first prefill finishes as usual; a decoding session's yields no token and decodes on after it).
         CapacityError (nothing taken) when the pool has too few free."""
         session = self._get(session_id)
-        self._grow(session, len(session.tokens))
+        first = session.pending < 0  # its first prefill: the last prompt token is computed again for its logits
+        size = self.allocator.block_size
+        cache, session.table = self._take(session.tokens, (len(session.tokens) - first) // size, session.features)
+        session.cache, session.prefilled, session.registered = cache, cache.length, cache.length // size
 
     def held_blocks(self, session_id: str) -> int:
         session = self._get(session_id)
@@ -436,6 +446,8 @@ class LocalVerifier:
                 keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes], device=features.device)
                 results[index] = dataclasses.replace(
                     results[index], features=TargetFeatures(row.prefix_len, features[offset:][keep]))
+        if self.prefix_caching:
+            self._register(rows)
         return firsts, results
 
     def take_prompt_features(self, session_id: str) -> TargetFeatures | None:
@@ -496,6 +508,33 @@ class LocalVerifier:
             cache.free()
         else:
             self.allocator.free(table)
+
+    def _take(self, tokens: list[int], max_cached: int, features: bool) -> tuple[KVCache | PagedKVCache, list[int]]:
+        """A cache with blocks for ``tokens``: the first (up to ``max_cached``) found in the prefix cache, shared,
+        with their positions counted in its length; the rest new. Nothing is looked up for a session that asks
+        for features. CapacityError (nothing taken) when the pool has too few free blocks."""
+        if not self.prefix_caching or features or max_cached <= 0:
+            return self._reserve(len(tokens))
+        found = self.allocator.lookup(tokens, max_cached)
+        self.allocator.share(found)  # before taking the rest: found blocks are not evicted for it
+        cache = PagedKVCache(self.pool, list(found))
+        cache.length = len(found) * self.allocator.block_size
+        try:
+            cache.ensure(len(tokens))
+        except CapacityError:
+            cache.free()
+            raise
+        return cache, []
+
+    def _register(self, rows: Sequence[_Row]) -> None:
+        """Offer the prefix cache the blocks the step filled with committed tokens (prompt chunks, accepted paths)."""
+        size = self.allocator.block_size
+        for row in rows:
+            session = row.session
+            full = session.cache.length // size  # the cache holds session.tokens[:length]
+            if full > session.registered:
+                self.allocator.register(session.cache.table, session.tokens, session.registered, full)
+                session.registered = full
 
     def _grow(self, session: _Session, positions: int) -> None:
         """Blocks for the session's positions [0, positions). CapacityError (nothing taken) when too few are free."""
