@@ -204,3 +204,28 @@ def test_the_pool_returns_to_empty_over_any_interleaving(model_sets, ops, seed):
     for sid in live:
         local.release(sid)
     assert allocator.num_free == allocator.num_blocks
+
+
+def test_the_pool_on_a_device_takes_what_the_weights_and_a_forward_leave():
+    from verifier_service.verifier import device_kv_bytes
+
+    gib = 2**30
+    # 80 GiB device, 62 GiB free after the weights and the CUDA context, a forward peaking 2 GiB above that
+    assert device_kv_bytes(80 * gib, 62 * gib, 2 * gib, 0.9) == int(0.9 * 80 * gib) - 18 * gib - 2 * gib
+    assert device_kv_bytes(80 * gib, 10 * gib, 2 * gib, 0.9) == 0  # others hold the device: nothing left
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        device_kv_bytes(80 * gib, 62 * gib, 0, 1.5)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_pool_is_sized_from_the_device():
+    import torch
+    from service_helpers import TARGET
+
+    from specmesh import models
+
+    runner = models.load_runner(TARGET, torch.float32, "fast", torch.device("cuda"))
+    local = LocalVerifier(runner, max_tree_nodes=TREE, kv_cache_memory=0.5)
+    free, total = torch.cuda.mem_get_info()
+    assert local.allocator.num_blocks * local.allocator.block_size * runner.kv_bytes_per_token <= 0.5 * total
+    assert local.info.max_positions == runner.info.max_positions

@@ -31,6 +31,7 @@ GAUGES = (
     ("verifier_kv_blocks_used", "KV blocks holding tokens."),
     ("verifier_kv_blocks_reserved", "KV blocks taken by sessions (their tokens', and a step's rows until it ends)."),
     ("verifier_num_preempted", "Sessions preempted for other sessions' KV blocks, holding none until they resume."),
+    ("verifier_kv_capacity_tokens", "Tokens the KV pool holds (blocks x block size)."),
 )
 # (name, documentation, BatchStats field)
 COUNTERS = (
@@ -105,7 +106,8 @@ class VerifierMetrics:
         load = pool_load(verifiers)
         labels = [self.model_name]
         values = (load["running"], load["waiting"], load["kv_usage"], load["kv_blocks"], load["kv_blocks_used"],
-                  load["kv_blocks_reserved"], load["preempted"])
+                  load["kv_blocks_reserved"], load["preempted"],
+                  sum(v.verifier.allocator.num_blocks * v.verifier.allocator.block_size for v in verifiers))
         for (name, doc), value in zip(GAUGES, values, strict=True):
             family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             family.add_metric(labels, value)

@@ -341,7 +341,8 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
 
     try:
         local = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead, args.kv_cache_gb,
-                              args.block_size, args.prefill_chunk, prefix_caching=args.prefix_caching)
+                              args.block_size, args.prefill_chunk, prefix_caching=args.prefix_caching,
+                              kv_cache_memory=args.kv_cache_memory, profile_rows=args.max_batch_tokens)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
     costs = None

@@ -45,7 +45,12 @@ from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
 from specmesh.warp import warp_probs
-from verifier_service.arguments import DEFAULT_KV_CACHE_GB, DEFAULT_PREFILL_CHUNK
+from verifier_service.arguments import (
+    DEFAULT_KV_CACHE_GB,
+    DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_PREFILL_CHUNK,
+)
 from verifier_service.lookahead import (
     LookaheadConfig,
     Window,
@@ -69,16 +74,54 @@ from verifier_service.verification import (
 )
 
 
-def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: int) -> int:
-    """Blocks that fit in ``kv_cache_gb`` GiB; by default (None) DEFAULT_KV_CACHE_GB, but never more than 64
+def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: int,
+                   kv_cache_memory: float = DEFAULT_KV_CACHE_MEMORY, profile_rows: int = DEFAULT_MAX_BATCH_TOKENS) -> int:
+    """Blocks that fit in ``kv_cache_gb`` GiB. By default (None): on a CUDA device, ``kv_cache_memory`` of the
+    device's memory less what is in use and a profiled forward of ``profile_rows`` rows needs
+    (``device_kv_bytes``, vLLM's gpu_memory_utilization); elsewhere DEFAULT_KV_CACHE_GB, but never more than 64
     sessions at the model's full context need (a tiny model does not reserve gigabytes)."""
     per_block = runner.kv_bytes_per_token * block_size
     if kv_cache_gb is not None:
         if not kv_cache_gb > 0:
             raise ValueError(f"the KV cache budget must be > 0 GiB, got {kv_cache_gb}")
         return max(1, int(kv_cache_gb * 2**30 // per_block))
+    if runner.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(runner.device)
+        budget = device_kv_bytes(total, free, forward_peak_bytes(runner, profile_rows), kv_cache_memory)
+        if budget < per_block:
+            raise ValueError(f"no device memory is left for the KV pool at --kv-cache-memory {kv_cache_memory:g} "
+                             f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free before a forward of "
+                             f"{profile_rows} rows): raise it, or give --kv-cache-gb")
+        return int(budget // per_block)
     cap = 64 * -(-min(runner.info.max_positions, 1 << 16) // block_size)
     return max(1, min(int(DEFAULT_KV_CACHE_GB * 2**30 // per_block), cap))
+
+
+def device_kv_bytes(total: int, free: int, forward_peak: int, fraction: float) -> int:
+    """Bytes for the KV pool out of a device of ``total`` bytes with ``free`` free now (the weights, the CUDA
+    context and other processes hold the rest), ``forward_peak`` bytes more during the largest forward: what
+    leaves ``fraction`` of the device used. Never negative."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--kv-cache-memory must be in (0, 1], got {fraction}")
+    return max(0, int(fraction * total) - (total - free) - forward_peak)
+
+
+def forward_peak_bytes(runner: ModelRunner, rows: int) -> int:
+    """The device memory a forward of ``rows`` new rows (one session, every row's logits: a step of that many tree
+    rows) takes at its peak beyond what is allocated before it (CUDA; its cache is freed after)."""
+    rows = max(1, min(rows, runner.info.max_positions))
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(runner.device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    cache = runner.new_cache()
+    ids = torch.zeros(rows, dtype=torch.long)
+    runner.forward(cache, ids, torch.arange(rows))
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device) - before
+    del cache
+    torch.cuda.empty_cache()
+    return peak
 
 
 def served_positions(model_positions: int, num_blocks: int, block_size: int, max_tree_nodes: int,
@@ -184,13 +227,17 @@ class LocalVerifier:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         features: bool = False,
         prefix_caching: bool = True,
+        kv_cache_memory: float = DEFAULT_KV_CACHE_MEMORY,
+        profile_rows: int = DEFAULT_MAX_BATCH_TOKENS,
     ) -> None:
         """``features``: report the target's final-layer features of the prompt (``PrefillResult.features``) and
         of every verification's pending + accepted rows (``VerifyResult.features``) for every session, as if each
         had asked (``prefill``/``admit`` ``features=True``); off by default: only the sessions that ask get them,
         and a step with none computes none. ``prefix_caching``: sessions share the KV blocks of identical prompt
         prefixes (``specmesh.blocks``; the paged pool only; a session that asks for features computes its whole
-        prompt: a Falcon head needs every position's)."""
+        prompt: a Falcon head needs every position's). ``kv_cache_memory``: on CUDA without ``kv_cache_gb``, the
+        share of the device's memory the process may use with the pool, after a forward of ``profile_rows`` rows
+        (the scheduler's ``max_batch_tokens``) is profiled (``kv_pool_blocks``)."""
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
         if prefill_chunk < 1:
@@ -202,7 +249,7 @@ class LocalVerifier:
         self.lookahead = lookahead
         self.prefill_chunk = prefill_chunk
         self.features = features
-        num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size)
+        num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size, kv_cache_memory, profile_rows)
         self.pool = runner.new_pool(num_blocks, block_size)  # None on the generic HF path
         self.allocator = self.pool.allocator if self.pool is not None else BlockAllocator(num_blocks, block_size)
         self.prefix_caching = prefix_caching and self.pool is not None
