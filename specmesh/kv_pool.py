@@ -70,18 +70,22 @@ class PagedKVCache:
     def __init__(self, pool: KVPool, table: list[int]) -> None:
         self.pool, self.table = pool, table
         self.length = 0
-        self._tables_changed()
+        self._resized(_is_run(table))
 
-    def _tables_changed(self) -> None:
-        size = self.pool.block_size
-        table = self.table
-        self.capacity = len(table) * size
-        # [capacity] slot of each position, on the host (index building); the device copies on first use
-        self.host_slots = (np.asarray(table, np.int64)[:, None] * size + np.arange(size)).reshape(-1)
-        self._slots = self._blocks = None
-        contiguous = bool(table) and table[-1] - table[0] == len(table) - 1 and (
-            len(table) < 3 or bool((np.diff(table) == 1).all()))
-        self.base = table[0] * size if contiguous else None  # first slot when contiguous
+    def _resized(self, contiguous: bool) -> None:
+        """The table changed: its capacity, whether it is one run of blocks (then ``base``, its first slot), and
+        the derived arrays, rebuilt when next used."""
+        self.capacity = len(self.table) * self.pool.block_size
+        self.base = self.table[0] * self.pool.block_size if contiguous and self.table else None
+        self._host_slots = self._slots = self._blocks = None
+
+    @property
+    def host_slots(self) -> np.ndarray:
+        """[capacity] int64: the slot of each position, on the host (index building)."""
+        if self._host_slots is None:
+            size = self.pool.block_size
+            self._host_slots = (np.asarray(self.table, np.int64)[:, None] * size + np.arange(size)).reshape(-1)
+        return self._host_slots
 
     @property
     def slots(self) -> torch.Tensor:
@@ -103,8 +107,11 @@ class PagedKVCache:
         it has too few free."""
         missing = self.pool.allocator.blocks_for(length) - len(self.table)
         if missing > 0:
+            old = len(self.table)
+            was_run = self.base is not None or not old
             self.pool.allocator.grow(self.table, missing)
-            self._tables_changed()
+            added = self.table[old:]
+            self._resized(was_run and _is_run(added) and (not old or added[0] == self.table[old - 1] + 1))
 
     reserve = ensure  # the runner's call before it writes new rows
 
@@ -115,7 +122,7 @@ class PagedKVCache:
         if extra:
             self.pool.allocator.free(extra)
             del self.table[keep:]
-            self._tables_changed()
+            self._resized(self.base is not None or _is_run(self.table))  # a run stays one
         return len(extra)
 
     def truncate(self, length: int) -> None:
@@ -155,9 +162,15 @@ class PagedKVCache:
         if freed:
             self.pool.allocator.free(self.table)
             self.table = []
-            self._tables_changed()
+            self._resized(False)
         self.length = 0
         return freed
+
+
+def _is_run(table: list[int]) -> bool:
+    """Whether ``table`` is one run of consecutive blocks, ascending."""
+    return bool(table) and table[-1] - table[0] == len(table) - 1 and (
+        len(table) < 3 or table == list(range(table[0], table[-1] + 1)))
 
 
 def compact(caches: Sequence[PagedKVCache], prefix_lens: Sequence[int],
