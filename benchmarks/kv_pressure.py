@@ -54,8 +54,8 @@ def get(url: str, timeout: float = 5) -> str:
         return response.read().decode()
 
 
-def chat(base: str, prompt: str, timeout: float) -> dict:
-    body = json.dumps({"model": "target", "messages": [{"role": "user", "content": prompt}],
+def chat(base: str, model: str, prompt: str, timeout: float) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
                        "temperature": 0}).encode()
     request = urllib.request.Request(f"{base}/v1/chat/completions", body, {"Content-Type": "application/json"})
     started = time.perf_counter()
@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"serve did not start:\n{server.stderr.read()[-2000:]}") from None
                 time.sleep(0.2)
+        model = json.loads(get(f"{base}/v1/models"))["data"][0]["id"]
         started = time.perf_counter()
         with ThreadPoolExecutor(args.requests) as pool:
-            answers = list(pool.map(lambda i: chat(base, PROMPTS[i % len(PROMPTS)], args.timeout),
+            answers = list(pool.map(lambda i: chat(base, model, PROMPTS[i % len(PROMPTS)], args.timeout),
                                     range(args.requests)))
         wall = time.perf_counter() - started
         metrics = get(f"{base}/metrics")

@@ -39,9 +39,9 @@ def sources(count: int) -> list[str]:
     return [("\n".join(texts[i::count]))for i in range(count)]
 
 
-def first_token_seconds(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+def first_token_seconds(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
     """Stream a chat completion: (seconds to the first content delta, the whole answer)."""
-    body = json.dumps({"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     started = time.perf_counter()
@@ -78,16 +78,17 @@ def run(args, caching: bool) -> dict:
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"serve did not start:\n{server.stderr.read()[-2000:]}") from None
                 time.sleep(0.2)
+        model = json.loads(get(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
         first_turn, second_turn = [], []
         chars = args.history * 3  # about 3 characters per token of code for the demo tokenizer
         for text in sources(args.conversations):
             history = [{"role": "system", "content": "You are a careful Python reviewer.\n"},
                        {"role": "user", "content": text[:chars] + "\nWhat does this code do?\n"}]
-            seconds, answer = first_token_seconds(port, history, args.answer_tokens)
+            seconds, answer = first_token_seconds(port, model, history, args.answer_tokens)
             first_turn.append(seconds)
             follow_up = history + [{"role": "assistant", "content": answer},
                                    {"role": "user", "content": "\nAnd how would you test it?\n"}]
-            second_turn.append(first_token_seconds(port, follow_up, args.answer_tokens)[0])
+            second_turn.append(first_token_seconds(port, model, follow_up, args.answer_tokens)[0])
         metrics = get(f"http://127.0.0.1:{port}/metrics")
     finally:
         server.terminate()

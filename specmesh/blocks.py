@@ -188,7 +188,7 @@ class BlockAllocator:
         if (refs <= 0).any():
             raise RuntimeError("freeing a KV block that is already free")
         self._refs[blocks] = refs - 1
-        for block in blocks:
+        for block in reversed(blocks):  # a table's tail is evicted first: its prefix stays findable longest
             if self._refs[block] == 0:
                 self.num_free += 1
                 if block in self._cached:

@@ -4,7 +4,8 @@ between sessions whose tokens start the same.
 - A lookup finds the longest cached prefix, block by block; what it finds is exactly the registered prefix, even
   when every key collides or a parent block was evicted and reused (the tokens and the parent's serial are
   compared, never the key alone).
-- Unreferenced cached blocks are evictable (counted free) and reclaimed least recently used first.
+- Unreferenced cached blocks are evictable (counted free) and reclaimed least recently used first, a table's
+  tail before its head (so a preempted session's prefix stays findable longest).
 - Sessions sharing a prompt prefix reuse its blocks (fewer prompt tokens run), never write into them, and every
   output equals autoregressive greedy output, for several proposers, with chunked prefill, the lookahead window,
   target features (a Falcon head's session computes its whole prompt) and preemption.
@@ -72,7 +73,9 @@ def test_a_reused_parent_block_does_not_revive_its_old_children():
     old = [1, 2, 3, 4]
     table = allocator.allocate(4)
     allocator.register(table, old, 0, 2)
-    allocator.free(table)  # both evictable, the parent least recently used
+    allocator.free(table)  # both evictable (a table's tail first)
+    allocator.share(table[1:])  # the child used again (alone): the parent is now the least recently used
+    allocator.free(table[1:])
     new_table = allocator.allocate(2)  # evicts the parent alone: its child stays cached
     assert new_table == table[:1] and allocator.num_cached == 1
     allocator.register(new_table, [1, 2], 0, 1)  # the same tokens again in that block, a new registration
@@ -144,3 +147,14 @@ def test_shared_prefixes_under_preemption_equal_ar(model_sets, ar_reference):
         assert_idle(core)
     finally:
         core.close()
+
+
+def test_a_freed_tables_tail_is_evicted_before_its_head():
+    allocator = BlockAllocator(3, 2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    table = allocator.allocate(6)
+    allocator.register(table, tokens, 0, 3)
+    allocator.free(table)
+    taken = allocator.allocate(2)  # one block: the tail's
+    assert taken == table[2:] and allocator.lookup(tokens, 3) == table[:2]
+    allocator.free(taken)
