@@ -70,9 +70,10 @@ class BlockAllocator:
         return len(self._cached)
 
     # ------------------------------------------------------------ prefix cache
-    def lookup(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
+    def lookup(self, tokens: Sequence[int], max_blocks: int, count: bool = True) -> list[int]:
         """The cached blocks holding ``tokens``' first full blocks, in order (at most ``max_blocks``): the longest
-        cached prefix. Counts the query (tokens of ``max_blocks`` blocks) and the hit; ``share`` takes them."""
+        cached prefix. Counts the query (tokens of ``max_blocks`` blocks) and the hit unless ``count`` is False (a
+        look before admitting); ``share`` takes them."""
         size, found, key, parent = self.block_size, [], 0, 0
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * size : (i + 1) * size])
@@ -82,9 +83,14 @@ class BlockAllocator:
                 break  # not cached (or a collision: never another prefix's KV)
             found.append(entry.block)
             parent = entry.serial
-        self.queries += max_blocks * size
-        self.hits += len(found) * size
+        if count:
+            self.queries += max_blocks * size
+            self.hits += len(found) * size
         return found
+
+    def num_unheld(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` no table holds (evictable: sharing them takes them out of the free count)."""
+        return sum(1 for block in blocks if self._refs[block] == 0)
 
     def share(self, blocks: Sequence[int]) -> None:
         """Hold cached ``blocks`` (from ``lookup``) in one more table."""

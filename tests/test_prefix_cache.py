@@ -158,3 +158,24 @@ def test_a_freed_tables_tail_is_evicted_before_its_head():
     taken = allocator.allocate(2)  # one block: the tail's
     assert taken == table[2:] and allocator.lookup(tokens, 3) == table[:2]
     allocator.free(taken)
+
+
+def test_a_mostly_cached_prompt_is_admitted_on_the_blocks_it_takes(model_sets, ar_reference):
+    from verifier_service.step_loop import StepLoop
+
+    runner = model_sets("cyclic").runner("target", "fast")
+    local = LocalVerifier(runner, max_tree_nodes=8, block_size=4, kv_cache_gb=24 * 4 * runner.kv_bytes_per_token / 2**30)
+    loop = StepLoop(local)
+    try:
+        prompt = (PROMPTS[0] * 2)[:60]  # 15 blocks of the pool's 24
+        loop.prefill("a", prompt, greedy(8))
+        assert local.allocator.num_free == 9
+        other = prompt[:56] + [5, 6, 7, 8]  # its first 14 blocks are a's: it takes one block, not 15
+        first = loop.submit_prefill("b", other, greedy(8)).result(timeout=30)
+        assert first.first_token == ar_reference("cyclic", "fast", other, 8)[0]
+        assert loop.num_waiting == 0 and local.allocator.num_free == 8
+        for sid in ("a", "b"):
+            loop.release(sid)
+        assert local.allocator.num_free == local.allocator.num_blocks
+    finally:
+        loop.close()

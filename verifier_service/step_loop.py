@@ -487,7 +487,10 @@ class StepLoop:
         be admitted."""
         if self._paused:
             return self._fits(self.verifier.resume_blocks(min(self._paused, key=self._paused.get)))
-        return bool(self._waiting) and self._fits(self.verifier.admission_blocks(len(self._waiting[0].prompt)))
+        if not self._waiting:
+            return False
+        head = self._waiting[0]
+        return self._fits(self.verifier.blocks_to_admit(head.prompt, head.features))
 
     def _admit(self) -> None:
         """Resume preempted sessions, oldest admission first, then admit waiting sessions in arrival order, while
@@ -511,7 +514,7 @@ class StepLoop:
                     self._waiting.popleft()
                     self._sessions.discard(head.session_id)
                     continue
-                if not self._fits(head.blocks):
+                if not self._fits(self.verifier.blocks_to_admit(head.prompt, head.features)):
                     break  # wait for blocks; later arrivals do not overtake it
                 self._waiting.popleft()
                 try:

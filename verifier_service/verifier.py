@@ -376,6 +376,15 @@ class LocalVerifier:
         """KV blocks ``admit`` takes: the prompt's."""
         return self.allocator.blocks_for(prompt_len)
 
+    def blocks_to_admit(self, prompt: Sequence[int], features: bool = False) -> int:
+        """Free blocks ``admit`` would take now: the prompt's, less those found in the prefix cache that some
+        session holds already (a found block no session holds leaves the free count too)."""
+        need = self.admission_blocks(len(prompt))
+        if not self.prefix_caching or features or self.features:
+            return need
+        found = self.allocator.lookup(prompt, (len(prompt) - 1) // self.allocator.block_size, count=False)
+        return need - len(found) + self.allocator.num_unheld(found)
+
     def can_admit(self, prompt_len: int) -> bool:
         """Whether the pool has the prompt's blocks free with the watermark to spare."""
         return self.admission_blocks(prompt_len) + self.watermark_blocks <= self.allocator.num_free
