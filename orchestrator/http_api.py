@@ -132,6 +132,7 @@ class _Common(SpecmeshOptions):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text instead of being cut
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -259,7 +260,7 @@ def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
             temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
             max_new_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids),
-            ignore_eos=body.ignore_eos,
+            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
             **({} if body.mjsd_threshold is None else {"mjsd_threshold": body.mjsd_threshold}))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

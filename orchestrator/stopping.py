@@ -61,13 +61,15 @@ class StopChecker:
 
     Stop strings need ``decode`` (token ids -> text). When a stop string appears,
     generation ends after the token that completed it and ``text_limit`` says where
-    the returned text must be cut.
+    the returned text must be cut: before the stop string, or after it with
+    ``include_stop_str_in_output``.
     """
 
     def __init__(self, sampling: SamplingParams, eos_token_ids: Sequence[int], decode: Callable[[list[int]], str] | None):
         self.max_new_tokens = sampling.max_new_tokens
         self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
         self.stop_strings = sampling.stop
+        self.include_stop = sampling.include_stop_str_in_output
         if self.stop_strings and decode is None:
             raise ValueError("stop strings need a tokenizer to decode with")
         self.generated: list[int] = []
@@ -103,9 +105,10 @@ class StopChecker:
         if not piece:
             return False
         window = self._tail + piece
-        hits = [i for i in (window.find(s) for s in self.stop_strings) if i >= 0]
+        hits = [(i, -len(s)) for s in self.stop_strings if (i := window.find(s)) >= 0]
         if hits:
-            self.text_limit = start - len(self._tail) + min(hits)
+            at, minus_length = min(hits)  # the earliest match (the longest of those starting there)
+            self.text_limit = start - len(self._tail) + at - (minus_length if self.include_stop else 0)
             return True
         self._tail = window[max(0, len(window) - self._span) :]
         return False

@@ -36,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     acceptance: str = "exact"  # "exact" | "mjsd" (lossy; set by the orchestrator for the mjsd proposer only)
     mjsd_threshold: float = DEFAULT_MJSD_THRESHOLD  # acceptance "mjsd": the joint likelihood ratio to reach
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut (vLLM's)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):  # NaN fails the comparison too

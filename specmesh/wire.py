@@ -77,6 +77,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         ignore_eos=params.ignore_eos,
         acceptance=params.acceptance,
         mjsd_threshold=params.mjsd_threshold,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -97,6 +98,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
         ignore_eos=msg.ignore_eos,
         acceptance=msg.acceptance or "exact",
         mjsd_threshold=msg.mjsd_threshold or DEFAULT_MJSD_THRESHOLD,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 

@@ -129,6 +129,8 @@ def test_token_id_prompt_stop_strings_and_eos(client, demo_stack):
     cut = client.generate(prompt_ids, max_new_tokens=MAX_NEW, stop=[stop])
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
+    kept = client.generate(prompt_ids, max_new_tokens=MAX_NEW, stop=[stop], include_stop_str_in_output=True)
+    assert kept.finish_reason == "stop" and kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
 def test_async_client_streams_the_same_tokens(mesh, ar):

@@ -199,6 +199,12 @@ def test_stop_strings_echo_and_token_prompts(stack, client):
     stop = text[5:8]
     cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0, stop=stop)
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0, stop=stop,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0, stop=stop,
+                                         stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == kept.choices[0].text
     echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith(PROMPTS[0]) and echoed.choices[0].text[len(PROMPTS[0]):] == \
         reference(stack, PROMPTS[0], 8)[0]

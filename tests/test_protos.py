@@ -101,7 +101,8 @@ def test_wire_tree_is_validated_like_any_tree() -> None:
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=0, max_new_tokens=7,
-                                      stop=("\n\n", "def "), stop_token_ids=(3,), ignore_eos=True)],
+                                      stop=("\n\n", "def "), stop_token_ids=(3,), ignore_eos=True,
+                                      include_stop_str_in_output=True)],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
     wire = common_pb2.SamplingParams.FromString(sampling_to_proto(params).SerializeToString())

@@ -89,6 +89,17 @@ def test_stop_string_sets_text_limit():
     assert one_at_a_time(toks, sp) == ([0, 1, 2, 8], "stop", text.index("cdd"))
 
 
+def test_include_stop_str_in_output_cuts_after_the_stop_string():
+    toks = [0, 1, 2, 8, 4]
+    text = decode(toks)
+    sp = SamplingParams(max_new_tokens=50, stop=("cdd", "cd"), include_stop_str_in_output=True)
+    # both match at the same place: the longer one is the match, and the text keeps it
+    assert one_at_a_time(toks, sp) == ([0, 1, 2, 8], "stop", text.index("cdd") + 3)
+    assert run_checker(toks, [2, 3], sp) == one_at_a_time(toks, sp)
+    spanning = SamplingParams(max_new_tokens=50, stop=("bcdd",), include_stop_str_in_output=True)
+    assert run_checker(toks, [2, 2, 1], spanning) == ([0, 1, 2, 8], "stop", 1 + 4)
+
+
 def test_stop_string_completed_mid_chunk_ends_generation_at_that_token():
     """A 4-token chunk whose 2nd token completes the stop string: the tokens after it are not generated."""
     sp = SamplingParams(max_new_tokens=50, stop=("cdd",))
