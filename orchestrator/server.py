@@ -232,7 +232,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--embedded", action="store_true", help="serve models loaded in this process (no --verifier)")
     add_embedded_arguments(g)
     g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
-                   help="memory of the embedded verifier's paged KV pool (default: the verifier's)")
+                   help="memory of the embedded verifier's paged KV pool (default: 2, or less when 64 sessions at "
+                        "full context need less; not sized from the device: one pool per verifier configuration)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="the embedded verifier computes every prompt whole (default: identical prompt prefixes "
                         "share their KV blocks, as `specmesh verifier`)")

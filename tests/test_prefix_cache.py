@@ -95,6 +95,7 @@ def test_sessions_sharing_a_prompt_reuse_its_blocks_and_never_write_them(model_s
     local.prefill("b", PROMPTS[1], greedy(MAX_NEW))
     assert local.allocator.hits - run_before == len(shared) * size
     assert local._sessions["b"].cache.table[: len(shared)] == shared  # the same blocks, not copies
+    assert local.num_blocks_filled == local.allocator.num_used  # a shared block holds tokens once (the KV gauge)
     for sid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
         tokens = []
         for _ in range(MAX_NEW - 1):

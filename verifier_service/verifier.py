@@ -47,7 +47,6 @@ from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
 from specmesh.warp import warp_probs
 from verifier_service.arguments import (
     DEFAULT_KV_CACHE_GB,
-    DEFAULT_KV_CACHE_MEMORY,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_PREFILL_CHUNK,
 )
@@ -75,17 +74,18 @@ from verifier_service.verification import (
 
 
 def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: int,
-                   kv_cache_memory: float = DEFAULT_KV_CACHE_MEMORY, profile_rows: int = DEFAULT_MAX_BATCH_TOKENS) -> int:
-    """Blocks that fit in ``kv_cache_gb`` GiB. By default (None): on a CUDA device, ``kv_cache_memory`` of the
-    device's memory less what is in use and a profiled forward of ``profile_rows`` rows needs
-    (``device_kv_bytes``, vLLM's gpu_memory_utilization); elsewhere DEFAULT_KV_CACHE_GB, but never more than 64
-    sessions at the model's full context need (a tiny model does not reserve gigabytes)."""
+                   kv_cache_memory: float | None = None, profile_rows: int = DEFAULT_MAX_BATCH_TOKENS) -> int:
+    """Blocks that fit in ``kv_cache_gb`` GiB. Without it: on a CUDA device with ``kv_cache_memory`` given (a process
+    with one pool: `specmesh verifier`), that share of the device's memory less what is in use and a profiled
+    forward of ``profile_rows`` rows needs (``device_kv_bytes``, vLLM's gpu_memory_utilization); otherwise
+    DEFAULT_KV_CACHE_GB, but never more than 64 sessions at the model's full context need (a tiny model does not
+    reserve gigabytes)."""
     per_block = runner.kv_bytes_per_token * block_size
     if kv_cache_gb is not None:
         if not kv_cache_gb > 0:
             raise ValueError(f"the KV cache budget must be > 0 GiB, got {kv_cache_gb}")
         return max(1, int(kv_cache_gb * 2**30 // per_block))
-    if runner.device.type == "cuda":
+    if kv_cache_memory is not None and runner.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(runner.device)
         budget = device_kv_bytes(total, free, forward_peak_bytes(runner, profile_rows), kv_cache_memory)
         if budget < per_block:
@@ -227,7 +227,7 @@ class LocalVerifier:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         features: bool = False,
         prefix_caching: bool = True,
-        kv_cache_memory: float = DEFAULT_KV_CACHE_MEMORY,
+        kv_cache_memory: float | None = None,
         profile_rows: int = DEFAULT_MAX_BATCH_TOKENS,
     ) -> None:
         """``features``: report the target's final-layer features of the prompt (``PrefillResult.features``) and
@@ -237,7 +237,8 @@ class LocalVerifier:
         prefixes (``specmesh.blocks``; the paged pool only; a session that asks for features computes its whole
         prompt: a Falcon head needs every position's). ``kv_cache_memory``: on CUDA without ``kv_cache_gb``, the
         share of the device's memory the process may use with the pool, after a forward of ``profile_rows`` rows
-        (the scheduler's ``max_batch_tokens``) is profiled (``kv_pool_blocks``)."""
+        (the scheduler's ``max_batch_tokens``) is profiled (``kv_pool_blocks``); None: the fixed default budget (the
+        embedded stack, whose pools, one per verifier configuration, must not each take the device)."""
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
         if prefill_chunk < 1:
@@ -384,10 +385,6 @@ class LocalVerifier:
             return need
         found = self.allocator.lookup(prompt, (len(prompt) - 1) // self.allocator.block_size, count=False)
         return need - len(found) + self.allocator.num_unheld(found)
-
-    def can_admit(self, prompt_len: int) -> bool:
-        """Whether the pool has the prompt's blocks free with the watermark to spare."""
-        return self.admission_blocks(prompt_len) + self.watermark_blocks <= self.allocator.num_free
 
     def prefilling(self, session_id: str) -> bool:
         return self._get(session_id).prefilling
@@ -776,10 +773,15 @@ class LocalVerifier:
 
     @property
     def num_blocks_filled(self) -> int:
-        """KV blocks holding tokens: each session's cache length in blocks (admission reserves more, the
-        allocator's ``num_used``). Safe from another thread (a scrape): one copy of the sessions, no lock."""
+        """KV blocks holding tokens: those of each session's cache length, a block shared by several (the prefix
+        cache) once (a step's rows hold more until it ends: the allocator's ``num_used``). Safe from another thread
+        (a scrape): one copy of the sessions, no lock."""
         blocks_for = self.allocator.blocks_for
-        return sum(blocks_for(session.cache.length) for session in list(self._sessions.values()))
+        filled = set()
+        for session in list(self._sessions.values()):
+            table = session.cache.table if isinstance(session.cache, PagedKVCache) else session.table
+            filled.update(table[: blocks_for(session.cache.length)])
+        return len(filled)
 
     def session_ids(self) -> list[str]:
         return list(self._sessions)
