@@ -15,6 +15,7 @@ A benchmark, not a test: a run takes minutes on a CPU (the demo target's context
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,6 +71,35 @@ def chat(base: str, model: str, prompt: str, timeout: float) -> dict:
                 "error": exc.read().decode()[:200]}
 
 
+@contextlib.contextmanager
+def embedded_serve(repo: Path, target: Path, dtype: str, options: list[str]) -> Iterator[tuple[str, str]]:
+    """``specmesh serve --embedded --http`` on a free 127.0.0.1 port, from ``repo``'s code, one torch thread, the
+    plain chat template, with ``options`` added: yields (its base URL, the model id it serves) once it answers
+    /health, and stops it after."""
+    port = free_port()
+    command = [sys.executable, "-m", "specmesh", "serve", "--embedded", "--target", str(target), "--dtype", dtype,
+               "--threads", "1", "--http", f"127.0.0.1:{port}", "--chat-template", PLAIN_TEMPLATE,
+               "--disable-log-requests", *options]
+    env = dict(os.environ, PYTHONPATH=str(repo.resolve()))
+    server = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                get(f"{base}/health")
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"serve did not start:\n{server.stderr.read()[-2000:]}") from None
+                time.sleep(0.2)
+        yield base, json.loads(get(f"{base}/v1/models"))["data"][0]["id"]
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", type=Path, default=ROOT, help="checkout whose `specmesh serve` runs (default: this)")
@@ -86,34 +117,14 @@ def main(argv: list[str] | None = None) -> dict:
     config = json.loads((args.target / "config.json").read_text())
     context = args.context or config["max_position_embeddings"]
     pool_gb = args.contexts * context * kv_bytes_per_token(args.target, args.dtype) / 2**30
-    port = free_port()
-    command = [sys.executable, "-m", "specmesh", "serve", "--embedded", "--target", str(args.target),
-               "--dtype", args.dtype, "--threads", "1", "--http", f"127.0.0.1:{port}", "--kv-cache-gb", f"{pool_gb:.6f}",
-               "--chat-template", PLAIN_TEMPLATE, "--proposer", args.proposer, "--disable-log-requests"]
-    env = dict(os.environ, PYTHONPATH=str(args.repo.resolve()))
-    server = subprocess.Popen(command, cwd=args.repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                get(f"{base}/health")
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"serve did not start:\n{server.stderr.read()[-2000:]}") from None
-                time.sleep(0.2)
-        model = json.loads(get(f"{base}/v1/models"))["data"][0]["id"]
+    options = ["--kv-cache-gb", f"{pool_gb:.6f}", "--proposer", args.proposer]
+    with embedded_serve(args.repo, args.target, args.dtype, options) as (base, model):
         started = time.perf_counter()
         with ThreadPoolExecutor(args.requests) as pool:
             answers = list(pool.map(lambda i: chat(base, model, PROMPTS[i % len(PROMPTS)], args.timeout),
                                     range(args.requests)))
         wall = time.perf_counter() - started
         metrics = get(f"{base}/metrics")
-    finally:
-        server.terminate()
-        server.wait(30)
     preemptions = re.search(r"^specmesh_num_preemptions_total\{[^}]*\} (\S+)", metrics, re.M)
     tokens = sum(a["tokens"] for a in answers)
     result = {

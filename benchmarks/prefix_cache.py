@@ -19,13 +19,13 @@ import http.client
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_pressure import DEMO_TARGET, PLAIN_TEMPLATE, ROOT, free_port, get  # noqa: E402
+from kv_pressure import DEMO_TARGET, ROOT, embedded_serve, get  # noqa: E402
 
 SHARED_DATA = ROOT.parent / "shared" / "data" / "stdlib_functions.jsonl"
 
@@ -39,11 +39,11 @@ def sources(count: int) -> list[str]:
     return [("\n".join(texts[i::count]))for i in range(count)]
 
 
-def first_token_seconds(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+def first_token_seconds(base: str, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
     """Stream a chat completion: (seconds to the first content delta, the whole answer)."""
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True})
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection = http.client.HTTPConnection(urllib.parse.urlsplit(base).netloc, timeout=600)
     started = time.perf_counter()
     connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     response = connection.getresponse()
@@ -63,36 +63,19 @@ def first_token_seconds(port: int, model: str, messages: list[dict], max_tokens:
 
 
 def run(args, caching: bool) -> dict:
-    port = free_port()
-    command = [sys.executable, "-m", "specmesh", "serve", "--embedded", "--target", str(args.target), "--dtype",
-               args.dtype, "--threads", "1", "--http", f"127.0.0.1:{port}", "--chat-template", PLAIN_TEMPLATE,
-               "--proposer", "none", "--disable-log-requests"] + ([] if caching else ["--no-prefix-caching"])
-    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                get(f"http://127.0.0.1:{port}/health")
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"serve did not start:\n{server.stderr.read()[-2000:]}") from None
-                time.sleep(0.2)
-        model = json.loads(get(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
+    options = ["--proposer", "none"] + ([] if caching else ["--no-prefix-caching"])
+    with embedded_serve(ROOT, args.target, args.dtype, options) as (base, model):
         first_turn, second_turn = [], []
         chars = args.history * 3  # about 3 characters per token of code for the demo tokenizer
         for text in sources(args.conversations):
             history = [{"role": "system", "content": "You are a careful Python reviewer.\n"},
                        {"role": "user", "content": text[:chars] + "\nWhat does this code do?\n"}]
-            seconds, answer = first_token_seconds(port, model, history, args.answer_tokens)
+            seconds, answer = first_token_seconds(base, model, history, args.answer_tokens)
             first_turn.append(seconds)
             follow_up = history + [{"role": "assistant", "content": answer},
                                    {"role": "user", "content": "\nAnd how would you test it?\n"}]
-            second_turn.append(first_token_seconds(port, model, follow_up, args.answer_tokens)[0])
-        metrics = get(f"http://127.0.0.1:{port}/metrics")
-    finally:
-        server.terminate()
-        server.wait(30)
+            second_turn.append(first_token_seconds(base, model, follow_up, args.answer_tokens)[0])
+        metrics = get(f"{base}/metrics")
 
     def counter(name: str) -> float:
         found = re.search(rf"^specmesh_{name}_total\{{[^}}]*\}} (\S+)", metrics, re.M)
