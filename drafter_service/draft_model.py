@@ -35,6 +35,7 @@ import torch
 
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
 from specmesh.contract import Budget, common_prefix_len
+from specmesh.logits_process import processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.tree import TokenTree, ancestor_mask
 from specmesh.warp import warp_probs
@@ -92,6 +93,7 @@ class _Chain:
         last one accepted), once the whole path's chance of acceptance is below ``min_path_prob`` (SpecDec++) or
         when the budget expires."""
         sp = self.state.sampling
+        logits = self.state.processed(logits, self.tokens)  # penalties and logit_bias, as the verifier's
         if sp.greedy:
             x = int(logits.argmax())  # host sync
             self.probs.append(float(torch.softmax(logits.double(), -1)[x]))
@@ -260,7 +262,8 @@ class _DynamicTree:
         self.logq: list[float] = []
         self.fed_offset: dict[int, int] = {}  # candidate id -> its offset after `base` in the draft cache
         self.fed_parent: list[int] = []  # per fed offset: offset of its parent (-1 = root)
-        self.frontier = self._add_children(-1, _log_q(logits, state), 0.0, 0)
+        self.processes = processes_logits(state.sampling)
+        self.frontier = self._add_children(-1, _log_q(state.processed(logits), state), 0.0, 0)
         self.level = 1  # depth of the children the next expansion adds
         self.expanding: list[int] = []
 
@@ -293,6 +296,9 @@ class _DynamicTree:
 
     def absorb(self, step_logits: torch.Tensor) -> None:
         """The level's draft logits (a row per expanded node): their children become the frontier."""
+        if self.processes:  # penalties and logit_bias: each row in its own context (its path)
+            step_logits = torch.stack([self.state.processed(step_logits[row], self._path(c))
+                                       for row, c in enumerate(self.expanding)])
         log_q = _log_q(step_logits, self.state)
         self.frontier = []
         for row, c in enumerate(self.expanding):
@@ -300,6 +306,14 @@ class _DynamicTree:
         if self.budget.min_path_prob > 0:  # SpecDec++ stop rule: paths too unlikely to be accepted whole
             self.frontier = [c for c in self.frontier if self.score[c] >= math.log(self.budget.min_path_prob)]
         self.level += 1
+
+    def _path(self, c: int) -> list[int]:
+        """The drafted tokens from the root to candidate c."""
+        path = []
+        while c >= 0:
+            path.append(self.token[c])
+            c = self.parent[c]
+        return path[::-1]
 
     def finish(self, name: str) -> TokenTree:
         """The best ``max_nodes`` candidates as a tree; the drafted nodes leave the draft cache."""

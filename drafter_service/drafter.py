@@ -24,8 +24,12 @@ class LocalDrafter:
         self.proposer = proposer
         self._sessions: dict[str, DraftSessionState] = {}
 
-    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        state = self._sessions[session_id] = DraftSessionState(session_id, list(prompt), sampling)
+    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+             prompt_len: int | None = None) -> None:
+        if prompt_len is not None and not 0 <= prompt_len <= len(prompt):
+            raise ValueError(f"prompt_len must be in [0, {len(prompt)}], got {prompt_len}")
+        state = self._sessions[session_id] = DraftSessionState(
+            session_id, list(prompt), sampling, prompt_len=len(prompt) if prompt_len is None else prompt_len)
         self.proposer.prepare(state)
 
     def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,

@@ -33,7 +33,21 @@ class DraftSessionState:
     # tokens[:committed_len] are committed (the rest a hypothesis drafted ahead on), as last told by
     # the orchestrator; 0 = never told
     committed_len: int = 0
+    prompt_len: int = -1  # tokens[:prompt_len] are the prompt (-1: all the tokens it was opened with)
     _generator: torch.Generator | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.tokens)
+
+    def processed(self, logits: torch.Tensor, drafted: Sequence[int] = ()) -> torch.Tensor:
+        """Draft logits [..., vocab] under the request's logit processors (penalties, logit_bias), as the verifier
+        applies them to the target's: context = the output so far + ``drafted`` (the path the rows follow), so the
+        draft proposes what the processed target would. Unchanged without processors."""
+        from specmesh.logits_process import process_in_context
+
+        return process_in_context(logits, self.sampling, self.tokens[: self.prompt_len],
+                                  [*self.tokens[self.prompt_len :], *drafted])
 
     @property
     def generator(self) -> torch.Generator | None:

@@ -76,10 +76,13 @@ class RemoteDrafter:
         self.deadline = deadline
         self._streams: dict[str, _DraftStream] = {}
 
-    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+             prompt_len: int | None = None) -> None:
         opening = drafter_pb2.OpenSession(
             session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling), proposer=self.proposer or ""
         )
+        if prompt_len is not None:
+            opening.prompt_len = prompt_len
         timeout = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
         self._streams[session_id] = _DraftStream(self.client, opening, timeout)
         self.client._add_sessions(1)

@@ -211,6 +211,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._check_context(len(prompt))
             self._check_tokens(prompt)
             sampling = sampling_from_proto(opening.sampling)
+            prompt_len = opening.prompt_len if opening.HasField("prompt_len") else None
+            if prompt_len is not None and not 0 <= prompt_len <= len(prompt):
+                raise ValueError(f"prompt_len must be in [0, {len(prompt)}], got {prompt_len}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.num_sessions += 1
@@ -219,7 +222,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                                "specmesh.draft.proposer": name})
         try:  # from here on, however the stream ends (even cancelled during open), the session is closed
             with tracing.span("draft_open", {"specmesh.draft.prompt_tokens": len(prompt)}):
-                await self._run(drafter.open, session, prompt, sampling)
+                await self._run(drafter.open, session, prompt, sampling, prompt_len)
             async for request in request_iterator:
                 if request.WhichOneof("kind") != "propose":
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only `propose` may follow `open`")

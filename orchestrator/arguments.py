@@ -28,6 +28,36 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         f"drafter drafts ahead (default: {DEFAULT_RESTART_DEPTH})")
 
 
+def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
+    """The logit processors (specmesh/logits_process.py): they change the target's distribution, and speculation
+    stays exact under them. ``penalty_options`` turns them into SamplingParams fields."""
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="OpenAI's: lower by P the logit of every token already in the output, in [-2, 2] "
+                        "(default: 0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="OpenAI's: lower by F per occurrence in the output, in [-2, 2] (default: 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="CTRL's: divide the logit of a token of the prompt or output by R where positive, multiply "
+                        "where negative, R > 0 (default: 1 = off)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=VALUE",
+                   help="add VALUE (in [-100, 100]) to token ID's logit (repeatable)")
+
+
+def penalty_options(args: argparse.Namespace) -> dict:
+    """SamplingParams fields of ``add_penalty_arguments``' options; ValueError for a malformed --logit-bias."""
+    bias = []
+    for item in args.logit_bias:
+        token, sep, value = item.partition("=")
+        try:
+            bias.append((int(token), float(value)))
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=VALUE, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias takes ID=VALUE, got {item!r}")
+    return dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty, logit_bias=tuple(sorted(bias)))
+
+
 LOOKAHEAD_HELP = ("for proposers that learn n-grams (lookahead, retrieval, fused with either): run lookahead "
                   "decoding's 2-D Jacobi window, N-1 levels of W guess tokens, beside every verified tree ((N-1)*W "
                   "extra rows per forward) and feed the N-grams it harvests to them; for retrieval N must exceed "

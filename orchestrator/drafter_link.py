@@ -133,8 +133,9 @@ class DraftWorker:
         # process, ~0 for a remote one): what drafting costs cores shared with an in-process verifier
         self.cpu_seconds = 0.0
 
-    def open(self, drafter: Drafter, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Future:
-        return self._submit(drafter.open, session_id, list(prompt), sampling)
+    def open(self, drafter: Drafter, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+             prompt_len: int | None = None) -> Future:
+        return self._submit(drafter.open, session_id, list(prompt), sampling, prompt_len)
 
     def propose(self, drafter: Drafter, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int,
                 feedback: DraftFeedback | None) -> Future:
@@ -371,7 +372,8 @@ class DrafterLink:
             self._next += 1
             try:
                 drafter = factory()
-                opening = self.worker.open(drafter, self.session_id, self._prompt + self.committed, self._sampling)
+                opening = self.worker.open(drafter, self.session_id, self._prompt + self.committed, self._sampling,
+                                           len(self._prompt))
             except Exception as exc:
                 self._record(name, exc)
                 continue

@@ -9,7 +9,9 @@ router's view), ``GET /metrics`` (Prometheus), ``GET /openapi.json`` (behind the
 
 Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``, ``max_nodes``,
 ``max_depth``, ``policy``, ``overlap``, ``restart_depth``, ``mjsd_threshold``, plus vLLM's ``top_k``,
-``ignore_eos``, ``stop_token_ids``), and every response carries the request's speculation stats under
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``). ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty`` and ``logit_bias`` change the target's distribution, and speculation stays exact under them
+(specmesh/logits_process.py), and every response carries the request's speculation stats under
 ``specmesh`` (non-streaming: in the response; streaming: in the chunk that carries the finish reason), whose
 ``lossy`` is true when the output may differ from the target's own (``proposer: "mjsd"``, asked for by name).
 
@@ -115,6 +117,9 @@ class SpecmeshOptions(BaseModel):
     top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0 = off)")
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    repetition_penalty: float | None = Field(None, gt=0, description="CTRL's: the logits of tokens in the prompt "
+                                             "or output are divided by it where positive, multiplied where "
+                                             "negative (1 = off)")
 
 
 class StreamOptions(BaseModel):
@@ -185,12 +190,6 @@ def _refuse_unsupported(body: _Common) -> None:
         raise ApiError(400, f"n must be at least 1, got {body.n}", param="n")
     if body.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported: send one request per choice", param="n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise ApiError(400, "presence and frequency penalties are not supported: they would change the target's "
-                            "distribution that speculative decoding preserves", param="presence_penalty"
-                       if body.presence_penalty else "frequency_penalty")
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(body, CompletionRequest):
         if body.logprobs is not None:
             raise ApiError(400, "logprobs are not supported: the verifier does not return token log-probabilities",
@@ -253,14 +252,28 @@ def _too_large(size: int | None, limit: int) -> ApiError:
                          "this server accepts (derived from --max-prompt-bytes)", code="request_too_large")
 
 
+def _logit_bias(body: _Common) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) as SamplingParams takes it."""
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            bias.append((int(key), float(value)))
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
+    return tuple(sorted(bias))
+
+
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    bias = _logit_bias(body)
     try:
         return SamplingParams(
             temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=body.top_k, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
             max_new_tokens=max_tokens, stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids),
             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty, logit_bias=bias,
             **({} if body.mjsd_threshold is None else {"mjsd_threshold": body.mjsd_threshold}))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

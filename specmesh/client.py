@@ -75,6 +75,10 @@ def _request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     include_stop_str_in_output: bool = False,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
     proposer: str | None = None,
     max_nodes: int | None = None,
     max_depth: int | None = None,
@@ -86,7 +90,8 @@ def _request(
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, stop=list(stop),
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, mjsd_threshold=mjsd_threshold or 0.0,
-        include_stop_str_in_output=include_stop_str_in_output,
+        include_stop_str_in_output=include_stop_str_in_output, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logit_bias=dict(logit_bias or {}),
     )
     if seed is not None:
         sampling.seed = seed
@@ -186,7 +191,8 @@ class Client(_Base):
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **params) -> Completion:
         """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, include_stop_str_in_output (a matched stop string ends the text instead of being
-        cut), proposer ("none" = plain decoding; "mjsd" = LOSSY, greedy only), max_nodes,
+        cut), presence_penalty, frequency_penalty (OpenAI's), repetition_penalty (CTRL's), logit_bias ({token id:
+        value}), proposer ("none" = plain decoding; "mjsd" = LOSSY, greedy only), max_nodes,
         max_depth, overlap (PEARL on/off), policy ("static" | "adaptive"), restart_depth and mjsd_threshold
         (proposer mjsd only); unset = the server's defaults. ``stats["lossy"]``: whether the output may differ
         from the target's own decoding."""

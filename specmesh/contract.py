@@ -57,7 +57,12 @@ class Budget:
 
 # -------------------------------------------------------------------- drafter
 class Drafter(Protocol):
-    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None: ...
+    def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
+             prompt_len: int | None = None) -> None:
+        """Open a session on ``prompt``: the request's prompt, followed by any output committed before this drafter
+        opened (after the first token, or on a failover); ``prompt_len`` says where the prompt ends (None: all of it
+        is prompt). Penalties on the output (specmesh/logits_process.py) read it."""
+        ...
 
     def propose(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,
                 feedback: DraftFeedback | None = None) -> TokenTree:

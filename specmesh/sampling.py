@@ -17,6 +17,7 @@ from dataclasses import dataclass
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
 
 ACCEPTANCES = ("exact", "mjsd")  # exact: lossless; mjsd: lossy joint-likelihood acceptance (opt-in)
 # MJSD accepts the longest drafted prefix whose joint likelihood ratio p/q is at least this; chosen by measurement
@@ -37,6 +38,11 @@ class SamplingParams:
     acceptance: str = "exact"  # "exact" | "mjsd" (lossy; set by the orchestrator for the mjsd proposer only)
     mjsd_threshold: float = DEFAULT_MJSD_THRESHOLD  # acceptance "mjsd": the joint likelihood ratio to reach
     include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut (vLLM's)
+    # logit processors (specmesh.logits_process), applied to the target's logits before warping
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus p for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus f per occurrence in the output
+    repetition_penalty: float = 1.0  # CTRL's (> 0, 1 = off): tokens of the prompt or output divided by it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value in [-100, 100]) added to its logit
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):  # NaN fails the comparison too
@@ -51,6 +57,17 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters each")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, each >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
         if self.acceptance not in ACCEPTANCES:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {self.acceptance!r}")
         if not 0.0 < self.mjsd_threshold < float("inf"):

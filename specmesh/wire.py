@@ -78,6 +78,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         acceptance=params.acceptance,
         mjsd_threshold=params.mjsd_threshold,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -86,7 +90,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: int = 128) -> SamplingParams:
     """Unset fields take the defaults a user expects (top_p 0 = off, max_new_tokens 0 = default, acceptance "" =
-    exact, mjsd_threshold 0 = the default)."""
+    exact, mjsd_threshold 0 = the default, repetition_penalty 0 = off)."""
     return SamplingParams(
         temperature=msg.temperature,
         top_k=msg.top_k,
@@ -99,6 +103,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
         acceptance=msg.acceptance or "exact",
         mjsd_threshold=msg.mjsd_threshold or DEFAULT_MJSD_THRESHOLD,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -33,7 +33,7 @@ class Flaky:
         self.inner, self.fail_at, self.how, self.log = inner, fail_at, how, log
         self.calls = 0
 
-    def open(self, session_id, prompt, sampling):
+    def open(self, session_id, prompt, sampling, prompt_len=None):
         self.log.append(("open", list(prompt)))
         if self.how == "open":
             raise ConnectionError("refused")

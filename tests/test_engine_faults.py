@@ -171,7 +171,7 @@ class _DeadDrafter:
         if what in self.fail:
             raise ConnectionError(f"drafter unreachable during {what}")
 
-    def open(self, session_id, prompt, sampling):
+    def open(self, session_id, prompt, sampling, prompt_len=None):
         self._maybe("open")
         self.inner.open(session_id, prompt, sampling)
 

@@ -133,6 +133,16 @@ def test_token_id_prompt_stop_strings_and_eos(client, demo_stack):
     assert kept.finish_reason == "stop" and kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
+def test_penalties_and_logit_bias_reach_the_remote_verifier(client, demo_stack):
+    """The SDK's logit-processor options travel to the verifier replica: the remote output is the embedded one."""
+    options = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={7: 4.0})
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, presence_penalty=0.5, frequency_penalty=0.5,
+                              repetition_penalty=1.2, logit_bias=((7, 4.0),))
+    remote = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="draft_model", **options)
+    assert remote.token_ids == embedded_ids(demo_stack, "draft_model", PROMPTS[0], sampling)
+    assert remote.token_ids != client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="draft_model").token_ids
+
+
 def test_async_client_streams_the_same_tokens(mesh, ar):
     async def main():
         async with AsyncClient(mesh["serve"].address, timeout=120) as c:

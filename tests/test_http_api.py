@@ -162,6 +162,28 @@ def test_completions_greedy_equal_the_engine_for_every_proposer(stack, client, p
             assert ext["tau"] == 1.0 and ext["accepted_per_position"] == []
 
 
+@pytest.mark.parametrize("proposer", ["prompt_lookup", "draft_model", "fused"])
+def test_penalties_and_logit_bias_change_the_output_and_speculation_keeps_it(stack, client, proposer):
+    """OpenAI's presence/frequency penalties, logit_bias and vLLM's repetition_penalty: the engine's plain decoding
+    with the same options, token for token (chat and completions)."""
+    bias_token = stack.tokenizer.encode(" return")[-1]
+    options = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "logit_bias": {str(bias_token): 3.0}}
+    extra = {"repetition_penalty": 1.3}
+    ids = stack.tokenizer.encode(PROMPTS[1])
+    sampling = SamplingParams(max_new_tokens=24, presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
+                              logit_bias=((bias_token, 3.0),))
+    expected = stack.decode(stack.engine(None).generate(ids, sampling).token_ids)
+    assert expected != reference(stack, PROMPTS[1], 24)[0]  # the options matter on this prompt
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, **options,
+                                         extra_body={"proposer": proposer, **extra})
+    assert response.choices[0].text == expected
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0, **options, extra_body={"proposer": proposer, **extra})
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                           temperature=0, **options, extra_body={"proposer": "none", **extra})
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_mjsd_is_asked_for_by_name_greedy_only_and_reported_lossy(stack, client, server):
     """The lossy proposer: its stats say so; with OpenAI's default temperature (1) it is a clear 400."""
     prompt = PROMPTS[0]
@@ -337,7 +359,11 @@ def test_bad_input_gets_openai_errors(server):
     assert_openai_error(*post(url, {**ok, "n": 2}), 400, "n")
     assert_openai_error(*post(url, {**ok, "best_of": 3}), 400, "best_of")
     assert_openai_error(*post(url, {**ok, "logprobs": 2}), 400, "logprobs")
-    assert_openai_error(*post(url, {**ok, "presence_penalty": 0.5}), 400, "presence_penalty")
+    assert_openai_error(*post(url, {**ok, "presence_penalty": 2.5}), 400)
+    assert_openai_error(*post(url, {**ok, "repetition_penalty": 0}), 400, "repetition_penalty")
+    assert_openai_error(*post(url, {**ok, "logit_bias": {"x": 1}}), 400, "logit_bias")
+    assert_openai_error(*post(url, {**ok, "logit_bias": {"7": 500}}), 400)
+    assert_openai_error(*post(url, {**ok, "logit_bias": {str(10**6): 1}}), 400)
     assert_openai_error(*post(url, {**ok, "max_tokens": -1}), 400, "max_tokens")
     assert_openai_error(*post(url, {**ok, "max_tokens": 0}), 400, "max_tokens")
     status, body = post(url, {**ok, "max_tokens": 10**9})

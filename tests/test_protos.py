@@ -102,7 +102,9 @@ def test_wire_tree_is_validated_like_any_tree() -> None:
     "params",
     [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=0, max_new_tokens=7,
                                       stop=("\n\n", "def "), stop_token_ids=(3,), ignore_eos=True,
-                                      include_stop_str_in_output=True)],
+                                      include_stop_str_in_output=True),
+     SamplingParams(temperature=0.5, presence_penalty=-0.5, frequency_penalty=1.5, repetition_penalty=1.2,
+                    logit_bias=((3, -100.0), (9, 2.5)))],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
     wire = common_pb2.SamplingParams.FromString(sampling_to_proto(params).SerializeToString())

@@ -122,7 +122,7 @@ class GatedDrafter:
         self.inner, self.gate, self.held = inner, gate, held
         self.calls = self.waited = 0
 
-    def open(self, session_id, prompt, sampling):
+    def open(self, session_id, prompt, sampling, prompt_len=None):
         return self.inner.open(session_id, prompt, sampling)
 
     def propose(self, session_id, new_tokens, budget, rollback=0, feedback=None):

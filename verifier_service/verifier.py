@@ -41,6 +41,7 @@ from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
 from specmesh.contract import CapacityError, PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
 from specmesh.feedback import TargetFeatures, VerifyFeedback
 from specmesh.kv_pool import PagedKVCache, compact
+from specmesh.logits_process import ContextCounts, processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
@@ -184,6 +185,8 @@ class _Session:
     # chunk, until the prefill's result takes them
     features: bool = False
     prompt_features: list[torch.Tensor] = field(default_factory=list)
+    # the request's logit processors read these (None without processors): prompt and output tokens, on the device
+    context: ContextCounts | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -309,8 +312,11 @@ class LocalVerifier:
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
         reused = cache.length  # prompt positions found in the prefix cache
+        context = None
+        if processes_logits(sampling):
+            context = ContextCounts(sampling, prompt, self.info.vocab_size, self.runner.device)
         self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt, reused,
-                                              reused // self.allocator.block_size, features=features)
+                                              reused // self.allocator.block_size, features=features, context=context)
 
     def preempt(self, session_id: str) -> int:
         """Give back every KV block of a session (prefilling or decoding); returns how many. It keeps its tokens,
@@ -363,6 +369,8 @@ class LocalVerifier:
         vocab = self.info.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in sampling.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(prompt) + sampling.max_new_tokens > self.info.max_positions:
             why = ""
             if self.info.max_positions < self.model_positions:
@@ -462,10 +470,6 @@ class LocalVerifier:
         features = None
         if hidden_index is not None:
             logits, features = logits  # features: [len(hidden_index), hidden]
-        argmax = logits.argmax(dim=-1).cpu().numpy()  # one host copy for every greedy decision and window
-        topk = None
-        if self.feedback_topk and verify_rows:
-            topk = torch.topk(logits, self.feedback_topk, dim=-1).indices.cpu().numpy()  # [R, k]
         # acceptance: (session, tree, first logits row) of each finishing prefill (an empty tree) and verify
         accepting: list[tuple[_Session, TokenTree, int]] = []
         finishing: list[str] = []
@@ -482,6 +486,15 @@ class LocalVerifier:
         for _, row in verify_rows:
             accepting.append((row.session, row.tree, offset))
             offset += row.num_out
+        for session, tree, first in accepting:  # logit processors: each row sees its own context (the tree's path)
+            if session.context is not None:
+                n = 1 + tree.num_nodes
+                logits[first : first + n] = session.context.apply(
+                    logits[first : first + n], tree.tokens, tree.ancestor_mask if tree.num_nodes else None)
+        argmax = logits.argmax(dim=-1).cpu().numpy()  # one host copy for every greedy decision and window
+        topk = None
+        if self.feedback_topk and verify_rows:
+            topk = torch.topk(logits, self.feedback_topk, dim=-1).indices.cpu().numpy()  # [R, k]
         acceptances = self._accept_all(accepting, logits, argmax)
         firsts: dict[str, int] = {}
         for session_id, acceptance in zip(finishing, acceptances, strict=False):
@@ -691,10 +704,14 @@ class LocalVerifier:
         session.tokens.extend(tokens[:-1])
         session.prefilled = len(session.tokens)
         session.pending = acceptance.bonus_token
+        if session.context is not None:
+            session.context.add_output(tokens)
         return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback, batch_sessions)
 
     def _start_decoding(self, session: _Session, first: int) -> None:
         session.pending = first
+        if session.context is not None:
+            session.context.add_output([first])
         if self.lookahead is not None:
             note_successors(session.successors, session.tokens + [first])
             session.window = initial_window(first, self.lookahead, session.successors)

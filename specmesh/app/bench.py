@@ -66,6 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator.arguments import add_penalty_arguments, penalty_options
 from specmesh.app.bench_load import load_table
 from specmesh.app.bench_runners import (
     GRPC_PREFIX,
@@ -403,7 +404,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     target_dir, draft_dir = resolve_models(args)
     try:  # usage errors: one line, no traceback
         specs = plan_methods(args.methods or default_methods(draft_dir is not None), draft_dir is not None)
-        base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              **penalty_options(args))
         for spec in specs:  # a lossy method is greedy only; a threshold only for it
             asked_sampling(spec, base)
         rows = load_prompts(Path(args.prompts), args.limit)
@@ -630,6 +632,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (+1 per prompt)")
+    add_penalty_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, help="override every prompt's max_new_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method; the fastest counts")
     parser.add_argument("--passes", type=int, default=1,

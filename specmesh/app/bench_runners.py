@@ -48,10 +48,15 @@ class MethodSpec:
 
 def asked_sampling(spec: MethodSpec, sampling: SamplingParams) -> SamplingParams:
     """The sampling the method's requests carry: the acceptance of its proposer, with its ``threshold`` option
-    (mjsd). ValueError for a lossy method with temperature > 0, or a threshold given to any other method."""
+    (mjsd). ValueError for a lossy method with temperature > 0, a threshold given to any other method, or logit
+    processors (penalties, logit_bias) for a Hugging Face peer (they would not decode the same distribution)."""
     from orchestrator.acceptance import request_sampling
+    from specmesh.logits_process import processes_logits
 
     if spec.is_hf:
+        if processes_logits(sampling):
+            raise ValueError(f"{spec.label}: the Hugging Face peers run without penalties and logit_bias; leave "
+                             "them out of --methods")
         return sampling
     name = None if spec.base_name == "ar" else spec.base_name
     return request_sampling(name, sampling, dict(spec.options).get("threshold"))

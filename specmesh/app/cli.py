@@ -33,7 +33,11 @@ class OneLineErrors(argparse.ArgumentParser):
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     from drafter_service.arguments import add_members_argument, proposers_help
     from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names
-    from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments
+    from orchestrator.arguments import (
+        add_embedded_arguments,
+        add_penalty_arguments,
+        add_speculation_arguments,
+    )
     from specmesh.sampling import DEFAULT_MJSD_THRESHOLD
 
     p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input, UTF-8)")
@@ -62,6 +66,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="--proposer mjsd (LOSSY, greedy only): accept the longest drafted prefix whose joint "
                         "likelihood ratio p/q under target and draft is at least T (default: "
                         f"{DEFAULT_MJSD_THRESHOLD}, chosen by measurement)")
+    add_penalty_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--compare-ar", action="store_true",
@@ -107,6 +112,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from drafter_service.proposer import DEFAULT_PROPOSER
+    from orchestrator.arguments import penalty_options
     from specmesh.sampling import SamplingParams
 
     prompt = read_prompt(args)
@@ -114,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+            **penalty_options(args),
         )
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None

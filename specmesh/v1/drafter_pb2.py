@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x14\n\x12\x44rafterInfoRequest\"\x7f\n\x0b\x44rafterInfo\x12\x11\n\tproposers\x18\x01 \x03(\t\x12\x18\n\x10\x64\x65\x66\x61ult_proposer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x14\n\x0cnum_sessions\x18\x04 \x01(\x05\x12\x19\n\x11\x66\x65\x61ture_proposers\x18\x05 \x03(\t\"r\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x10\n\x08proposer\x18\x04 \x01(\t\"\xd7\x01\n\x07Propose\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nnew_tokens\x18\x02 \x03(\x03\x12#\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Budget\x12\x10\n\x08rollback\x18\x04 \x01(\r\x12-\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x05 \x03(\x0b\x32\x1b.specmesh.v1.VerifyFeedback\x12\x15\n\rcommitted_len\x18\x06 \x01(\x04\x12-\n\x08\x66\x65\x61tures\x18\x07 \x03(\x0b\x32\x1b.specmesh.v1.TargetFeatures\"i\n\x0c\x44raftRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.specmesh.v1.OpenSessionH\x00\x12\'\n\x07propose\x18\x02 \x01(\x0b\x32\x14.specmesh.v1.ProposeH\x00\x42\x06\n\x04kind\"U\n\rDraftResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x32\x92\x01\n\x07\x44rafter\x12\x44\n\x07Session\x12\x19.specmesh.v1.DraftRequest\x1a\x1a.specmesh.v1.DraftResponse(\x01\x30\x01\x12\x41\n\x04Info\x12\x1f.specmesh.v1.DrafterInfoRequest\x1a\x18.specmesh.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x14\n\x12\x44rafterInfoRequest\"\x7f\n\x0b\x44rafterInfo\x12\x11\n\tproposers\x18\x01 \x03(\t\x12\x18\n\x10\x64\x65\x66\x61ult_proposer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x14\n\x0cnum_sessions\x18\x04 \x01(\x05\x12\x19\n\x11\x66\x65\x61ture_proposers\x18\x05 \x03(\t\"\x9a\x01\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x10\n\x08proposer\x18\x04 \x01(\t\x12\x17\n\nprompt_len\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_prompt_len\"\xd7\x01\n\x07Propose\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nnew_tokens\x18\x02 \x03(\x03\x12#\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Budget\x12\x10\n\x08rollback\x18\x04 \x01(\r\x12-\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x05 \x03(\x0b\x32\x1b.specmesh.v1.VerifyFeedback\x12\x15\n\rcommitted_len\x18\x06 \x01(\x04\x12-\n\x08\x66\x65\x61tures\x18\x07 \x03(\x0b\x32\x1b.specmesh.v1.TargetFeatures\"i\n\x0c\x44raftRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.specmesh.v1.OpenSessionH\x00\x12\'\n\x07propose\x18\x02 \x01(\x0b\x32\x14.specmesh.v1.ProposeH\x00\x42\x06\n\x04kind\"U\n\rDraftResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x32\x92\x01\n\x07\x44rafter\x12\x44\n\x07Session\x12\x19.specmesh.v1.DraftRequest\x1a\x1a.specmesh.v1.DraftResponse(\x01\x30\x01\x12\x41\n\x04Info\x12\x1f.specmesh.v1.DrafterInfoRequest\x1a\x18.specmesh.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,14 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERINFOREQUEST']._serialized_end=88
   _globals['_DRAFTERINFO']._serialized_start=90
   _globals['_DRAFTERINFO']._serialized_end=217
-  _globals['_OPENSESSION']._serialized_start=219
-  _globals['_OPENSESSION']._serialized_end=333
-  _globals['_PROPOSE']._serialized_start=336
-  _globals['_PROPOSE']._serialized_end=551
-  _globals['_DRAFTREQUEST']._serialized_start=553
-  _globals['_DRAFTREQUEST']._serialized_end=658
-  _globals['_DRAFTRESPONSE']._serialized_start=660
-  _globals['_DRAFTRESPONSE']._serialized_end=745
-  _globals['_DRAFTER']._serialized_start=748
-  _globals['_DRAFTER']._serialized_end=894
+  _globals['_OPENSESSION']._serialized_start=220
+  _globals['_OPENSESSION']._serialized_end=374
+  _globals['_PROPOSE']._serialized_start=377
+  _globals['_PROPOSE']._serialized_end=592
+  _globals['_DRAFTREQUEST']._serialized_start=594
+  _globals['_DRAFTREQUEST']._serialized_end=699
+  _globals['_DRAFTRESPONSE']._serialized_start=701
+  _globals['_DRAFTRESPONSE']._serialized_end=786
+  _globals['_DRAFTER']._serialized_start=789
+  _globals['_DRAFTER']._serialized_end=935
 # @@protoc_insertion_point(module_scope)

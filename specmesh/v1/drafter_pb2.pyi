@@ -26,16 +26,18 @@ class DrafterInfo(_message.Message):
     def __init__(self, proposers: _Optional[_Iterable[str]] = ..., default_proposer: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_sessions: _Optional[int] = ..., feature_proposers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "prompt", "sampling", "proposer")
+    __slots__ = ("session_id", "prompt", "sampling", "proposer", "prompt_len")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     proposer: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., proposer: _Optional[str] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., proposer: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class Propose(_message.Message):
     __slots__ = ("step", "new_tokens", "budget", "rollback", "feedback", "committed_len", "features")

@@ -1,0 +1,115 @@
+"""Logit processors that change the target's distribution: ``logit_bias`` and the repetition penalties.
+
+They run on the logits before warping (``specmesh.warp``), in this order, as vLLM's sampler does:
+
+1. ``logit_bias``: a fixed value added to the logit of each listed token id;
+2. ``repetition_penalty`` r (CTRL's, Hugging Face's and vLLM's): the logit of every token that occurs in the prompt
+   or in the output so far is divided by r where positive and multiplied by r where negative;
+3. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): the logit of token t is lowered by
+   ``f * count(t) + p * (count(t) > 0)``, count over the output so far (the prompt does not count).
+
+Speculative decoding keeps them exact because they are applied per verified row with the context *that row*
+sees: the row after the pending token sees the output so far, the row after tree node i sees the output so far
+plus the path from the tree's root to i. Greedy verification then takes the argmax of the processed logits, and
+sampling warps them, so a tree's acceptance is the plain decoding's choice with the same options at every node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specmesh.sampling import SamplingParams
+
+
+def processes_logits(sampling: SamplingParams) -> bool:
+    """Whether the request changes the target's logits (any option of this module set)."""
+    return bool(sampling.logit_bias) or sampling.repetition_penalty != 1.0 or bool(
+        sampling.presence_penalty or sampling.frequency_penalty)
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingParams, in_context: torch.Tensor | None,
+                   counts: torch.Tensor | None, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """The processed logits (a new tensor; ``logits`` is not changed).
+
+    logits: [R, vocab]; in_context: [vocab] bool, the tokens in the prompt or output (read when the repetition
+    penalty is on); counts: [vocab] float, how often each token occurs in the output (read by the frequency and
+    presence penalties); extra: [R, vocab] float or None, row r's tokens beyond them (a tree row's path), counted
+    in both. Tensors on the logits' device.
+    """
+    x = logits.clone()
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t, _ in sampling.logit_bias], device=x.device)
+        values = torch.tensor([v for _, v in sampling.logit_bias], dtype=x.dtype, device=x.device)
+        x[:, ids] += values
+    if sampling.repetition_penalty != 1.0:
+        seen = in_context.expand_as(x) if extra is None else in_context | (extra > 0)
+        r = sampling.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        c = counts.expand_as(x) if extra is None else counts + extra
+        x = x - (sampling.frequency_penalty * c + sampling.presence_penalty * (c > 0).to(x.dtype)).to(x.dtype)
+    return x
+
+
+def process_in_context(logits: torch.Tensor, sampling: SamplingParams, prompt: Sequence[int],
+                       output: Sequence[int]) -> torch.Tensor:
+    """``process_logits`` for rows that share one context given as token lists (a drafter's view: prompt, then the
+    output so far and any drafted tokens). logits: [..., vocab]. Token ids past the logits' vocabulary (a draft
+    model with a smaller head) are ignored."""
+    if not processes_logits(sampling):
+        return logits
+    vocab, device = logits.shape[-1], logits.device
+    if any(t >= vocab for t, _ in sampling.logit_bias):
+        sampling = dataclasses.replace(sampling, logit_bias=tuple((t, v) for t, v in sampling.logit_bias if t < vocab))
+    out = np.asarray(output, np.int64)
+    out = out[out < vocab]
+    counts = torch.from_numpy(np.bincount(out, minlength=vocab).astype(np.float32)).to(device)
+    in_context = counts > 0
+    if sampling.repetition_penalty != 1.0 and len(prompt):
+        ids = np.asarray(prompt, np.int64)
+        in_context[torch.from_numpy(ids[ids < vocab]).to(device)] = True
+    rows = logits.reshape(-1, vocab)
+    return process_logits(rows, sampling, in_context, counts).reshape(logits.shape)
+
+
+class ContextCounts:
+    """What a session's processors read, kept on the device and updated as tokens are committed.
+
+    ``in_context`` [vocab] bool: the prompt's and output's tokens; ``counts`` [vocab] float32: each output token's
+    occurrences. A session made for a request without processors keeps nothing."""
+
+    def __init__(self, sampling: SamplingParams, prompt: Sequence[int], vocab_size: int, device: torch.device) -> None:
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+        self.in_context = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if len(prompt):
+            self.in_context[torch.as_tensor(np.asarray(prompt, np.int64), device=device)] = True
+
+    def add_output(self, tokens: Sequence[int]) -> None:
+        """Count newly committed output tokens."""
+        if not len(tokens):
+            return
+        ids = torch.as_tensor(np.asarray(tokens, np.int64), device=self.counts.device)
+        self.in_context[ids] = True
+        self.counts.index_put_((ids,), torch.ones(len(ids), device=self.counts.device), accumulate=True)
+
+    def apply(self, logits: torch.Tensor, tree_tokens: np.ndarray | None = None,
+              ancestors: np.ndarray | None = None) -> torch.Tensor:
+        """The processed logits of one request's verified rows.
+
+        logits: [1 + N, vocab], the rows after the pending token and after each of N tree nodes; tree_tokens: [N];
+        ancestors: [N, N] bool, node i's ancestors and itself (``TokenTree.ancestor_mask``). Without a tree:
+        logits [1, vocab]."""
+        extra = None
+        if tree_tokens is not None and len(tree_tokens):
+            rows, cols = np.nonzero(ancestors)  # row 1 + i counts each token on node i's path
+            extra = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            index = (torch.as_tensor(rows + 1, device=logits.device),
+                     torch.as_tensor(np.asarray(tree_tokens, np.int64)[cols], device=logits.device))
+            extra.index_put_(index, torch.ones(len(rows), device=logits.device), accumulate=True)
+        return process_logits(logits, self.sampling, self.in_context, self.counts, extra)
