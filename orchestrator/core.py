@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.drafter_link import DrafterLink, PendingDraft
-from orchestrator.engine import GenerationResult, StepEvent
+from orchestrator.engine import GenerationResult, StepEvent, emitted_logprobs
 from orchestrator.overlap import predraft_budget, reusable_subtree
 from orchestrator.remote_loop import RemoteStepLoop
 from orchestrator.requests import Method, Predraft, Request, RequestOutput, Status
@@ -51,7 +51,14 @@ from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
 from orchestrator.tracing_steps import PREFILL_SPAN, STEP_SPAN, step_attributes, step_start_attributes
 from specmesh import tracing
-from specmesh.contract import Budget, PrefillResult, SessionPreemptedError, VerifyCosts, VerifyResult
+from specmesh.contract import (
+    Budget,
+    PrefillResult,
+    SessionPreemptedError,
+    TokenLogprobs,
+    VerifyCosts,
+    VerifyResult,
+)
 from specmesh.feedback import TargetFeatures
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
@@ -370,7 +377,8 @@ class EngineCore:
             ahead_confirmed=tree is not None and len(since) > n and since[:n] == predraft.hypothesis)
 
     # ------------------------------------------------------------ commit
-    def _start_decoding(self, request: Request, first: int, seconds: float, features: TargetFeatures | None) -> None:
+    def _start_decoding(self, request: Request, first: int, seconds: float, features: TargetFeatures | None,
+                        logprobs: TokenLogprobs | None = None) -> None:
         """The prefill finished: commit the first token and hand the prompt's features to the drafter."""
         request.status = Status.RUNNING
         self._running[request.request_id] = request
@@ -382,7 +390,8 @@ class EngineCore:
             request.link.add_features(features)
         request.committed.append(first)
         emitted = request.stopper.push([first])
-        request.output.event(StepEvent(tuple(emitted), None, request.stopper.text_limit))
+        request.output.event(StepEvent(tuple(emitted), None, request.stopper.text_limit,
+                                       emitted_logprobs(logprobs, len(emitted))))
         if request.stopper.done:
             self._finish(request)
 
@@ -438,7 +447,8 @@ class EngineCore:
         request.stats.steps.append(step)
         emitted = request.stopper.push(result.tokens)
         request.result.text_limit = request.stopper.text_limit
-        request.output.event(StepEvent(tuple(emitted), step, request.stopper.text_limit))
+        request.output.event(StepEvent(tuple(emitted), step, request.stopper.text_limit,
+                                       emitted_logprobs(result.logprobs, len(emitted))))
         if request.stopper.done:
             self._finish(request)
 
@@ -495,7 +505,7 @@ class _Admission:
         return True
 
     def prefilled(self, result: PrefillResult) -> None:
-        self.core._start_decoding(self.request, result.first_token, result.seconds, result.features)
+        self.core._start_decoding(self.request, result.first_token, result.seconds, result.features, result.logprobs)
 
     def failed(self, exc: BaseException) -> None:
         self.core._finish(self.request, exc)

@@ -32,7 +32,7 @@ from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
 from orchestrator.tracing_steps import PREFILL_SPAN, STEP_SPAN, step_attributes, step_start_attributes
 from specmesh import tracing
-from specmesh.contract import Budget, Verifier, VerifyResult
+from specmesh.contract import Budget, TokenLogprobs, Verifier, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 
@@ -42,6 +42,12 @@ class StepEvent:
     tokens: tuple[int, ...]  # tokens to emit to the client now
     step: StepStats | None  # None for the prefill's first token
     text_limit: int | None = None  # a stop string matched: cut the decoded text here
+    logprobs: TokenLogprobs | None = None  # of ``tokens``, when the request asks (SamplingParams.logprobs)
+
+
+def emitted_logprobs(logprobs: TokenLogprobs | None, emitted: int) -> TokenLogprobs | None:
+    """The log-probabilities of the tokens a step lets out (a stop condition may end it early)."""
+    return None if logprobs is None else logprobs.head(emitted)
 
 
 @dataclass
@@ -111,16 +117,17 @@ class Engine:
             if prefill.features is not None:  # the prompt's target features, for feature-based drafters
                 req.link.add_features(prefill.features)
             req.committed.append(prefill.first_token)
-            yield StepEvent(tuple(stopper.push([prefill.first_token])), None)
+            emitted = stopper.push([prefill.first_token])
+            yield StepEvent(tuple(emitted), None, logprobs=emitted_logprobs(prefill.logprobs, len(emitted)))
             if not background:
                 req.link.open(prompt, sampling)
             req.link.wait_open()
             steps = self._overlapped(req) if background else self._sequential(req)
-            for step, tokens in steps:
+            for step, verified in steps:
                 stats.steps.append(step)
-                emitted = stopper.push(tokens)
+                emitted = stopper.push(verified.tokens)
                 result.text_limit = stopper.text_limit  # known before the last event goes out
-                yield StepEvent(tuple(emitted), step)
+                yield StepEvent(tuple(emitted), step, logprobs=emitted_logprobs(verified.logprobs, len(emitted)))
         finally:
             req.link.close(len(stopper.generated))
             self.verifier.release(req.session)
@@ -137,7 +144,7 @@ class Engine:
         return result
 
     # ------------------------------------------------------------------ loops
-    def _sequential(self, req: _Request) -> Iterator[tuple[StepStats, tuple[int, ...]]]:
+    def _sequential(self, req: _Request) -> Iterator[tuple[StepStats, VerifyResult]]:
         """Draft, then verify; each side waits for the other."""
         while not req.stopper.done:
             with req.step_span() as span:  # ends before the yield
@@ -152,9 +159,9 @@ class Engine:
                 step = req.step_stats(tree, verified, budget, t_step, draft_seconds=draft_seconds,
                                       wait_seconds=draft_seconds, drafter_busy_seconds=draft_seconds)
                 req.trace_step(span, step)
-            yield step, verified.tokens
+            yield step, verified
 
-    def _overlapped(self, req: _Request) -> Iterator[tuple[StepStats, tuple[int, ...]]]:
+    def _overlapped(self, req: _Request) -> Iterator[tuple[StepStats, VerifyResult]]:
         """PEARL: while tree t is verified, draft the tree after t's main line (post-verify)."""
         link = req.link
         ready: TokenTree | None = None  # drafted ahead, usable as this step's tree
@@ -204,7 +211,7 @@ class Engine:
                     and list(verified.tokens[: len(hypothesis)]) == hypothesis,
                 )
                 req.trace_step(span, step)
-            yield step, verified.tokens
+            yield step, verified
 
 
 @dataclass

@@ -16,7 +16,7 @@ Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``
 ``lossy`` is true when the output may differ from the target's own (``proposer: "mjsd"``, asked for by name).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (malformed
-JSON, wrong types, unsupported options such as ``n > 1`` or ``logprobs``, a prompt past the context), 401 a
+JSON, wrong types, unsupported options such as ``n > 1``, a prompt past the context), 401 a
 missing or wrong bearer token when the server has tokens (checked before the body is read), 404 an unknown
 model, 413 a body past the limit, 429 the queue is full, 503 no verifier is up or the server is draining. A client that disconnects mid-stream cancels its request: the engine stops at its next
 step and releases the verifier's KV.
@@ -48,9 +48,9 @@ from starlette.requests import ClientDisconnect
 from orchestrator.service import Chunk, Final, GenerateRequest, GenerationService, Overloaded, Plan
 from specmesh import package_version, rpc
 from specmesh.chat import ChatTemplate, ChatTemplateError
-from specmesh.contract import CapacityError, UnknownSessionError
+from specmesh.contract import CapacityError, TokenLogprobs, UnknownSessionError
 from specmesh.metrics import exposition
-from specmesh.sampling import SamplingParams
+from specmesh.sampling import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("specmesh.http")
 
@@ -59,6 +59,8 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request sets none (0
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (chat: the rest of the context)
 BODY_BYTES_PER_PROMPT_BYTE = 2  # a body may be this many times the prompt limit (JSON escapes, chat framing)...
 BODY_OVERHEAD_BYTES = 1 << 20  # ...plus this much for the other fields
+NEG_INF_LOGPROB = -9999.0  # a log-probability of -inf (outside top-k/top-p) in JSON, as vLLM writes it
+TOKEN_TEXT_CACHE = 1 << 16  # token texts of the logprobs fields kept decoded
 OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a worker thread, not on the event loop
 
 
@@ -191,9 +193,8 @@ def _refuse_unsupported(body: _Common) -> None:
     if body.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported: send one request per choice", param="n")
     if isinstance(body, CompletionRequest):
-        if body.logprobs is not None:
-            raise ApiError(400, "logprobs are not supported: the verifier does not return token log-probabilities",
-                           param="logprobs")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", param="logprobs")
         if body.best_of is not None and body.best_of < 1:
             raise ApiError(400, f"best_of must be at least 1, got {body.best_of}", param="best_of")
         if body.best_of not in (None, 1):
@@ -201,9 +202,11 @@ def _refuse_unsupported(body: _Common) -> None:
         if body.suffix:
             raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
     if isinstance(body, ChatRequest):
-        if body.logprobs or body.top_logprobs:
-            raise ApiError(400, "logprobs are not supported: the verifier does not return token log-probabilities",
-                           param="logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                           param="top_logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.tools:
             raise ApiError(400, "tools are not supported", param="tools")
         if body.response_format and body.response_format.get("type", "text") != "text":
@@ -263,7 +266,7 @@ def _logit_bias(body: _Common) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(bias))
 
 
-def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
+def _sampling(body: _Common, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = _logit_bias(body)
     try:
@@ -274,6 +277,7 @@ def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty, logit_bias=bias,
+            logprobs=logprobs,
             **({} if body.mjsd_threshold is None else {"mjsd_threshold": body.mjsd_threshold}))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -322,12 +326,22 @@ class OpenAIApi:
     def __init__(self, service: GenerationService, chat_template: ChatTemplate | None, tokens: Sequence[str] = (),
                  request_timeout: float | None = None, max_body_bytes: int | None = None) -> None:
         self.service, self.chat_template, self.tokens = service, chat_template, tuple(tokens)
+        self._token_texts: dict[int, str] = {}
         self.request_timeout = request_timeout
         self.max_body_bytes = max_body_bytes or (BODY_BYTES_PER_PROMPT_BYTE * service.max_prompt_bytes
                                                  + BODY_OVERHEAD_BYTES)
         self.created = int(time.time())
         self.draining = False
         self.in_flight = 0
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the logprobs fields show it (cached: alternatives repeat across tokens)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            if len(self._token_texts) >= TOKEN_TEXT_CACHE:
+                self._token_texts.clear()
+            text = self._token_texts[token_id] = self.service.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def drain(self) -> None:
         self.draining = True
@@ -375,24 +389,56 @@ class OpenAIApi:
                 raise ApiError(400, "a list of prompts is not supported: send one request per prompt", param="prompt")
             prompt = prompt[0]
         text_prompt = prompt if isinstance(prompt, str) else None
-        request = GenerateRequest(_sampling(body, body.max_tokens or OPENAI_DEFAULT_COMPLETION_TOKENS),
+        request = GenerateRequest(_sampling(body, body.max_tokens or OPENAI_DEFAULT_COMPLETION_TOKENS, body.logprobs),
                                   prompt=text_prompt, token_ids=None if text_prompt is not None else list(prompt),
                                   operation="text_completion", **_speculation(body))
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.service.model_name
         plan, stream, first = await self.start(request, rid)
         echo = (text_prompt if text_prompt is not None else self.service.decode(plan.prompt)) if body.echo else ""
 
-        def chunk(text: str, finish: str | None = None, **extra) -> dict:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        offset = len(echo)  # text_offset of the next token's logprobs
+
+        def chunk(text: str, finish: str | None = None, logprobs: TokenLogprobs | None = None, **extra) -> dict:
+            nonlocal offset
+            entry = None
+            if logprobs is not None:
+                entry, offset = self.completion_logprobs(logprobs, offset)
+            choice = {"index": 0, "text": text, "logprobs": entry, "finish_reason": finish}
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                     "choices": [choice], **extra}
 
         if not body.stream:
-            text, final = await _collect(first, stream)
-            return JSONResponse({**chunk(echo + text, final.result.finish_reason),
+            text, final, logprobs = await _collect(first, stream)
+            return JSONResponse({**chunk(echo + text, final.result.finish_reason, logprobs),
                                  "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
 
         return _event_stream(plan, first, stream, chunk, [chunk(echo)] if echo else [], body.stream_options)
+
+    # ------------------------------------------------------------------------------------------ logprobs
+    def completion_logprobs(self, lp: TokenLogprobs, offset: int) -> tuple[dict, int]:
+        """The completions API's ``logprobs`` of some tokens (tokens, token_logprobs, top_logprobs, text_offset),
+        their text starting at character ``offset``; and the offset after them."""
+        tokens = [self.token_text(t) for t in lp.token_ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        top = [{self.token_text(t): _finite(v) for t, v in zip(ids, values, strict=True)}
+               for ids, values in zip(lp.top_ids, lp.top_logprobs, strict=True)] if lp.top_ids else None
+        return {"tokens": tokens, "token_logprobs": [_finite(v) for v in lp.logprobs], "top_logprobs": top,
+                "text_offset": offsets}, offset
+
+    def chat_logprobs(self, lp: TokenLogprobs) -> dict:
+        """The chat API's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``."""
+        def entry(token_id: int, value: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": _finite(value), "bytes": list(text.encode())}
+
+        tops = lp.top_ids or ((),) * len(lp)
+        values = lp.top_logprobs or ((),) * len(lp)
+        return {"content": [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in zip(ids, vals, strict=True)]}
+                            for t, v, ids, vals in zip(lp.token_ids, lp.logprobs, tops, values, strict=True)]}
+
 
     # ------------------------------------------------------------------------------------------ tokenizer
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
@@ -432,39 +478,51 @@ class OpenAIApi:
         _refuse_unsupported(body)
         prompt = self.render_chat(body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context (OpenAI's)
-        request = GenerateRequest(_sampling(body, max_tokens or 1), prompt=prompt, operation="chat",
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        request = GenerateRequest(_sampling(body, max_tokens or 1, logprobs), prompt=prompt, operation="chat",
                                   add_special_tokens=False, **_speculation(body))
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name
         plan, stream, first = await self.start(request, rid, fill_context=max_tokens is None)
 
-        def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+        def chunk(delta: dict, finish: str | None = None, logprobs: TokenLogprobs | None = None, **extra) -> dict:
+            entry = None if logprobs is None else self.chat_logprobs(logprobs)
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": entry, "finish_reason": finish}], **extra}
 
         if not body.stream:
-            text, final = await _collect(first, stream)
+            text, final, logprobs = await _collect(first, stream)
             message = {"role": "assistant", "content": text}
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": None if logprobs is None else self.chat_logprobs(logprobs),
                              "finish_reason": final.result.finish_reason}],
                 "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
 
-        def text_chunk(text: str, finish: str | None = None, **extra) -> dict:
-            return chunk({"content": text} if text else {}, finish, **extra)
+        def text_chunk(text: str, finish: str | None = None, logprobs: TokenLogprobs | None = None, **extra) -> dict:
+            return chunk({"content": text} if text else {}, finish, logprobs, **extra)
 
         opening = [chunk({"role": "assistant", "content": ""})]
         return _event_stream(plan, first, stream, text_chunk, opening, body.stream_options)
 
 
-async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]) -> tuple[str, Final]:
-    parts = []
+async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]
+                   ) -> tuple[str, Final, TokenLogprobs | None]:
+    """The whole text, the end, and every token's log-probabilities (None unless the request asked)."""
+    parts, logprobs = [], None
     async with contextlib.aclosing(stream):
         item = first
         while not isinstance(item, Final):
             parts.append(item.text)
+            if item.logprobs is not None:
+                logprobs = item.logprobs if logprobs is None else logprobs + item.logprobs
             item = await anext(stream)
-    return "".join(parts) + item.text, item
+    return "".join(parts) + item.text, item, logprobs
+
+
+def _finite(value: float) -> float:
+    """A log-probability for JSON: -inf (a token outside top-k/top-p) as vLLM writes it."""
+    return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
 
 
 async def _items(first: Chunk | Final, stream) -> AsyncIterator[Chunk | Final | ApiError]:
@@ -500,8 +558,8 @@ def _event_stream(plan: Plan, first: Chunk | Final, stream: AsyncIterator[Chunk 
                 yield _sse(text_chunk(item.text, item.result.finish_reason, specmesh=stats_extension(plan, item)))
                 if options and options.include_usage:
                     yield _sse({**text_chunk(""), "choices": [], "usage": _usage(plan, item)})
-            elif item.text:
-                yield _sse(text_chunk(item.text))
+            elif item.text or item.logprobs is not None:  # logprobs go out with their tokens, text or not yet
+                yield _sse(text_chunk(item.text, logprobs=item.logprobs))
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream",

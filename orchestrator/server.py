@@ -43,7 +43,7 @@ from specmesh.contract import CapacityError, UnknownSessionError
 from specmesh.metrics import add_metrics_argument, start_metrics_server
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from specmesh.wire import GENERATE_SERVICE, sampling_from_proto
+from specmesh.wire import GENERATE_SERVICE, logprobs_to_proto, sampling_from_proto
 from verifier_service.remote import VerifierClient
 
 log = logging.getLogger("specmesh.serve")
@@ -130,10 +130,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 chunk = generate_pb2.GenerateChunk(token_ids=item.token_ids, text=item.text)
                 if item.step is not None:
                     chunk.step.CopyFrom(step_to_proto(item.step))
+                if item.logprobs is not None:
+                    chunk.logprobs.CopyFrom(logprobs_to_proto(item.logprobs))
                 yield chunk
 
     async def Generate(self, request, context):
-        response = generate_pb2.GenerateResponse()
+        response, logprobs = generate_pb2.GenerateResponse(), None
         async for item in self._items(request, context):
             response.text += item.text
             if isinstance(item, Final):
@@ -141,6 +143,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 response.stats.CopyFrom(stats_to_proto(item.result.stats))
             else:
                 response.token_ids.extend(item.token_ids)
+                if item.logprobs is not None:
+                    logprobs = item.logprobs if logprobs is None else logprobs + item.logprobs
+        if logprobs is not None:
+            response.logprobs.CopyFrom(logprobs_to_proto(logprobs))
         return response
 
 

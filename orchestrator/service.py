@@ -47,7 +47,7 @@ from orchestrator.requests import Method, RequestOutput
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import TextStream
 from specmesh import rpc, tracing
-from specmesh.contract import ModelInfo
+from specmesh.contract import ModelInfo, TokenLogprobs
 from specmesh.sampling import SamplingParams
 from verifier_service.metrics import running_waiting
 from verifier_service.remote import VerifierClient
@@ -104,6 +104,7 @@ class Chunk:
     token_ids: tuple[int, ...]
     text: str
     step: StepStats | None
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the request asks
 
 
 @dataclass(frozen=True)
@@ -463,7 +464,7 @@ class GenerationService:
         if event.step is not None:
             metrics.step(event.step)
         metrics.emitted(len(event.tokens))
-        return Chunk(event.tokens, text, event.step)
+        return Chunk(event.tokens, text, event.step, event.logprobs)
 
     def healthy(self) -> bool:
         return self.backend.healthy()

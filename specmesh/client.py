@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specmesh import rpc
+from specmesh.contract import TokenLogprobs
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from specmesh.wire import logprobs_from_proto
 
 __all__ = ["AsyncClient", "Chunk", "Client", "Completion", "StepInfo"]
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
@@ -53,6 +55,7 @@ class Chunk:
     text: str
     step: StepInfo | None  # None for the first token (from the prefill) and the final chunk
     finish_reason: str  # "" until the last chunk: then "stop" | "length"
+    logprobs: TokenLogprobs | None = None  # of token_ids, when asked (``logprobs=k``)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Completion:
     text: str
     finish_reason: str
     stats: dict = field(default_factory=dict)  # tau, tokens_per_second, acceptance_per_position, ...
+    logprobs: TokenLogprobs | None = None  # of token_ids, when asked (``logprobs=k``)
 
 
 def _request(
@@ -79,6 +83,7 @@ def _request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = None,
     proposer: str | None = None,
     max_nodes: int | None = None,
     max_depth: int | None = None,
@@ -95,6 +100,8 @@ def _request(
     )
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     request = generate_pb2.GenerateRequest(sampling=sampling)
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -123,7 +130,8 @@ def _chunk(msg: generate_pb2.GenerateChunk) -> Chunk:
                         s.verify_ms, s.draft_error, (s.budget_nodes, s.budget_depth), s.predrafted, s.wait_ms,
                         s.step_ms, s.drafter_busy_ms, s.predraft_nodes, s.predraft_used,
                         tuple(sorted(s.proposed_per_source.items())))
-    return Chunk(tuple(msg.token_ids), msg.text, step, msg.finish_reason)
+    logprobs = logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None
+    return Chunk(tuple(msg.token_ids), msg.text, step, msg.finish_reason, logprobs)
 
 
 def _completion(msg: generate_pb2.GenerateResponse) -> Completion:
@@ -134,7 +142,8 @@ def _completion(msg: generate_pb2.GenerateResponse) -> Completion:
         "acceptance_per_position": list(s.acceptance_per_position), "draft_errors": s.draft_errors,
         "acceptance": s.acceptance or "exact", "lossy": s.lossy,
     }
-    return Completion(list(msg.token_ids), msg.text, msg.finish_reason, stats)
+    logprobs = logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None
+    return Completion(list(msg.token_ids), msg.text, msg.finish_reason, stats, logprobs)
 
 
 class _Base:
@@ -192,7 +201,8 @@ class Client(_Base):
         """Text (str) or token-id prompt. params: max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, include_stop_str_in_output (a matched stop string ends the text instead of being
         cut), presence_penalty, frequency_penalty (OpenAI's), repetition_penalty (CTRL's), logit_bias ({token id:
-        value}), proposer ("none" = plain decoding; "mjsd" = LOSSY, greedy only), max_nodes,
+        value}), logprobs (k: each token's log-probability and its k most likely alternatives, in the result's and
+        each chunk's ``logprobs``), proposer ("none" = plain decoding; "mjsd" = LOSSY, greedy only), max_nodes,
         max_depth, overlap (PEARL on/off), policy ("static" | "adaptive"), restart_depth and mjsd_threshold
         (proposer mjsd only); unset = the server's defaults. ``stats["lossy"]``: whether the output may differ
         from the target's own decoding."""

@@ -149,10 +149,34 @@ class CapacityError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of committed tokens under the distribution each was decoded from: the target's at
+    verification, after logit processors and warping (greedy: the processed logits' softmax), as OpenAI's
+    ``logprobs`` define them; the same numbers plain decoding gives. One entry per token."""
+
+    token_ids: tuple[int, ...]  # [n] the tokens
+    logprobs: tuple[float, ...]  # [n] each token's
+    top_ids: tuple[tuple[int, ...], ...] = ()  # [n][k] the k most likely tokens of each row (k = the request's)
+    top_logprobs: tuple[tuple[float, ...], ...] = ()  # [n][k] their log-probabilities
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def head(self, n: int) -> TokenLogprobs:
+        """The first n entries (the tokens a stop condition lets out)."""
+        return TokenLogprobs(self.token_ids[:n], self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
+
+    def __add__(self, other: TokenLogprobs) -> TokenLogprobs:
+        return TokenLogprobs(self.token_ids + other.token_ids, self.logprobs + other.logprobs,
+                             self.top_ids + other.top_ids, self.top_logprobs + other.top_logprobs)
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     first_token: int
     seconds: float
     features: TargetFeatures | None = None  # the prompt's target features, when the verifier reports them
+    logprobs: TokenLogprobs | None = None  # the first token's, when the request asks (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -163,6 +187,7 @@ class VerifyResult:
     feedback: VerifyFeedback | None = None  # top-k rows / Jacobi n-grams, when the verifier is configured for them
     batch_sessions: int = 1  # sessions verified in the same forward (the verifier's load at this step)
     features: TargetFeatures | None = None  # target features of the pending + accepted rows, when reported
+    logprobs: TokenLogprobs | None = None  # of ``tokens``, when the request asks (SamplingParams.logprobs)
 
     @property
     def num_accepted(self) -> int:

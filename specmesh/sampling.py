@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's chat cap; vLLM's default max_logprobs)
 
 ACCEPTANCES = ("exact", "mjsd")  # exact: lossless; mjsd: lossy joint-likelihood acceptance (opt-in)
 # MJSD accepts the longest drafted prefix whose joint likelihood ratio p/q is at least this; chosen by measurement
@@ -43,6 +44,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus f per occurrence in the output
     repetition_penalty: float = 1.0  # CTRL's (> 0, 1 = off): tokens of the prompt or output divided by it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value in [-100, 100]) added to its logit
+    # report each token's log-probability and the top ``logprobs`` alternatives (0: the token's only); None = off
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):  # NaN fails the comparison too
@@ -68,6 +71,8 @@ class SamplingParams:
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.acceptance not in ACCEPTANCES:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {self.acceptance!r}")
         if not 0.0 < self.mjsd_threshold < float("inf"):

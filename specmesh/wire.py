@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specmesh.contract import Budget
+from specmesh.contract import Budget, TokenLogprobs
 from specmesh.feedback import DraftFeedback, TargetFeatures, VerifyFeedback
 from specmesh.sampling import DEFAULT_MJSD_THRESHOLD, SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
@@ -85,6 +85,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -107,7 +109,26 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
+
+
+# ------------------------------------------------------------------ logprobs
+def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    k = len(lp.top_ids[0]) if lp.top_ids else 0
+    return common_pb2.TokenLogprobs(token_ids=lp.token_ids, logprobs=lp.logprobs, k=k, top_ids=[t for row in lp.top_ids for t in row],
+                                    top_logprobs=[v for row in lp.top_logprobs for v in row])
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    """ValueError for a message whose sizes disagree."""
+    n, k = len(msg.logprobs), msg.k
+    if k < 0 or len(msg.token_ids) != n or len(msg.top_ids) != n * k or len(msg.top_logprobs) != n * k:
+        raise ValueError(f"token logprobs: {n} log-probabilities with k={k} need {n} tokens and {n * k} top ids and "
+                         f"log-probabilities, got {len(msg.token_ids)}, {len(msg.top_ids)} and {len(msg.top_logprobs)}")
+    ids, values = list(msg.top_ids), list(msg.top_logprobs)
+    return TokenLogprobs(tuple(msg.token_ids), tuple(msg.logprobs), tuple(tuple(ids[i * k : (i + 1) * k]) for i in range(n)),
+                         tuple(tuple(values[i * k : (i + 1) * k]) for i in range(n)))
 
 
 # -------------------------------------------------------------------- budget

@@ -143,6 +143,20 @@ def test_penalties_and_logit_bias_reach_the_remote_verifier(client, demo_stack):
     assert remote.token_ids != client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="draft_model").token_ids
 
 
+def test_logprobs_travel_from_the_verifier_replica_to_the_sdk(client, demo_stack):
+    """logprobs=k: the replica computes them, the Generate service sends them per chunk and whole; the numbers are
+    the embedded stack's."""
+    remote = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="draft_model", logprobs=2)
+    assert remote.logprobs.token_ids == tuple(remote.token_ids) and len(remote.logprobs.top_ids[0]) == 2
+    engine = demo_stack.engine("draft_model")
+    local = engine.generate(demo_stack.tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=MAX_NEW, logprobs=2))
+    values = [v for e in local.events if e.logprobs is not None for v in e.logprobs.logprobs]
+    assert remote.token_ids == local.token_ids and remote.logprobs.logprobs == pytest.approx(values, abs=1e-4)
+    chunks = list(client.stream(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="draft_model", logprobs=2))
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.token_ids] == remote.token_ids
+    assert client.generate(PROMPTS[0], max_new_tokens=4).logprobs is None
+
+
 def test_async_client_streams_the_same_tokens(mesh, ar):
     async def main():
         async with AsyncClient(mesh["serve"].address, timeout=120) as c:

@@ -184,6 +184,48 @@ def test_penalties_and_logit_bias_change_the_output_and_speculation_keeps_it(sta
     assert chat.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_completions_logprobs_streamed_and_not(stack, client):
+    """OpenAI's completions ``logprobs``: one entry per generated token, the same numbers with and without
+    speculation, the tokens' texts joining into the text, streamed pieces adding up to the whole."""
+    ask = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
+    plain = client.completions.create(**ask, extra_body={"proposer": "none"}).choices[0]
+    spec = client.completions.create(**ask, extra_body={"proposer": "draft_model"}).choices[0]
+    assert spec.text == plain.text
+    lp, ref = spec.logprobs, plain.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 16
+    assert "".join(lp.tokens) == spec.text and lp.tokens == ref.tokens
+    assert lp.token_logprobs == pytest.approx(ref.token_logprobs, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(16)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(value)  # greedy: the best
+        assert top.get(token, value) == pytest.approx(value)
+    pieces = list(client.completions.create(**ask, stream=True, extra_body={"proposer": "draft_model"}))
+    streamed = [t for p in pieces if p.choices and p.choices[0].logprobs for t in p.choices[0].logprobs.tokens]
+    values = [v for p in pieces if p.choices and p.choices[0].logprobs for v in p.choices[0].logprobs.token_logprobs]
+    offsets = [o for p in pieces if p.choices and p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and values == pytest.approx(lp.token_logprobs, abs=1e-4) and offsets == lp.text_offset
+    no = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert no.choices[0].logprobs is None
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "def f(x):"}], max_tokens=12, temperature=0.8,
+               seed=3, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**ask, extra_body={"proposer": "draft_model"}).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == 12 and "".join(c.token for c in content) == whole.message.content
+    for c in content:
+        assert c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 3
+        assert c.logprob <= 0 and all(t.logprob >= -9999.0 for t in c.top_logprobs)
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    pieces = list(client.chat.completions.create(**ask, stream=True, extra_body={"proposer": "draft_model"}))
+    streamed = [c for p in pieces if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]  # seeded: the same tokens and numbers
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    only = client.chat.completions.create(**{**ask, "top_logprobs": None}).choices[0].logprobs.content
+    assert all(c.top_logprobs == [] for c in only)
+
+
 def test_mjsd_is_asked_for_by_name_greedy_only_and_reported_lossy(stack, client, server):
     """The lossy proposer: its stats say so; with OpenAI's default temperature (1) it is a clear 400."""
     prompt = PROMPTS[0]
@@ -358,7 +400,7 @@ def test_bad_input_gets_openai_errors(server):
     assert_openai_error(*post(url, {"model": MODEL}), 400, "prompt")
     assert_openai_error(*post(url, {**ok, "n": 2}), 400, "n")
     assert_openai_error(*post(url, {**ok, "best_of": 3}), 400, "best_of")
-    assert_openai_error(*post(url, {**ok, "logprobs": 2}), 400, "logprobs")
+    assert_openai_error(*post(url, {**ok, "logprobs": 21}), 400, "logprobs")
     assert_openai_error(*post(url, {**ok, "presence_penalty": 2.5}), 400)
     assert_openai_error(*post(url, {**ok, "repetition_penalty": 0}), 400, "repetition_penalty")
     assert_openai_error(*post(url, {**ok, "logit_bias": {"x": 1}}), 400, "logit_bias")
@@ -380,7 +422,9 @@ def test_bad_input_gets_openai_errors(server):
     chat = server[1].url + "/v1/chat/completions"
     assert_openai_error(*post(chat, {"model": MODEL, "messages": []}), 400, "messages")
     assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                     "logprobs": True}), 400, "logprobs")
+                                     "top_logprobs": 2}), 400, "top_logprobs")
+    assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                     "logprobs": True, "top_logprobs": 30}), 400, "top_logprobs")
     assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                      "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools")
     status, body = get(server[1].url + "/v1/nothing")

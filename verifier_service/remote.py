@@ -18,6 +18,7 @@ from specmesh.contract import (
     ModelInfo,
     PrefillResult,
     SessionPreemptedError,
+    TokenLogprobs,
     UnknownSessionError,
     VerifyCosts,
     VerifyResult,
@@ -30,6 +31,7 @@ from specmesh.wire import (
     VERIFIER_SERVICE,
     features_from_proto,
     feedback_from_proto,
+    logprobs_from_proto,
     sampling_to_proto,
     tree_to_proto,
 )
@@ -111,7 +113,7 @@ class RemoteVerifier:
                                            return_features=features)
 
     def prefill_result(self, msg: verifier_pb2.PrefillResponse) -> PrefillResult:
-        return PrefillResult(msg.first_token, msg.seconds, self._features(msg))
+        return PrefillResult(msg.first_token, msg.seconds, self._features(msg), self._logprobs(msg))
 
     @staticmethod
     def verify_request(session_id: str, tree: TokenTree,
@@ -151,7 +153,13 @@ class RemoteVerifier:
             except ValueError as exc:  # feedback only helps drafting: drop it, keep the verification
                 log.warning("verifier %s sent malformed feedback (%s); ignored", self.client.address, exc)
         return VerifyResult(tuple(msg.accepted_nodes), tuple(msg.tokens), msg.seconds, feedback,
-                            max(1, msg.batch_sessions), self._features(msg))
+                            max(1, msg.batch_sessions), self._features(msg), self._logprobs(msg))
+
+    @staticmethod
+    def _logprobs(msg) -> TokenLogprobs | None:
+        """The token log-probabilities a Prefill / Verify answer carries; a malformed set is an error of the
+        verifier (the request asked for them: nothing to fall back to)."""
+        return logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None
 
     def _features(self, msg) -> TargetFeatures | None:
         """The target features a Prefill / Verify answer carries (float32 numpy rows), None when it has none or

@@ -40,6 +40,7 @@ from specmesh.wire import (
     VERIFIER_SERVICE,
     features_to_proto,
     feedback_to_proto,
+    logprobs_to_proto,
     newest_features,
     sampling_from_proto,
     tree_from_proto,
@@ -105,6 +106,8 @@ def verify_response(result: VerifyResult) -> verifier_pb2.VerifyResponse:
         response.feedback.CopyFrom(feedback_to_proto(result.feedback))
     if result.features is not None:
         response.features.CopyFrom(features_message(result.features))
+    if result.logprobs is not None:
+        response.logprobs.CopyFrom(logprobs_to_proto(result.logprobs))
     return response
 
 
@@ -171,6 +174,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         response = verifier_pb2.PrefillResponse(first_token=result.first_token, seconds=result.seconds)
         if result.features is not None:
             response.features.CopyFrom(features_message(result.features))
+        if result.logprobs is not None:
+            response.logprobs.CopyFrom(logprobs_to_proto(result.logprobs))
         return response
 
     async def Verify(self, request, context):

@@ -678,7 +678,8 @@ class StepLoop:
                     if not opening.driven:
                         self._decoding.add(session_id)
                     told.append((opening, PrefillResult(firsts[session_id], time.perf_counter() - opening.started,
-                                                        self.verifier.take_prompt_features(session_id))))
+                                                        self.verifier.take_prompt_features(session_id),
+                                                        self.verifier.take_first_logprobs(session_id))))
         for opening, outcome in told:
             if isinstance(outcome, Exception):
                 opening.owner.failed(outcome)

@@ -38,7 +38,14 @@ import numpy as np
 import torch
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
-from specmesh.contract import CapacityError, PrefillResult, UnknownSessionError, VerifyCosts, VerifyResult
+from specmesh.contract import (
+    CapacityError,
+    PrefillResult,
+    TokenLogprobs,
+    UnknownSessionError,
+    VerifyCosts,
+    VerifyResult,
+)
 from specmesh.feedback import TargetFeatures, VerifyFeedback
 from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.logits_process import ContextCounts, processes_logits
@@ -162,6 +169,46 @@ def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
     return np.repeat(firsts - (cu - lengths), lengths) + np.arange(cu[-1])
 
 
+def token_logprobs(items: Sequence[tuple[_Session, TokenTree, int]], acceptances: Sequence[Acceptance],
+                   logits: torch.Tensor) -> list[TokenLogprobs | None]:
+    """The log-probabilities of each committed token (accepted path + bonus) of the sessions that ask
+    (``SamplingParams.logprobs``), None for the others. Token j's row is its parent's: the pending row for the first,
+    then each accepted node's. The distribution is the one acceptance decoded from: the processed logits (processors
+    already applied in place), warped when sampling, their softmax when greedy. Computed for the whole batch on the
+    logits' device and copied to the host once.
+
+    items: (session, tree, first logits row) as ``_accept_all``; logits: [R, vocab] (processed)."""
+    asking = [i for i, (session, _, _) in enumerate(items) if session.sampling.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(items)
+    if not asking:
+        return out
+    k = max(items[i][0].sampling.logprobs for i in asking)
+    parts, tokens, sizes = [], [], []
+    for i in asking:
+        session, tree, first = items[i]
+        acceptance, sp = acceptances[i], session.sampling
+        rows = logits[[first, *(first + 1 + n for n in acceptance.accepted_nodes)]]
+        if sp.greedy:
+            parts.append(torch.log_softmax(rows.double(), dim=-1))
+        else:
+            parts.append(torch.log(warp_probs(rows, sp.temperature, sp.top_k, sp.top_p)))
+        tokens += acceptance.tokens(tree)
+        sizes.append(len(rows))
+    logp = torch.cat(parts)  # [M, vocab] float64
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])  # [M, 1]
+    top = torch.topk(logp, k, dim=-1)  # sorted, most likely first
+    packed = torch.cat([chosen, top.values, top.indices.double()], dim=1).cpu().numpy()  # [M, 1 + 2k]: one copy
+    start = 0
+    for i, size in zip(asking, sizes, strict=True):
+        block = packed[start : start + size]
+        n = items[i][0].sampling.logprobs
+        out[i] = TokenLogprobs(tuple(tokens[start : start + size]), tuple(block[:, 0].tolist()),
+                               tuple(map(tuple, block[:, 1 + k : 1 + k + n].astype(np.int64).tolist())),
+                               tuple(map(tuple, block[:, 1 : 1 + n].tolist())))
+        start += size
+    return out
+
+
 VECTORISE_FROM = 8  # greedy chains of a step accepted in one numpy pass from this many on (fewer: one walk each)
 
 
@@ -187,6 +234,7 @@ class _Session:
     prompt_features: list[torch.Tensor] = field(default_factory=list)
     # the request's logit processors read these (None without processors): prompt and output tokens, on the device
     context: ContextCounts | None = None
+    first_logprobs: TokenLogprobs | None = None  # the first token's (the request asked), until the prefill's result
 
     @property
     def prefilling(self) -> bool:
@@ -278,7 +326,8 @@ class LocalVerifier:
         except BaseException:
             self.release(session_id)
             raise
-        return PrefillResult(first, time.perf_counter() - start, self.take_prompt_features(session_id))
+        return PrefillResult(first, time.perf_counter() - start, self.take_prompt_features(session_id),
+                             self.take_first_logprobs(session_id))
 
     def verify(self, session_id: str, tree: TokenTree) -> VerifyResult:
         result = self.verify_batch([(session_id, tree)])[0]
@@ -496,17 +545,20 @@ class LocalVerifier:
         if self.feedback_topk and verify_rows:
             topk = torch.topk(logits, self.feedback_topk, dim=-1).indices.cpu().numpy()  # [R, k]
         acceptances = self._accept_all(accepting, logits, argmax)
+        logprobs = token_logprobs(accepting, acceptances, logits)
         firsts: dict[str, int] = {}
-        for session_id, acceptance in zip(finishing, acceptances, strict=False):
+        for session_id, acceptance, lp in zip(finishing, acceptances, logprobs, strict=False):
             firsts[session_id] = acceptance.bonus_token
+            self._sessions[session_id].first_logprobs = lp
             self._start_decoding(self._sessions[session_id], acceptance.bonus_token)
         self._compact([row for _, row in verify_rows], acceptances[len(finishing) :])
         elapsed = time.perf_counter() - start_time
-        verified = zip(verify_rows, accepting[len(finishing) :], acceptances[len(finishing) :], strict=True)
-        for (index, row), (_, _, first), acceptance in verified:
+        verified = zip(verify_rows, accepting[len(finishing) :], acceptances[len(finishing) :],
+                       logprobs[len(finishing) :], strict=True)
+        for (index, row), (_, _, first), acceptance, lp in verified:
             r = slice(first, first + row.num_out)
             results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed,
-                                                 len(rows))
+                                                 len(rows), lp)
             if id(row) in span_start:  # the pending row and the accepted path's rows, at their positions
                 offset = span_start[id(row)]
                 keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes], device=features.device)
@@ -515,6 +567,14 @@ class LocalVerifier:
         if self.prefix_caching:
             self._register(rows)
         return firsts, results
+
+    def take_first_logprobs(self, session_id: str) -> TokenLogprobs | None:
+        """The first token's log-probabilities of a session whose prefill finished (once; None unless it asked)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return None
+        logprobs, session.first_logprobs = session.first_logprobs, None
+        return logprobs
 
     def take_prompt_features(self, session_id: str) -> TargetFeatures | None:
         """The prompt's target features of a session whose prefill finished (once; None unless it asked)."""
@@ -689,7 +749,7 @@ class LocalVerifier:
                 self._trim(row.session)
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
-                       elapsed: float, batch_sessions: int) -> VerifyResult:
+                       elapsed: float, batch_sessions: int, logprobs: TokenLogprobs | None = None) -> VerifyResult:
         """argmax/topk: the row's [1 + num_nodes + span] outputs (``num_out``)."""
         session, tree = row.session, row.tree
         verified = tree.num_nodes + 1  # rows taking part in acceptance
@@ -706,7 +766,8 @@ class LocalVerifier:
         session.pending = acceptance.bonus_token
         if session.context is not None:
             session.context.add_output(tokens)
-        return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback, batch_sessions)
+        return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback, batch_sessions,
+                            logprobs=logprobs)
 
     def _start_decoding(self, session: _Session, first: int) -> None:
         session.pending = first

@@ -28,7 +28,7 @@ class TokenTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., source_names: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[int]] = ..., q_cu: _Optional[_Iterable[int]] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "acceptance", "mjsd_threshold", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "acceptance", "mjsd_threshold", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -66,7 +67,8 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., acceptance: _Optional[str] = ..., mjsd_threshold: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., acceptance: _Optional[str] = ..., mjsd_threshold: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Budget(_message.Message):
     __slots__ = ("max_nodes", "max_depth", "timeout_ms", "min_path_prob")
@@ -150,6 +152,20 @@ class VerifyFeedback(_message.Message):
     ngram_tokens: _containers.RepeatedScalarFieldContainer[int]
     ngram_lengths: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, inputs: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., topk: _Optional[_Iterable[int]] = ..., ngram_tokens: _Optional[_Iterable[int]] = ..., ngram_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprobs", "k", "top_ids", "top_logprobs", "token_ids")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    k: int
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetFeatures(_message.Message):
     __slots__ = ("start", "rows", "hidden", "dtype", "data")

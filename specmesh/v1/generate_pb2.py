@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/generate.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xae\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12%\n\x04spec\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.SpecParamsB\x07\n\x05input\"m\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12$\n\x04step\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.StepStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\xe7\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x0b\n\x03tau\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x07 \x03(\x01\x12\x14\n\x0c\x64raft_errors\x18\x08 \x01(\x05\x12\x12\n\nacceptance\x18\t \x01(\t\x12\r\n\x05lossy\x18\n \x01(\x08\"t\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specmesh.v1.RequestStats2\xa1\x01\n\x08Generate\x12L\n\x0eGenerateStream\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1a.specmesh.v1.GenerateChunk0\x01\x12G\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/generate.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xae\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12%\n\x04spec\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.SpecParamsB\x07\n\x05input\"\x9b\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12$\n\x04step\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.StepStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.specmesh.v1.TokenLogprobs\"\xe7\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x0b\n\x03tau\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x07 \x03(\x01\x12\x14\n\x0c\x64raft_errors\x18\x08 \x01(\x05\x12\x12\n\nacceptance\x18\t \x01(\t\x12\r\n\x05lossy\x18\n \x01(\x08\"\xa2\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specmesh.v1.RequestStats\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.specmesh.v1.TokenLogprobs2\xa1\x01\n\x08Generate\x12L\n\x0eGenerateStream\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1a.specmesh.v1.GenerateChunk0\x01\x12G\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,12 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=92
   _globals['_GENERATEREQUEST']._serialized_start=95
   _globals['_GENERATEREQUEST']._serialized_end=269
-  _globals['_GENERATECHUNK']._serialized_start=271
-  _globals['_GENERATECHUNK']._serialized_end=380
-  _globals['_REQUESTSTATS']._serialized_start=383
-  _globals['_REQUESTSTATS']._serialized_end=614
-  _globals['_GENERATERESPONSE']._serialized_start=616
-  _globals['_GENERATERESPONSE']._serialized_end=732
-  _globals['_GENERATE']._serialized_start=735
-  _globals['_GENERATE']._serialized_end=896
+  _globals['_GENERATECHUNK']._serialized_start=272
+  _globals['_GENERATECHUNK']._serialized_end=427
+  _globals['_REQUESTSTATS']._serialized_start=430
+  _globals['_REQUESTSTATS']._serialized_end=661
+  _globals['_GENERATERESPONSE']._serialized_start=664
+  _globals['_GENERATERESPONSE']._serialized_end=826
+  _globals['_GENERATE']._serialized_start=829
+  _globals['_GENERATE']._serialized_end=990
 # @@protoc_insertion_point(module_scope)

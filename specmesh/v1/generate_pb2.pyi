@@ -26,16 +26,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., spec: _Optional[_Union[_common_pb2.SpecParams, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "step", "finish_reason")
+    __slots__ = ("token_ids", "text", "step", "finish_reason", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     step: _common_pb2.StepStats
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., step: _Optional[_Union[_common_pb2.StepStats, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., step: _Optional[_Union[_common_pb2.StepStats, _Mapping]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "steps", "tau", "tokens_per_second", "total_seconds", "acceptance_per_position", "draft_errors", "acceptance", "lossy")
@@ -62,13 +64,15 @@ class RequestStats(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., tau: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_seconds: _Optional[float] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., draft_errors: _Optional[int] = ..., acceptance: _Optional[str] = ..., lossy: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "stats")
+    __slots__ = ("token_ids", "text", "finish_reason", "stats", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     stats: RequestStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...

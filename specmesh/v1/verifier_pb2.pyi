@@ -20,14 +20,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "seconds", "features")
+    __slots__ = ("first_token", "seconds", "features", "logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     seconds: float
     features: _common_pb2.TargetFeatures
-    def __init__(self, first_token: _Optional[int] = ..., seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, first_token: _Optional[int] = ..., seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree", "trace_context")
@@ -69,20 +71,22 @@ class VerifyBatchResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "tokens", "seconds", "feedback", "batch_sessions", "features")
+    __slots__ = ("accepted_nodes", "tokens", "seconds", "feedback", "batch_sessions", "features", "logprobs")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     seconds: float
     feedback: _common_pb2.VerifyFeedback
     batch_sessions: int
     features: _common_pb2.TargetFeatures
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., feedback: _Optional[_Union[_common_pb2.VerifyFeedback, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., feedback: _Optional[_Union[_common_pb2.VerifyFeedback, _Mapping]] = ..., batch_sessions: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
