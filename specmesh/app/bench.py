@@ -405,7 +405,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     try:  # usage errors: one line, no traceback
         specs = plan_methods(args.methods or default_methods(draft_dir is not None), draft_dir is not None)
         base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              **penalty_options(args))
+                              logprobs=args.logprobs, **penalty_options(args))
         for spec in specs:  # a lossy method is greedy only; a threshold only for it
             asked_sampling(spec, base)
         rows = load_prompts(Path(args.prompts), args.limit)
@@ -633,6 +633,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (+1 per prompt)")
     add_penalty_arguments(parser)
+    parser.add_argument("--logprobs", type=int, default=None, metavar="K",
+                        help="every request asks for its tokens' log-probabilities and K alternatives (their cost is "
+                             "part of the timing; default: none)")
     parser.add_argument("--max-new-tokens", type=int, help="override every prompt's max_new_tokens")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method; the fastest counts")
     parser.add_argument("--passes", type=int, default=1,

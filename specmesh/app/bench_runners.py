@@ -54,9 +54,9 @@ def asked_sampling(spec: MethodSpec, sampling: SamplingParams) -> SamplingParams
     from specmesh.logits_process import processes_logits
 
     if spec.is_hf:
-        if processes_logits(sampling):
-            raise ValueError(f"{spec.label}: the Hugging Face peers run without penalties and logit_bias; leave "
-                             "them out of --methods")
+        if processes_logits(sampling) or sampling.logprobs is not None:
+            raise ValueError(f"{spec.label}: the Hugging Face peers run without penalties, logit_bias and logprobs; "
+                             "leave them out of --methods")
         return sampling
     name = None if spec.base_name == "ar" else spec.base_name
     return request_sampling(name, sampling, dict(spec.options).get("threshold"))
