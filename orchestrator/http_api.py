@@ -16,7 +16,7 @@ Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``
 ``lossy`` is true when the output may differ from the target's own (``proposer: "mjsd"``, asked for by name).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (malformed
-JSON, wrong types, unsupported options such as ``n > 1``, a prompt past the context), 401 a
+JSON, wrong types, unsupported options such as ``tools``, a prompt past the context), 401 a
 missing or wrong bearer token when the server has tokens (checked before the body is read), 404 an unknown
 model, 413 a body past the limit, 429 the queue is full, 503 no verifier is up or the server is draining. A client that disconnects mid-stream cancels its request: the engine stops at its next
 step and releases the verifier's KV.
@@ -59,6 +59,7 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request sets none (0
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' default max_tokens (chat: the rest of the context)
 BODY_BYTES_PER_PROMPT_BYTE = 2  # a body may be this many times the prompt limit (JSON escapes, chat framing)...
 BODY_OVERHEAD_BYTES = 1 << 20  # ...plus this much for the other fields
+MAX_CHOICES = 16  # n and best_of at most: each choice is a request of its own
 NEG_INF_LOGPROB = -9999.0  # a log-probability of -inf (outside top-k/top-p) in JSON, as vLLM writes it
 TOKEN_TEXT_CACHE = 1 << 16  # token texts of the logprobs fields kept decoded
 OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a worker thread, not on the event loop
@@ -188,17 +189,15 @@ class DetokenizeRequest(BaseModel):
 
 def _refuse_unsupported(body: _Common) -> None:
     """A clear 400 for every OpenAI option specmesh cannot honour, instead of silently ignoring it."""
-    if body.n is not None and body.n < 1:
-        raise ApiError(400, f"n must be at least 1, got {body.n}", param="n")
-    if body.n not in (None, 1):
-        raise ApiError(400, "n > 1 is not supported: send one request per choice", param="n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
     if isinstance(body, CompletionRequest):
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", param="logprobs")
-        if body.best_of is not None and body.best_of < 1:
-            raise ApiError(400, f"best_of must be at least 1, got {body.best_of}", param="best_of")
-        if body.best_of not in (None, 1):
-            raise ApiError(400, "best_of > 1 is not supported", param="best_of")
+        if body.best_of is not None and not (body.n or 1) <= body.best_of <= MAX_CHOICES:
+            raise ApiError(400, f"best_of must be in [n, {MAX_CHOICES}], got {body.best_of}", param="best_of")
+        if body.best_of is not None and body.best_of > (body.n or 1) and body.stream:
+            raise ApiError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
         if body.suffix:
             raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
     if isinstance(body, ChatRequest):
@@ -309,8 +308,9 @@ def stats_extension(plan: Plan, final: Final) -> dict:
     }
 
 
-def _usage(plan: Plan, final: Final) -> dict:
-    out = final.result.stats.num_generated
+def _usage(plan: Plan, finals: Sequence[Final]) -> dict:
+    """Token counts: the prompt once, every choice's output."""
+    out = sum(final.result.stats.num_generated for final in finals)
     return {"prompt_tokens": len(plan.prompt), "completion_tokens": out, "total_tokens": len(plan.prompt) + out}
 
 
@@ -380,6 +380,31 @@ class OpenAIApi:
         return plan, stream, first
 
     # ------------------------------------------------------------------------------------------ completions
+    async def start_choices(self, request: GenerateRequest, request_id: str, count: int, fill_context: bool = False
+                            ) -> list[tuple[Plan, AsyncIterator[Chunk | Final], Chunk | Final]]:
+        """``start`` for each of ``count`` independent choices of one prompt (n, best_of): the first alone, so that
+        the others find its prompt in the verifier's prefix cache, then the rest together. A seeded request's
+        choice i samples with seed + i. A failure closes the choices started."""
+        first = await self.start(request, request_id, fill_context)
+        if count == 1:
+            return [first]
+        seed = request.sampling.seed
+
+        def choice(i: int) -> GenerateRequest:
+            if seed is None:
+                return request
+            return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed + i))
+
+        started = await asyncio.gather(*(self.start(choice(i), f"{request_id}-{i}", fill_context)
+                                         for i in range(1, count)), return_exceptions=True)
+        failed = next((x for x in started if isinstance(x, BaseException)), None)
+        if failed is not None:
+            for x in [first, *started]:
+                if not isinstance(x, BaseException):
+                    await x[1].aclose()
+            raise failed
+        return [first, *started]
+
     async def completions(self, body: CompletionRequest) -> Response:
         self.check_model(body.model)
         _refuse_unsupported(body)
@@ -389,30 +414,39 @@ class OpenAIApi:
                 raise ApiError(400, "a list of prompts is not supported: send one request per prompt", param="prompt")
             prompt = prompt[0]
         text_prompt = prompt if isinstance(prompt, str) else None
-        request = GenerateRequest(_sampling(body, body.max_tokens or OPENAI_DEFAULT_COMPLETION_TOKENS, body.logprobs),
+        n, best_of = body.n or 1, body.best_of or body.n or 1
+        # best_of ranks the candidates by their tokens' log-probabilities: asked for even when the client did not
+        logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
+        request = GenerateRequest(_sampling(body, body.max_tokens or OPENAI_DEFAULT_COMPLETION_TOKENS, logprobs),
                                   prompt=text_prompt, token_ids=None if text_prompt is not None else list(prompt),
                                   operation="text_completion", **_speculation(body))
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.service.model_name
-        plan, stream, first = await self.start(request, rid)
+        choices = await self.start_choices(request, rid, best_of)
+        plan = choices[0][0]
         echo = (text_prompt if text_prompt is not None else self.service.decode(plan.prompt)) if body.echo else ""
+        offsets: dict[int, int] = {}  # per choice: text_offset of its next token's logprobs
 
-        offset = len(echo)  # text_offset of the next token's logprobs
-
-        def chunk(text: str, finish: str | None = None, logprobs: TokenLogprobs | None = None, **extra) -> dict:
-            nonlocal offset
+        def chunk(text: str, finish: str | None = None, logprobs: TokenLogprobs | None = None, index: int = 0,
+                  **extra) -> dict:
             entry = None
-            if logprobs is not None:
-                entry, offset = self.completion_logprobs(logprobs, offset)
-            choice = {"index": 0, "text": text, "logprobs": entry, "finish_reason": finish}
+            if logprobs is not None and body.logprobs is not None:
+                entry, offsets[index] = self.completion_logprobs(logprobs, offsets.get(index, len(echo)))
+            choice = {"index": index, "text": text, "logprobs": entry, "finish_reason": finish}
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                     "choices": [choice], **extra}
 
         if not body.stream:
-            text, final, logprobs = await _collect(first, stream)
-            return JSONResponse({**chunk(echo + text, final.result.finish_reason, logprobs),
-                                 "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
+            results = await _collect_all(choices)
+            if best_of > n:  # the n candidates whose tokens are the most likely under their own distributions
+                results.sort(key=lambda r: -sum(r[2].logprobs) if r[2] is not None else 0.0)
+                results = results[:n]
+            out = [chunk(echo + text, final.result.finish_reason, logprobs, index=i)["choices"][0]
+                   for i, (text, final, logprobs) in enumerate(results)]
+            return JSONResponse({**chunk(""), "choices": out, "usage": _usage(plan, [r[1] for r in results]),
+                                 "specmesh": _choices_stats(plan, [r[1] for r in results])})
 
-        return _event_stream(plan, first, stream, chunk, [chunk(echo)] if echo else [], body.stream_options)
+        return _event_stream(plan, choices, chunk, [chunk(echo, index=i) for i in range(n)] if echo else [],
+                             body.stream_options)
 
     # ------------------------------------------------------------------------------------------ logprobs
     def completion_logprobs(self, lp: TokenLogprobs, offset: int) -> tuple[dict, int]:
@@ -481,29 +515,32 @@ class OpenAIApi:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request = GenerateRequest(_sampling(body, max_tokens or 1, logprobs), prompt=prompt, operation="chat",
                                   add_special_tokens=False, **_speculation(body))
-        rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name
-        plan, stream, first = await self.start(request, rid, fill_context=max_tokens is None)
+        rid, model, n = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name, body.n or 1
+        choices = await self.start_choices(request, rid, n, fill_context=max_tokens is None)
+        plan = choices[0][0]
 
-        def chunk(delta: dict, finish: str | None = None, logprobs: TokenLogprobs | None = None, **extra) -> dict:
+        def chunk(delta: dict, finish: str | None = None, logprobs: TokenLogprobs | None = None, index: int = 0,
+                  **extra) -> dict:
             entry = None if logprobs is None else self.chat_logprobs(logprobs)
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": entry, "finish_reason": finish}], **extra}
+                    "choices": [{"index": index, "delta": delta, "logprobs": entry, "finish_reason": finish}], **extra}
 
         if not body.stream:
-            text, final, logprobs = await _collect(first, stream)
-            message = {"role": "assistant", "content": text}
+            results = await _collect_all(choices)
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "message": message,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
                              "logprobs": None if logprobs is None else self.chat_logprobs(logprobs),
-                             "finish_reason": final.result.finish_reason}],
-                "usage": _usage(plan, final), "specmesh": stats_extension(plan, final)})
+                             "finish_reason": final.result.finish_reason}
+                            for i, (text, final, logprobs) in enumerate(results)],
+                "usage": _usage(plan, [r[1] for r in results]), "specmesh": _choices_stats(plan, [r[1] for r in results])})
 
-        def text_chunk(text: str, finish: str | None = None, logprobs: TokenLogprobs | None = None, **extra) -> dict:
-            return chunk({"content": text} if text else {}, finish, logprobs, **extra)
+        def text_chunk(text: str, finish: str | None = None, logprobs: TokenLogprobs | None = None, index: int = 0,
+                       **extra) -> dict:
+            return chunk({"content": text} if text else {}, finish, logprobs, index, **extra)
 
-        opening = [chunk({"role": "assistant", "content": ""})]
-        return _event_stream(plan, first, stream, text_chunk, opening, body.stream_options)
+        opening = [chunk({"role": "assistant", "content": ""}, index=i) for i in range(n)]
+        return _event_stream(plan, choices, text_chunk, opening, body.stream_options)
 
 
 async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]
@@ -518,6 +555,28 @@ async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]
                 logprobs = item.logprobs if logprobs is None else logprobs + item.logprobs
             item = await anext(stream)
     return "".join(parts) + item.text, item, logprobs
+
+
+async def _collect_all(choices) -> list[tuple[str, Final, TokenLogprobs | None]]:
+    """``_collect`` of every choice, concurrently; a failure closes the others."""
+    tasks = [asyncio.ensure_future(_collect(first, stream)) for _, stream, first in choices]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for _, stream, _ in choices:
+            await stream.aclose()
+        raise
+
+
+def _choices_stats(plan: Plan, finals: Sequence[Final]) -> dict:
+    """The ``specmesh`` field: the first choice's speculation stats, and with n > 1 every choice's under
+    ``choices``."""
+    stats = stats_extension(plan, finals[0])
+    if len(finals) > 1:
+        stats["choices"] = [stats_extension(plan, final) for final in finals]
+    return stats
 
 
 def _finite(value: float) -> float:
@@ -541,29 +600,67 @@ async def _mapped(request: Request, exc: Exception) -> JSONResponse:
     return api_error(exc).response()
 
 
-def _event_stream(plan: Plan, first: Chunk | Final, stream: AsyncIterator[Chunk | Final], text_chunk: Callable,
-                  opening: list[dict], options: StreamOptions | None) -> StreamingResponse:
-    """The SSE response of a streamed request: ``opening`` chunks, one chunk per non-empty piece of text
-    (``text_chunk(text, finish_reason=None, **extra)`` shapes it), the finishing chunk with the ``specmesh``
-    stats, the usage chunk when asked for, ``[DONE]``; a failure mid-stream is an ``error`` event."""
+def _event_stream(plan: Plan, choices, text_chunk: Callable, opening: list[dict],
+                  options: StreamOptions | None) -> StreamingResponse:
+    """The SSE response of a streamed request: ``opening`` chunks, then each choice's chunks as its tokens come
+    (``text_chunk(text, finish_reason=None, logprobs=None, index=0, **extra)`` shapes one; a chunk per non-empty
+    piece of text or set of logprobs), each choice's finishing chunk with its ``specmesh`` stats, the usage chunk
+    when asked for (every choice's tokens), ``[DONE]``; a failure mid-stream is an ``error`` event.
+    ``choices``: (plan, stream, first item) of each choice (n of them)."""
 
     async def events() -> AsyncIterator[bytes]:
         for piece in opening:
             yield _sse(piece)
-        async for item in _items(first, stream):
-            if isinstance(item, ApiError):
-                yield _sse(item.body())
-                break
-            if isinstance(item, Final):
-                yield _sse(text_chunk(item.text, item.result.finish_reason, specmesh=stats_extension(plan, item)))
-                if options and options.include_usage:
-                    yield _sse({**text_chunk(""), "choices": [], "usage": _usage(plan, item)})
-            elif item.text or item.logprobs is not None:  # logprobs go out with their tokens, text or not yet
-                yield _sse(text_chunk(item.text, logprobs=item.logprobs))
+        finals, failed = [], False
+        async with contextlib.aclosing(_merged([_items(first, stream) for _, stream, first in choices])) as merged:
+            async for index, item in merged:
+                if isinstance(item, ApiError):
+                    yield _sse(item.body())
+                    failed = True
+                    break
+                if isinstance(item, Final):
+                    finals.append(item)
+                    yield _sse(text_chunk(item.text, item.result.finish_reason, index=index,
+                                          specmesh=stats_extension(plan, item)))
+                elif item.text or item.logprobs is not None:  # logprobs go out with their tokens, text or not yet
+                    yield _sse(text_chunk(item.text, logprobs=item.logprobs, index=index))
+        if not failed and options and options.include_usage:
+            yield _sse({**text_chunk(""), "choices": [], "usage": _usage(plan, finals)})
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(index, item) of several async iterators as their items come; closing this closes all of them."""
+    if len(streams) == 1:  # the common case: no tasks
+        async with contextlib.aclosing(streams[0]):
+            async for item in streams[0]:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator) -> None:
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                await queue.put((index, item))
+        await queue.put((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class CountInFlight:

@@ -226,6 +226,58 @@ def test_chat_logprobs_streamed_and_not(client):
     assert all(c.top_logprobs == [] for c in only)
 
 
+def test_n_choices_are_independent_requests_streamed_with_their_indices(stack, client, server):
+    """n > 1: each choice a request of its own (a seeded one samples choice i with seed + i), sharing the prompt's
+    prefill through the prefix cache; streamed, every chunk says its choice's index. Greedy choices are the greedy
+    output; sampled ones differ (a seeded run's exact tokens also depend on its drafting deadlines under load)."""
+    ask = dict(model=MODEL, prompt=PROMPTS[1] * 3, max_tokens=12, temperature=0,
+               extra_body={"proposer": "draft_model"})
+    client.completions.create(**{**ask, "prompt": PROMPTS[0]})  # the engine core exists from here on
+    verifier = server[0].backend.stack.shared_verifiers()[0].loop.verifier
+    hits = verifier.allocator.hits
+    many = client.completions.create(n=3, **ask)
+    assert verifier.allocator.hits > hits  # the later choices found the first's prompt blocks
+    text, ids, finish = reference(stack, PROMPTS[1] * 3, 12)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert all(c.text == text and c.finish_reason == finish for c in many.choices)
+    assert many.usage.prompt_tokens == len(stack.tokenizer.encode(PROMPTS[1] * 3))
+    assert many.usage.completion_tokens == 3 * len(ids)
+    assert len(many.model_extra["specmesh"]["choices"]) == 3
+    pieces = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **ask))
+    texts = ["", "", ""]
+    for piece in pieces:
+        for choice in piece.choices:
+            texts[choice.index] += choice.text
+    assert texts == [text] * 3
+    assert sorted(c.index for p in pieces for c in p.choices if c.finish_reason) == [0, 1, 2]
+    assert pieces[-1].usage.completion_tokens == 3 * len(ids)
+    plain = {**ask, "temperature": 1.0, "seed": 5, "extra_body": {"proposer": "none"}}  # a seed repeats
+    sampled = client.completions.create(n=4, **plain)
+    assert len({c.text for c in sampled.choices}) > 1
+    for i, choice in enumerate(sampled.choices):  # choice i is the request seeded with 5 + i
+        assert choice.text == client.completions.create(**{**plain, "seed": 5 + i}).choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6,
+                                          n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same twice
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                   max_tokens=6, n=2, temperature=0, stream=True))
+    for index in (0, 1):
+        assert "".join(c.delta.content or "" for p in streamed for c in p.choices if c.index == index) == \
+            chat.choices[0].message.content
+
+
+def test_best_of_returns_the_most_likely_candidates(client):
+    """best_of candidates ranked by the sum of their tokens' log-probabilities; the n best come back."""
+    ask = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=11,
+               extra_body={"proposer": "none"})  # plain decoding: a seed repeats whatever the load
+    candidates = client.completions.create(n=4, logprobs=0, **ask).choices
+    scores = sorted((sum(c.logprobs.token_logprobs), c.text) for c in candidates)
+    best = client.completions.create(n=2, best_of=4, **ask).choices
+    assert [c.text for c in best] == [t for _, t in scores[::-1][:2]]
+    assert all(c.logprobs is None for c in best)  # ranked by logprobs the client did not ask for
+
+
 def test_mjsd_is_asked_for_by_name_greedy_only_and_reported_lossy(stack, client, server):
     """The lossy proposer: its stats say so; with OpenAI's default temperature (1) it is a clear 400."""
     prompt = PROMPTS[0]
@@ -398,8 +450,10 @@ def test_bad_input_gets_openai_errors(server):
     assert_openai_error(*post(url, {**ok, "temperature": "hot"}), 400, "temperature")
     assert_openai_error(*post(url, {**ok, "prompt": {"text": "x"}}), 400)
     assert_openai_error(*post(url, {"model": MODEL}), 400, "prompt")
-    assert_openai_error(*post(url, {**ok, "n": 2}), 400, "n")
-    assert_openai_error(*post(url, {**ok, "best_of": 3}), 400, "best_of")
+    assert_openai_error(*post(url, {**ok, "n": 17}), 400, "n")
+    assert_openai_error(*post(url, {**ok, "n": 0}), 400, "n")
+    assert_openai_error(*post(url, {**ok, "n": 2, "best_of": 1}), 400, "best_of")
+    assert_openai_error(*post(url, {**ok, "best_of": 3, "stream": True}), 400, "best_of")
     assert_openai_error(*post(url, {**ok, "logprobs": 21}), 400, "logprobs")
     assert_openai_error(*post(url, {**ok, "presence_penalty": 2.5}), 400)
     assert_openai_error(*post(url, {**ok, "repetition_penalty": 0}), 400, "repetition_penalty")
