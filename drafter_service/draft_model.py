@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from drafter_service.grammar_proposer import allowed_after, synced_grammar
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
 from specmesh.contract import Budget, common_prefix_len
+from specmesh.grammar import GrammarState, GrammarTokenizer
 from specmesh.logits_process import processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.tree import TokenTree, ancestor_mask
@@ -86,6 +88,9 @@ class _Chain:
     dists: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     path_prob: float = 1.0
 
+    grammar: GrammarState | None = None  # structured output: the session's grammar, fed this chain's tokens
+    fed: int = 0  # drafted tokens the grammar consumed (rolled back when the chain is done)
+
     def pick(self, logits: torch.Tensor, min_confidence: float) -> bool:
         """Choose the next token from ``logits`` [vocab] (greedy: the draft's argmax; sampling: a draw from the
         warped q, whose sparse distribution ships with the tree); whether the chain goes on (another forward).
@@ -94,6 +99,11 @@ class _Chain:
         when the budget expires."""
         sp = self.state.sampling
         logits = self.state.processed(logits, self.tokens)  # penalties and logit_bias, as the verifier's
+        ended = False
+        if self.grammar is not None:  # structured output: only what the grammar allows, as the verifier masks
+            allowed = self.grammar.allowed()
+            if allowed.any():
+                logits = logits.masked_fill(~allowed, float("-inf"))
         if sp.greedy:
             x = int(logits.argmax())  # host sync
             self.probs.append(float(torch.softmax(logits.double(), -1)[x]))
@@ -104,13 +114,20 @@ class _Chain:
             self.dists.append((ids.numpy(), q[ids].numpy()))
             self.probs.append(float(q[x]))
         self.tokens.append(x)
+        if self.grammar is not None:
+            ended = x in self.grammar.eos or not self.grammar.matcher.consume_token(x)
+            self.fed += not ended
         self.path_prob *= self.probs[-1]
         length = min(self.budget.max_nodes, self.budget.max_depth)
-        return not (len(self.tokens) == length or self.probs[-1] < min_confidence
+        return not (ended or len(self.tokens) == length or self.probs[-1] < min_confidence
                     or self.path_prob < self.budget.min_path_prob or self.budget.expired())
 
     def tree(self, name: str) -> TokenTree:
-        """The drafted chain; when sampling, the sparse q of every node ships with it."""
+        """The drafted chain; when sampling, the sparse q of every node ships with it. The grammar, if any, is rolled
+        back to the session's output."""
+        if self.grammar is not None:
+            self.grammar.rollback(self.fed)
+            self.fed = 0
         tree = TokenTree.chain(self.tokens, self.probs, name)
         if not self.dists:
             return tree
@@ -140,6 +157,10 @@ class DraftModelProposer(Proposer):
     expand_width: int = 4  # frontier nodes expanded per level (tree)
     min_confidence: float = 0.0  # chain: stop drafting after a token the draft gives less than this probability
     name: str = "draft_model"
+    grammar_tokenizer: GrammarTokenizer | None = None  # structured output: drafts follow the request's grammar
+
+    def _grammar(self, state: DraftSessionState) -> GrammarState | None:
+        return synced_grammar(state, self.grammar_tokenizer, f"{self.name}.grammar")
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         if budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions:
@@ -173,7 +194,8 @@ class DraftModelProposer(Proposer):
                                                  logits), strict=True):
                 out[i] = tree
             return out
-        chains = [_Chain(states[i], budgets[i], caches[k]) for k, i in enumerate(live)]
+        chains = [_Chain(states[i], budgets[i], caches[k], grammar=self._grammar(states[i]))
+                  for k, i in enumerate(live)]
         drafting = list(range(len(chains)))  # chains still drafting; row r of logits is chains[drafting[r]]
         while drafting:
             extending = []
@@ -205,7 +227,7 @@ class DraftModelProposer(Proposer):
 
     # ----------------------------------------------------------------- chain
     def _chain(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
-        chain = _Chain(state, budget, dc)
+        chain = _Chain(state, budget, dc, grammar=self._grammar(state))
         while chain.pick(logits, self.min_confidence):
             x = chain.tokens[-1]
             logits = self.runner.forward(dc.cache, [x], [len(dc.cached)])[-1].cpu()  # host sync
@@ -214,7 +236,7 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------------ tree
     def _tree(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:
-        tree = _DynamicTree(state, budget, dc, self.branching, self.expand_width, logits)
+        tree = _DynamicTree(state, budget, dc, self.branching, self.expand_width, logits, self._grammar(state))
         while (feed := tree.next_level()) is not None:
             tokens, positions, attend = feed
             tree.absorb(self.runner.forward(dc.cache, tokens, positions, attend).cpu())
@@ -225,7 +247,7 @@ class DraftModelProposer(Proposer):
         """Dynamic trees for many sessions: one draft forward per level for every session still expanding, the
         same trees as ``_tree`` one by one (each session's level attends to its own committed prefix and fed
         ancestors: a tree mask per session)."""
-        trees = [_DynamicTree(state, budget, dc, self.branching, self.expand_width, logits[k])
+        trees = [_DynamicTree(state, budget, dc, self.branching, self.expand_width, logits[k], self._grammar(state))
                  for k, (state, budget, dc) in enumerate(zip(states, budgets, caches, strict=True))]
         while True:
             feeds = [(t, feed) for t in trees if (feed := t.next_level()) is not None]
@@ -250,8 +272,8 @@ class _DynamicTree:
     sync)."""
 
     def __init__(self, state: DraftSessionState, budget: Budget, dc: DraftCache, branching: int, expand_width: int,
-                 logits: torch.Tensor) -> None:
-        self.state, self.budget, self.dc = state, budget, dc
+                 logits: torch.Tensor, grammar: GrammarState | None = None) -> None:
+        self.state, self.budget, self.dc, self.grammar = state, budget, dc, grammar
         self.branching, self.expand_width = branching, expand_width
         self.base = len(dc.cached)  # committed length; drafted nodes go after it in the cache
         # candidate arrays, indexed by candidate id
@@ -263,7 +285,7 @@ class _DynamicTree:
         self.fed_offset: dict[int, int] = {}  # candidate id -> its offset after `base` in the draft cache
         self.fed_parent: list[int] = []  # per fed offset: offset of its parent (-1 = root)
         self.processes = processes_logits(state.sampling)
-        self.frontier = self._add_children(-1, _log_q(state.processed(logits), state), 0.0, 0)
+        self.frontier = self._add_children(-1, _log_q(self._masked(state.processed(logits), []), state), 0.0, 0)
         self.level = 1  # depth of the children the next expansion adds
         self.expanding: list[int] = []
 
@@ -296,9 +318,9 @@ class _DynamicTree:
 
     def absorb(self, step_logits: torch.Tensor) -> None:
         """The level's draft logits (a row per expanded node): their children become the frontier."""
-        if self.processes:  # penalties and logit_bias: each row in its own context (its path)
-            step_logits = torch.stack([self.state.processed(step_logits[row], self._path(c))
-                                       for row, c in enumerate(self.expanding)])
+        if self.processes or self.grammar is not None:  # penalties, logit_bias, grammar: each row in its context
+            step_logits = torch.stack([self._masked(self.state.processed(step_logits[row], self._path(c)),
+                                                    self._path(c)) for row, c in enumerate(self.expanding)])
         log_q = _log_q(step_logits, self.state)
         self.frontier = []
         for row, c in enumerate(self.expanding):
@@ -306,6 +328,13 @@ class _DynamicTree:
         if self.budget.min_path_prob > 0:  # SpecDec++ stop rule: paths too unlikely to be accepted whole
             self.frontier = [c for c in self.frontier if self.score[c] >= math.log(self.budget.min_path_prob)]
         self.level += 1
+
+    def _masked(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
+        """Logits [vocab] with what the grammar rules out after ``path`` at -inf (unchanged without a grammar)."""
+        if self.grammar is None:
+            return logits
+        allowed = allowed_after(self.grammar, path)
+        return logits.masked_fill(~allowed, float("-inf")) if allowed.any() else logits
 
     def _path(self, c: int) -> list[int]:
         """The drafted tokens from the root to candidate c."""
@@ -332,10 +361,11 @@ class _DynamicTree:
 def chain_proposer(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
     opts = proposer_options(given, ("min_confidence",), "draft_model")
     return DraftModelProposer(draft_runner, tree=False, min_confidence=float(opts.get("min_confidence", 0.0)),
-                              name="draft_model")
+                              name="draft_model", grammar_tokenizer=given.get("grammar_tokenizer"))
 
 
 def tree_proposer(draft_runner: ModelRunner, **given: object) -> DraftModelProposer:
     opts = proposer_options(given, ("branching", "expand_width"), "draft_model_tree")
     return DraftModelProposer(draft_runner, tree=True, branching=int(opts.get("branching", 4)),
-                              expand_width=int(opts.get("expand_width", 4)), name="draft_model_tree")
+                              expand_width=int(opts.get("expand_width", 4)), name="draft_model_tree",
+                              grammar_tokenizer=given.get("grammar_tokenizer"))

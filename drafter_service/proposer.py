@@ -175,6 +175,9 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
     ProposerSpec("falcon", "drafter_service.falcon:falcon_proposer", 16, 6, needs_target=True,
                  help="a Falcon semi-autoregressive head (head=DIR, `specmesh train-falcon`) on the target's features: "
                       "k tokens per forward, a custom decoding tree"),
+    ProposerSpec("grammar", "drafter_service.grammar_proposer:grammar_proposer", 16, 10,
+                 help="structured output: the tokens a request's grammar forces (jump-forward), then=NAME drafting "
+                      "on after them"),
     ProposerSpec("fused", "drafter_service.fusion:fused_proposer", 24, 12,
                  help="one tree merged from several proposers (--members), ranked by live acceptance"),
     ProposerSpec("mjsd", "drafter_service.mjsd:mjsd_proposer", 4, 4, needs_draft_model=True, acceptance="mjsd",
@@ -212,7 +215,7 @@ def proposer_spec(name: str) -> ProposerSpec:
 
 
 # what hosts (the embedded stack, the drafter server) offer every proposer factory
-RESOURCES = frozenset({"draft_runner", "target_runner", "store", "store_spec", "store_namespace"})
+RESOURCES = frozenset({"draft_runner", "target_runner", "store", "store_spec", "store_namespace", "grammar_tokenizer"})
 
 
 def proposer_options(given: dict[str, Any], allowed: tuple[str, ...], name: str) -> dict[str, Any]:

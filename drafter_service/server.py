@@ -427,7 +427,15 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
     options = {"fused": {"members": args.members} if args.members else {},
                "falcon": {"head": args.falcon} if args.falcon else {}}
     try:
-        resources = dict(draft_runner=draft_runner, target_runner=tables, store=_open_store(args, draft_dir))
+        grammar = None
+        model_dir = target_dir or draft_dir
+        if model_dir is not None and vocab:  # structured output's tokenizer: the models share it
+            from specmesh.grammar import GrammarTokenizer
+
+            eos = draft_runner.info.eos_token_ids if draft_runner is not None else ()  # else: the tokenizer's
+            grammar = GrammarTokenizer.for_model(model_dir, vocab, eos)
+        resources = dict(draft_runner=draft_runner, target_runner=tables, store=_open_store(args, draft_dir),
+                         grammar_tokenizer=grammar)
         proposers = {n: make_proposer(n, **resources, **options.get(n, {})) for n in names}
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None

@@ -31,6 +31,7 @@ from orchestrator.requests import CoreEngine, Method, RequestOutput
 from specmesh import models
 from specmesh.blocks import DEFAULT_BLOCK_SIZE
 from specmesh.contract import ModelInfo
+from specmesh.grammar import GrammarTokenizer
 from specmesh.host_runtime import freeze_heap
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_runner, load_tokenizer
@@ -57,6 +58,12 @@ class EmbeddedStack:
     prefix_caching: bool = True  # the shared verifiers share identical prompt prefixes' KV blocks
     _shared: dict = field(default_factory=dict)  # (feedback_topk, lookahead) -> EngineCore
     _shared_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @cached_property
+    def grammar_tokenizer(self) -> GrammarTokenizer | None:
+        """The target's tokenizer for structured output (its directory's tokenizer.json; None without one)."""
+        info = self.target_runner.info
+        return GrammarTokenizer.for_model(self.target_dir, info.vocab_size, info.eos_token_ids)
 
     @classmethod
     def load(
@@ -130,7 +137,8 @@ class EmbeddedStack:
         # one request at a time: a pool for two sessions at the full context, not the server's budget
         per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
         gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
-        verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb)
+        verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb,
+                                 grammar_tokenizer=self.grammar_tokenizer)
         return Engine(verifier, only(drafter, proposer or ""), policy_chosen, self.decode, overlap=overlap,
                       ahead_from=ahead_from, features=features)
 
@@ -142,7 +150,8 @@ class EmbeddedStack:
             if proposer_spec(proposer).needs_draft_model and self.draft_runner is None:
                 raise ValueError(f"proposer {proposer!r} needs a draft model (--draft DIR)")
             resources = dict(draft_runner=self.draft_runner, target_runner=self.target_runner,
-                             store_spec=self.store_spec, store_namespace=self.store_namespace)
+                             store_spec=self.store_spec, store_namespace=self.store_namespace,
+                             grammar_tokenizer=self.grammar_tokenizer)
             prop = make_proposer(proposer, **{**resources, **proposer_opts})
             drafter = LocalDrafter(prop)
             topk = prop.feedback_topk  # token recycling: the verifier reports its top-k rows
@@ -168,7 +177,7 @@ class EmbeddedStack:
         with self._shared_lock:  # the first requests may come at once (serve builds engines off its event loop)
             if key not in self._shared:
                 local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb,
-                                      prefix_caching=self.prefix_caching)
+                                      prefix_caching=self.prefix_caching, grammar_tokenizer=self.grammar_tokenizer)
                 self._shared[key] = EngineCore(local, self.decode, costs=local.profile_costs())
             return self._shared[key]
 

@@ -30,6 +30,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -123,6 +124,11 @@ class SpecmeshOptions(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, description="CTRL's: the logits of tokens in the prompt "
                                              "or output are divided by it where positive, multiplied where "
                                              "negative (1 = off)")
+    # vLLM's structured output fields (at most one, and not with a non-text response_format)
+    guided_json: dict[str, Any] | str | None = Field(None, description="the output follows this JSON Schema")
+    guided_regex: str | None = Field(None, description="the output matches this regular expression")
+    guided_grammar: str | None = Field(None, description="the output follows this Lark grammar")
+    guided_choice: list[str] | None = Field(None, description="the output is one of these strings")
 
 
 class StreamOptions(BaseModel):
@@ -144,6 +150,7 @@ class _Common(SpecmeshOptions):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # text | json_object | json_schema (structured output)
 
 
 class CompletionRequest(_Common):
@@ -169,7 +176,6 @@ class ChatRequest(_Common):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -208,8 +214,6 @@ def _refuse_unsupported(body: _Common) -> None:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.tools:
             raise ApiError(400, "tools are not supported", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -265,9 +269,44 @@ def _logit_bias(body: _Common) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(bias))
 
 
+def _grammar(body: _Common) -> tuple[str, str] | None:
+    """The structured output a request asks for (``response_format`` or one of vLLM's ``guided_*``), as
+    SamplingParams.grammar takes it; a 400 for a malformed or double one."""
+    asked = []
+    fmt = body.response_format or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        asked.append(("json_object", ""))
+    elif kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema, a JSON Schema object",
+                           param="response_format")
+        asked.append(("json_schema", json.dumps(schema)))
+    elif kind != "text":
+        raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                       param="response_format")
+    if body.guided_json is not None:
+        spec = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        asked.append(("json_schema", spec))
+    if body.guided_regex is not None:
+        asked.append(("regex", body.guided_regex))
+    if body.guided_grammar is not None:
+        asked.append(("lark", body.guided_grammar))
+    if body.guided_choice is not None:
+        if not body.guided_choice:
+            raise ApiError(400, "guided_choice needs at least one choice", param="guided_choice")
+        asked.append(("regex", "|".join(f"({re.escape(c)})" for c in body.guided_choice)))
+    if len(asked) > 1:
+        raise ApiError(400, "ask for one structured output: response_format or one guided_* field",
+                       param="response_format")
+    return asked[0] if asked else None
+
+
 def _sampling(body: _Common, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = _logit_bias(body)
+    grammar = _grammar(body)
     try:
         return SamplingParams(
             temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -276,7 +315,7 @@ def _sampling(body: _Common, max_tokens: int, logprobs: int | None = None) -> Sa
             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty, logit_bias=bias,
-            logprobs=logprobs,
+            logprobs=logprobs, grammar=grammar,
             **({} if body.mjsd_threshold is None else {"mjsd_threshold": body.mjsd_threshold}))
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

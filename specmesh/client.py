@@ -15,6 +15,7 @@ request on the server, which frees its KV cache and drafter session.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,10 @@ def _request(
     repetition_penalty: float = 1.0,
     logit_bias: dict[int, float] | None = None,
     logprobs: int | None = None,
+    json_schema: dict | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    lark: str | None = None,
     proposer: str | None = None,
     max_nodes: int | None = None,
     max_depth: int | None = None,
@@ -102,6 +107,13 @@ def _request(
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+    grammars = [(kind, spec) for kind, spec in (
+        ("json_schema", json_schema if json_schema is None or isinstance(json_schema, str) else json.dumps(json_schema)),
+        ("json_object", "" if json_object else None), ("regex", regex), ("lark", lark)) if spec is not None]
+    if len(grammars) > 1:
+        raise ValueError("ask for one structured output: json_schema, json_object, regex or lark")
+    if grammars:
+        sampling.grammar_kind, sampling.grammar = grammars[0]
     request = generate_pb2.GenerateRequest(sampling=sampling)
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -202,7 +214,8 @@ class Client(_Base):
         stop_token_ids, ignore_eos, include_stop_str_in_output (a matched stop string ends the text instead of being
         cut), presence_penalty, frequency_penalty (OpenAI's), repetition_penalty (CTRL's), logit_bias ({token id:
         value}), logprobs (k: each token's log-probability and its k most likely alternatives, in the result's and
-        each chunk's ``logprobs``), proposer ("none" = plain decoding; "mjsd" = LOSSY, greedy only), max_nodes,
+        each chunk's ``logprobs``), structured output (one of json_schema (a dict or its JSON text), json_object=True,
+        regex, lark (a Lark grammar): the output is the target's own under the grammar's mask), proposer ("none" = plain decoding; "mjsd" = LOSSY, greedy only), max_nodes,
         max_depth, overlap (PEARL on/off), policy ("static" | "adaptive"), restart_depth and mjsd_threshold
         (proposer mjsd only); unset = the server's defaults. ``stats["lossy"]``: whether the output may differ
         from the target's own decoding."""

@@ -18,6 +18,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")  # structured output (specmesh/grammar.py)
+MAX_GRAMMAR_CHARS = 1 << 16  # a grammar's spec at most (a JSON Schema, a regex, a Lark grammar)
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's chat cap; vLLM's default max_logprobs)
 
 ACCEPTANCES = ("exact", "mjsd")  # exact: lossless; mjsd: lossy joint-likelihood acceptance (opt-in)
@@ -46,6 +48,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value in [-100, 100]) added to its logit
     # report each token's log-probability and the top ``logprobs`` alternatives (0: the token's only); None = off
     logprobs: int | None = None
+    # structured output: (kind, spec), kind one of GRAMMAR_KINDS (spec: the JSON Schema as JSON text, the regex, the
+    # Lark grammar; "" for json_object); the output is the target's own under the grammar's token mask
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):  # NaN fails the comparison too
@@ -73,6 +78,12 @@ class SamplingParams:
             raise ValueError("logit_bias names a token id twice")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.grammar is not None:
+            kind, spec = self.grammar
+            if kind not in GRAMMAR_KINDS:
+                raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}")
+            if (not spec and kind != "json_object") or len(spec) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"a {kind} grammar needs a spec of 1 to {MAX_GRAMMAR_CHARS} characters")
         if self.acceptance not in ACCEPTANCES:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {self.acceptance!r}")
         if not 0.0 < self.mjsd_threshold < float("inf"):

@@ -161,6 +161,29 @@ class TokenTree:
             tuple(self.sources[i] for i in keep) if self.sources else (), q_cu, q_ids, q_probs,
         )
 
+    def select(self, keep: np.ndarray) -> TokenTree:
+        """The nodes where ``keep`` [num_nodes] bool is set, as a tree: every kept node's parent must be kept (or be
+        the root). Node order, draft probabilities, sources and draft distributions are kept."""
+        nodes = np.flatnonzero(keep)
+        if nodes.size == self.num_nodes:
+            return self
+        new_index = np.full(self.num_nodes, -1, np.int64)
+        new_index[nodes] = np.arange(nodes.size)
+        parents = self.parents[nodes]
+        parents = np.where(parents < 0, -1, new_index[np.maximum(parents, 0)])
+        if (parents[self.parents[nodes] >= 0] < 0).any():
+            raise ValueError("select: a kept node's parent is dropped")
+        q_cu = q_ids = q_probs = None
+        if self.q_cu is not None:
+            spans = [np.arange(self.q_cu[i], self.q_cu[i + 1]) for i in nodes]
+            picked = np.concatenate(spans) if spans else np.zeros(0, np.int64)
+            q_cu = np.concatenate([[0], np.cumsum([len(x) for x in spans])]).astype(np.int64)
+            q_ids, q_probs = self.q_ids[picked], self.q_probs[picked]
+        return TokenTree(
+            self.tokens[nodes], parents.astype(np.int64), self.draft_probs[nodes],
+            tuple(self.sources[i] for i in nodes) if self.sources else (), q_cu, q_ids, q_probs,
+        )
+
     def head(self, num_nodes: int) -> TokenTree:
         """The first ``num_nodes`` nodes: still a tree, since every parent comes before its children."""
         if num_nodes >= self.num_nodes:

@@ -87,6 +87,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.grammar is not None:
+        msg.grammar_kind, msg.grammar = params.grammar
     return msg
 
 
@@ -110,6 +112,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_new_tokens: 
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        grammar=(msg.grammar_kind, msg.grammar) if msg.grammar_kind else None,
     )
 
 

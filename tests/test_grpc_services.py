@@ -8,6 +8,7 @@ models (float64) in this process.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -155,6 +156,24 @@ def test_logprobs_travel_from_the_verifier_replica_to_the_sdk(client, demo_stack
     chunks = list(client.stream(PROMPTS[0], max_new_tokens=MAX_NEW, proposer="draft_model", logprobs=2))
     assert [t for c in chunks if c.logprobs for t in c.logprobs.token_ids] == remote.token_ids
     assert client.generate(PROMPTS[0], max_new_tokens=4).logprobs is None
+
+
+def test_structured_output_through_the_replicas(client, demo_stack):
+    """The SDK's json_schema reaches the verifier replica (it masks with the target's tokenizer) and the drafter
+    replica (the grammar proposer drafts the forced tokens); the output is the embedded stack's."""
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["id", "ok"], "additionalProperties": False}
+    remote = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, json_schema=schema)
+    local = embedded_ids(demo_stack, None, PROMPTS[0],
+                         SamplingParams(max_new_tokens=MAX_NEW, grammar=("json_schema", json.dumps(schema))))
+    assert remote.token_ids == local and remote.text.startswith('{"id": ')
+    if remote.finish_reason == "stop":
+        assert set(json.loads(remote.text)) == {"id", "ok"}
+    with pytest.raises(ValueError):
+        client.generate(PROMPTS[0], regex="a", lark="start: \"a\"")
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(PROMPTS[0], max_new_tokens=4, regex="(unclosed")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_async_client_streams_the_same_tokens(mesh, ar):

@@ -13,6 +13,7 @@ import dataclasses
 import http.client
 import json
 import logging
+import re
 import socket
 import subprocess
 import threading
@@ -276,6 +277,46 @@ def test_best_of_returns_the_most_likely_candidates(client):
     best = client.completions.create(n=2, best_of=4, **ask).choices
     assert [c.text for c in best] == [t for _, t in scores[::-1][:2]]
     assert all(c.logprobs is None for c in best)  # ranked by logprobs the client did not ask for
+
+
+def test_structured_output_response_format_and_guided_fields(stack, client):
+    """response_format json_schema / json_object and vLLM's guided_* fields: the output follows the grammar, the
+    same with and without speculation; malformed or doubled requests are a 400."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}}
+    messages = [{"role": "user", "content": "a record"}]
+    texts = set()
+    for proposer in ("none", "grammar", "draft_model", "fused"):
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                              response_format=fmt, extra_body={"proposer": proposer})
+        if chat.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+        texts.add(chat.choices[0].message.content)
+        assert chat.choices[0].message.content.startswith('{"name": "')
+    assert len(texts) == 1  # greedy: the constrained output, whatever drafts
+    obj = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert obj.choices[0].text.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].text), dict)
+    choice = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, seed=1,
+                                       extra_body={"guided_choice": ["alpha", "beta gamma"]})
+    assert choice.choices[0].text in ("alpha", "beta gamma") and choice.choices[0].finish_reason == "stop"
+    regex = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                      extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                   response_format=fmt, stream=True))
+    assert "".join(c.delta.content or "" for p in streamed for c in p.choices) == texts.pop()
+    url = client.base_url.join("completions")
+    ok = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+    assert_openai_error(*post(str(url), {**ok, "response_format": {"type": "xml"}}), 400, "response_format")
+    assert_openai_error(*post(str(url), {**ok, "response_format": {"type": "json_schema"}}), 400, "response_format")
+    assert_openai_error(*post(str(url), {**ok, "guided_regex": "(unclosed"}), 400)
+    assert_openai_error(*post(str(url), {**ok, "guided_regex": "a", "guided_choice": ["b"]}), 400)
 
 
 def test_mjsd_is_asked_for_by_name_greedy_only_and_reported_lossy(stack, client, server):

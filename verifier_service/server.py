@@ -345,9 +345,13 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
     from verifier_service.verifier import LocalVerifier
 
     try:
+        from specmesh.grammar import GrammarTokenizer
+
+        grammar = GrammarTokenizer.for_model(path, runner.info.vocab_size, runner.info.eos_token_ids)
         local = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead, args.kv_cache_gb,
                               args.block_size, args.prefill_chunk, prefix_caching=args.prefix_caching,
-                              kv_cache_memory=args.kv_cache_memory, profile_rows=args.max_batch_tokens)
+                              kv_cache_memory=args.kv_cache_memory, profile_rows=args.max_batch_tokens,
+                              grammar_tokenizer=grammar)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
     costs = None

@@ -30,6 +30,7 @@ request that fits it can always finish. ``prefill`` / ``verify`` are the one-ses
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from specmesh.contract import (
     VerifyResult,
 )
 from specmesh.feedback import TargetFeatures, VerifyFeedback
+from specmesh.grammar import GrammarState, GrammarTokenizer, prunable, tree_masks
 from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.logits_process import ContextCounts, processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
@@ -169,6 +171,9 @@ def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
     return np.repeat(firsts - (cu - lengths), lengths) + np.arange(cu[-1])
 
 
+log = logging.getLogger(__name__)
+
+
 def token_logprobs(items: Sequence[tuple[_Session, TokenTree, int]], acceptances: Sequence[Acceptance],
                    logits: torch.Tensor) -> list[TokenLogprobs | None]:
     """The log-probabilities of each committed token (accepted path + bonus) of the sessions that ask
@@ -235,6 +240,10 @@ class _Session:
     # the request's logit processors read these (None without processors): prompt and output tokens, on the device
     context: ContextCounts | None = None
     first_logprobs: TokenLogprobs | None = None  # the first token's (the request asked), until the prefill's result
+    # structured output: the grammar after the committed tokens, and the step's masks of its rows ([rows, vocab]
+    # bool, on the host; set by _verify_row or for a finishing prefill, read once by step)
+    grammar: GrammarState | None = None
+    row_masks: torch.Tensor | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -257,6 +266,7 @@ class _Row:
     # verify: logits rows the step needs, [pending, tree nodes..., the window's top level]: a lower level's
     # prediction is never used (its successor in the column is already fed), so its LM head is skipped
     num_out: int = 0
+    kept: np.ndarray | None = None  # verify under a grammar: the sent tree's nodes kept (pruned ones dropped)
 
     def __post_init__(self) -> None:
         if self.tree is not None:
@@ -280,6 +290,7 @@ class LocalVerifier:
         prefix_caching: bool = True,
         kv_cache_memory: float | None = None,
         profile_rows: int = DEFAULT_MAX_BATCH_TOKENS,
+        grammar_tokenizer: GrammarTokenizer | None = None,
     ) -> None:
         """``features``: report the target's final-layer features of the prompt (``PrefillResult.features``) and
         of every verification's pending + accepted rows (``VerifyResult.features``) for every session, as if each
@@ -289,7 +300,9 @@ class LocalVerifier:
         prompt: a Falcon head needs every position's). ``kv_cache_memory``: on CUDA without ``kv_cache_gb``, the
         share of the device's memory the process may use with the pool, after a forward of ``profile_rows`` rows
         (the scheduler's ``max_batch_tokens``) is profiled (``kv_pool_blocks``); None: the fixed default budget (the
-        embedded stack, whose pools, one per verifier configuration, must not each take the device)."""
+        embedded stack, whose pools, one per verifier configuration, must not each take the device).
+        ``grammar_tokenizer``: the target's tokenizer for structured output (``SamplingParams.grammar``; without
+        one such requests are refused)."""
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
         if prefill_chunk < 1:
@@ -298,6 +311,7 @@ class LocalVerifier:
         self.info = runner.info
         self.max_tree_nodes = max_tree_nodes
         self.feedback_topk = min(feedback_topk, runner.info.vocab_size)
+        self.grammar_tokenizer = grammar_tokenizer
         self.lookahead = lookahead
         self.prefill_chunk = prefill_chunk
         self.features = features
@@ -361,11 +375,14 @@ class LocalVerifier:
             else:
                 generator.seed()  # fresh entropy, without touching torch's global RNG
         reused = cache.length  # prompt positions found in the prefix cache
-        context = None
+        context = grammar = None
         if processes_logits(sampling):
             context = ContextCounts(sampling, prompt, self.info.vocab_size, self.runner.device)
+        if sampling.grammar is not None:
+            grammar = self.grammar_tokenizer.state(*sampling.grammar)
         self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt, reused,
-                                              reused // self.allocator.block_size, features=features, context=context)
+                                              reused // self.allocator.block_size, features=features, context=context,
+                                              grammar=grammar)
 
     def preempt(self, session_id: str) -> int:
         """Give back every KV block of a session (prefilling or decoding); returns how many. It keeps its tokens,
@@ -420,6 +437,11 @@ class LocalVerifier:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if sampling.grammar is not None:
+            if self.grammar_tokenizer is None:
+                raise ValueError("structured output needs the target's tokenizer (tokenizer.json in its directory); "
+                                 "this verifier has none")
+            self.grammar_tokenizer.check(*sampling.grammar)  # GrammarError (a ValueError) when it does not compile
         if len(prompt) + sampling.max_new_tokens > self.info.max_positions:
             why = ""
             if self.info.max_positions < self.model_positions:
@@ -529,6 +551,8 @@ class LocalVerifier:
                 row.session.prompt_features.append(features[span_start[id(row)] :][: row.num_new])
             row.session.prefilled += row.num_new
             if first_prefill and not row.session.prefilling:
+                if row.session.grammar is not None:
+                    row.session.row_masks = row.session.grammar.allowed()[None]
                 accepting.append((row.session, TokenTree.empty(), offset))
                 finishing.append(session_id)
                 offset += 1
@@ -536,10 +560,13 @@ class LocalVerifier:
             accepting.append((row.session, row.tree, offset))
             offset += row.num_out
         for session, tree, first in accepting:  # logit processors: each row sees its own context (the tree's path)
+            n = 1 + tree.num_nodes
             if session.context is not None:
-                n = 1 + tree.num_nodes
                 logits[first : first + n] = session.context.apply(
                     logits[first : first + n], tree.tokens, tree.ancestor_mask if tree.num_nodes else None)
+            if session.row_masks is not None:  # structured output: what the grammar allows after each row
+                masks, session.row_masks = self._usable(session.row_masks), None
+                logits[first : first + n].masked_fill_(~masks.to(logits.device), float("-inf"))
         argmax = logits.argmax(dim=-1).cpu().numpy()  # one host copy for every greedy decision and window
         topk = None
         if self.feedback_topk and verify_rows:
@@ -701,6 +728,18 @@ class LocalVerifier:
         if session.prefilling:
             raise ValueError("the session's prefill has not finished")
         tree.validate(self.info.vocab_size, max_nodes=self.max_tree_nodes)
+        kept = masks = None
+        if session.grammar is not None:  # the grammar's mask at every row; nodes it rules out pruned where exact
+            valid, masks = tree_masks(session.grammar, tree)
+            if not valid.all() and prunable(tree, session.sampling.greedy):
+                kept = np.flatnonzero(valid)
+                tree = tree.select(valid)
+                masks = masks[np.concatenate([[0], 1 + kept])]
+        row = self._tree_row(session, tree, start)
+        row.kept, session.row_masks = kept, masks
+        return row
+
+    def _tree_row(self, session: _Session, tree: TokenTree, start: int) -> _Row:
         prefix_len = session.cache.length
         if prefix_len + 1 + tree.max_depth + 1 > self.info.max_positions:
             raise InvalidTreeError("tree would run past the target's context length")
@@ -766,16 +805,41 @@ class LocalVerifier:
         session.pending = acceptance.bonus_token
         if session.context is not None:
             session.context.add_output(tokens)
-        return VerifyResult(acceptance.accepted_nodes, tuple(tokens), elapsed, feedback, batch_sessions,
-                            logprobs=logprobs)
+        if session.grammar is not None:
+            self._advance_grammar(session, tokens)
+        accepted = acceptance.accepted_nodes
+        if row.kept is not None:  # node indices of the tree as sent, before pruning
+            accepted = tuple(int(row.kept[i]) for i in accepted)
+        return VerifyResult(accepted, tuple(tokens), elapsed, feedback, batch_sessions, logprobs=logprobs)
 
     def _start_decoding(self, session: _Session, first: int) -> None:
         session.pending = first
         if session.context is not None:
             session.context.add_output([first])
+        if session.grammar is not None:
+            self._advance_grammar(session, [first])
         if self.lookahead is not None:
             note_successors(session.successors, session.tokens + [first])
             session.window = initial_window(first, self.lookahead, session.successors)
+
+    def _usable(self, masks: torch.Tensor) -> torch.Tensor:
+        """A step's grammar masks with every empty row (a grammar complete or failed on a tokenizer that names no
+        end of sequence) opened to the model's end-of-sequence tokens, or to everything when it has none."""
+        empty = ~masks.any(dim=1)
+        if empty.any():
+            masks = masks.clone()
+            eos = [t for t in self.info.eos_token_ids if 0 <= t < self.info.vocab_size]
+            if eos:
+                masks[empty.nonzero()[:, 0][:, None], torch.tensor(eos)[None]] = True
+            else:
+                masks[empty] = True
+        return masks
+
+    @staticmethod
+    def _advance_grammar(session: _Session, tokens: Sequence[int]) -> None:
+        if not session.grammar.consume(tokens):
+            log.warning("a committed token broke its session's grammar (%s); the rest of it is unconstrained",
+                        session.grammar.failed)
 
     @property
     def _levels(self) -> int:
