@@ -6,6 +6,10 @@ compare the step's host work between two checkouts (run it from each, one after 
 
     python benchmarks/verifier_step.py                     # ~/.cache/specmesh-bench/tiny-llama-1x128
     python benchmarks/verifier_step.py --no-prefix-caching
+    python benchmarks/verifier_step.py --options penalties   # the request options' host cost (issue 36)
+
+``--options``: what every session asks beside greedy decoding: ``penalties`` (presence 0.5, frequency 0.5,
+repetition 1.1, a logit_bias of 4 tokens), ``logprobs`` (5 alternatives), ``all`` (both).
 
 The model directory is the one ``benchmarks/engine_overhead.py`` builds (1 layer, 128 wide, random weights).
 """
@@ -27,9 +31,18 @@ from verifier_service.verifier import LocalVerifier
 DEFAULT_MODEL = Path.home() / ".cache" / "specmesh-bench" / "tiny-llama-1x128"
 
 
-def median_step_ms(runner, sessions: int, nodes: int, steps: int, prefix_caching: bool) -> float:
+OPTIONS = {
+    "none": {},
+    "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                      logit_bias=((3, 1.0), (4, -1.0), (5, 2.0), (6, -2.0))),
+    "logprobs": dict(logprobs=5),
+}
+OPTIONS["all"] = {**OPTIONS["penalties"], **OPTIONS["logprobs"]}
+
+
+def median_step_ms(runner, sessions: int, nodes: int, steps: int, prefix_caching: bool, options: str = "none") -> float:
     verifier = LocalVerifier(runner, max_tree_nodes=64, prefix_caching=prefix_caching)
-    sampling = SamplingParams(max_new_tokens=1000, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=1000, ignore_eos=True, **OPTIONS[options])
     ids = [f"s{i}" for i in range(sessions)]
     for i, sid in enumerate(ids):
         verifier.admit(sid, [5 + (i + j) % 97 for j in range(32)], sampling)
@@ -50,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"the tiny model (default: {DEFAULT_MODEL}; engine_overhead.py builds it)")
     parser.add_argument("--steps", type=int, default=150, help="steps timed per case (default: 150)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    parser.add_argument("--options", choices=sorted(OPTIONS), default="none",
+                        help="request options every session asks (default: none)")
     args = parser.parse_args(argv)
     if not (args.model_dir / "config.json").exists():
         raise SystemExit(f"no model in {args.model_dir}: run benchmarks/engine_overhead.py once to build it")
@@ -57,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     runner = models.load_runner(args.model_dir, torch.float32, "fast", "cpu")
     for label, sessions, nodes in (("plain, 1 session", 1, 0), ("plain, 16", 16, 0), ("plain, 64", 64, 0),
                                    ("16-node chain, 1", 1, 16), ("16-node chain, 16", 16, 16)):
-        best = min(median_step_ms(runner, sessions, nodes, args.steps, args.prefix_caching) for _ in range(3))
+        best = min(median_step_ms(runner, sessions, nodes, args.steps, args.prefix_caching, args.options)
+                   for _ in range(3))
         print(f"{label}: {best:.3f} ms")
 
 

@@ -43,6 +43,37 @@ def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
                    help="add VALUE (in [-100, 100]) to token ID's logit (repeatable)")
 
 
+def add_grammar_arguments(p: argparse.ArgumentParser) -> None:
+    """Structured output (specmesh/grammar.py): at most one of them; ``grammar_option`` reads it."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE|JSON", default=None,
+                       help="the output follows this JSON Schema (a file, or the schema itself)")
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", default=None, help="the output matches this regular expression")
+    group.add_argument("--grammar", metavar="FILE|LARK", default=None,
+                       help="the output follows this Lark grammar (a file, or the grammar itself)")
+
+
+def grammar_option(args: argparse.Namespace) -> tuple[str, str] | None:
+    """SamplingParams.grammar of ``add_grammar_arguments``' options; ValueError for an unreadable file."""
+    def text(value: str) -> str:
+        path = Path(value)
+        try:
+            return path.read_text() if len(value) < 4096 and path.is_file() else value
+        except OSError as exc:
+            raise ValueError(f"cannot read {value}: {exc}") from None
+
+    if args.json_schema is not None:
+        return "json_schema", text(args.json_schema)
+    if args.json_object:
+        return "json_object", ""
+    if args.regex is not None:
+        return "regex", args.regex
+    if args.grammar is not None:
+        return "lark", text(args.grammar)
+    return None
+
+
 def penalty_options(args: argparse.Namespace) -> dict:
     """SamplingParams fields of ``add_penalty_arguments``' options; ValueError for a malformed --logit-bias."""
     bias = []

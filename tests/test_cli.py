@@ -133,6 +133,25 @@ def test_mjsd_runs_on_the_demo_pair_and_says_it_is_lossy():
     assert doc["stats"]["lossy"] is True and doc["stats"]["acceptance"] == "mjsd"
 
 
+def test_generate_takes_the_request_options(mesh, tmp_path):
+    """Structured output and penalties from the command line, embedded and through --server: the same tokens."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                                  "additionalProperties": False}))
+    docs = []
+    for extra in ([], ["--server", mesh["serve"].address]):
+        out = subprocess.run([sys.executable, "-m", "specmesh", "generate", "def f(x):", "--json-schema", str(schema),
+                              "--presence-penalty", "0.5", "--logit-bias", "7=-5", "--max-new-tokens", "16", "--json",
+                              "--dtype", "float64", "--threads", "1", *extra], capture_output=True, text=True,
+                             cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        docs.append(json.loads(out.stdout))
+    assert docs[0]["token_ids"] == docs[1]["token_ids"] and docs[0]["text"].startswith('{"n": ')
+    out = subprocess.run([sys.executable, "-m", "specmesh", "generate", "x", "--regex", "a", "--json-object"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "not allowed with" in out.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,6 +35,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, proposer_names
     from orchestrator.arguments import (
         add_embedded_arguments,
+        add_grammar_arguments,
         add_penalty_arguments,
         add_speculation_arguments,
     )
@@ -67,6 +68,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                         "likelihood ratio p/q under target and draft is at least T (default: "
                         f"{DEFAULT_MJSD_THRESHOLD}, chosen by measurement)")
     add_penalty_arguments(p)
+    add_grammar_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--compare-ar", action="store_true",
@@ -112,7 +114,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from drafter_service.proposer import DEFAULT_PROPOSER
-    from orchestrator.arguments import penalty_options
+    from orchestrator.arguments import grammar_option, penalty_options
     from specmesh.sampling import SamplingParams
 
     prompt = read_prompt(args)
@@ -120,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-            **penalty_options(args),
+            grammar=grammar_option(args), **penalty_options(args),
         )
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
@@ -324,7 +326,12 @@ def _remote_runs(args: argparse.Namespace, prompt: str, sampling, proposer: str)
     params = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                   top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos,
                   overlap=args.overlap, policy=args.policy, restart_depth=args.restart_depth,
-                  max_nodes=args.max_nodes, max_depth=args.max_depth)  # unset: the proposer's default budget
+                  max_nodes=args.max_nodes, max_depth=args.max_depth,  # unset: the proposer's default budget
+                  presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                  repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias))
+    if sampling.grammar is not None:  # the SDK's structured output options
+        kind, spec = sampling.grammar
+        params[kind] = True if kind == "json_object" else spec  # the SDK's keywords are the kinds' names
     from orchestrator.acceptance import acceptance_of
     try:
         client = Client(args.server, token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
