@@ -105,7 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", type=Path, default=None, help="write the records and the table here")
+    parser.add_argument("--export", type=Path, default=None, metavar="FILE.jsonl",
+                        help="write the prompts (messages and schema per line) for benchmarks/vllm_structured.py and "
+                             "stop")
     args = parser.parse_args(argv)
+    if args.export is not None:
+        with args.export.open("w") as f:
+            for entity, schema, message in prompts(args.limit):
+                f.write(json.dumps({"entity": entity, "schema": schema,
+                                    "messages": [{"role": "user", "content": message}]}) + "\n")
+        return
     import jsonschema
     from tqdm import tqdm
 
