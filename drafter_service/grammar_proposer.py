@@ -5,7 +5,7 @@ The forced tokens come first, as a chain of point masses; with ``then=NAME`` ano
 end of that chain (its context extended by the forced tokens), so a JSON record's fixed parts and its values are
 drafted in one tree. Every token is verified like any other draft, so the output stays exactly the target's
 constrained output; a forced token is always accepted when the verifier applies the same grammar. Requests
-without a grammar get the ``then`` proposer's tree alone (or nothing).
+without a grammar get the ``then`` proposer's tree alone (``copy`` by default; ``then=none``: nothing).
 """
 
 from __future__ import annotations
@@ -135,12 +135,13 @@ def graft(stem: TokenTree, rest: TokenTree | None) -> TokenTree:
                      np.concatenate([stem.draft_probs, rest.draft_probs]), sources, q_cu, q_ids, q_probs)
 
 
-def grammar_proposer(grammar_tokenizer: GrammarTokenizer | None = None, then: str | None = None,
+DEFAULT_THEN = "copy"  # model-free, and it copies the values a record repeats from the prompt
+
+
+def grammar_proposer(grammar_tokenizer: GrammarTokenizer | None = None, then: str = DEFAULT_THEN,
                      **resources) -> GrammarProposer:
-    """``then``: the proposer that drafts on after the forced tokens (any registered name; none by default)."""
-    options = proposer_options(resources, (), "grammar")
-    del options
-    inner = None
-    if then:
-        inner = make_proposer(then, grammar_tokenizer=grammar_tokenizer, **resources)
+    """``then``: the proposer that drafts on after the forced tokens (any registered name, or ``none`` for the forced
+    tokens alone; default copy)."""
+    proposer_options(resources, (), "grammar")  # no options of its own beside ``then``
+    inner = None if then in ("none", "") else make_proposer(then, grammar_tokenizer=grammar_tokenizer, **resources)
     return GrammarProposer(grammar_tokenizer, inner)

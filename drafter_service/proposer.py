@@ -177,7 +177,7 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
                       "k tokens per forward, a custom decoding tree"),
     ProposerSpec("grammar", "drafter_service.grammar_proposer:grammar_proposer", 16, 10,
                  help="structured output: the tokens a request's grammar forces (jump-forward), then=NAME drafting "
-                      "on after them"),
+                      "on after them (default copy; then=none: the forced tokens alone)"),
     ProposerSpec("fused", "drafter_service.fusion:fused_proposer", 24, 12,
                  help="one tree merged from several proposers (--members), ranked by live acceptance"),
     ProposerSpec("mjsd", "drafter_service.mjsd:mjsd_proposer", 4, 4, needs_draft_model=True, acceptance="mjsd",

@@ -180,7 +180,7 @@ def test_speculative_constrained_greedy_equals_plain(demo_stack, references, pro
 
 def test_the_grammar_drafts_what_it_forces(demo_stack):
     """JSON keys and their separators are forced: the grammar proposer's drafts are accepted whole."""
-    engine = demo_stack.engine("grammar", overlap=False)
+    engine = demo_stack.engine("grammar", overlap=False, then="none")
     res = engine.generate(demo_stack.tokenizer.encode(PROMPTS[0]),
                           SamplingParams(max_new_tokens=48, grammar=GRAMMARS["json_schema"]))
     drafted = [s for s in res.stats.steps if s.num_proposed]
