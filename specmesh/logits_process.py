@@ -32,26 +32,53 @@ def processes_logits(sampling: SamplingParams) -> bool:
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingParams, in_context: torch.Tensor | None,
-                   counts: torch.Tensor | None, extra: torch.Tensor | None = None) -> torch.Tensor:
+                   counts: torch.Tensor | None,
+                   extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The processed logits (a new tensor; ``logits`` is not changed).
 
     logits: [R, vocab]; in_context: [vocab] bool, the tokens in the prompt or output (read when the repetition
     penalty is on); counts: [vocab] float, how often each token occurs in the output (read by the frequency and
-    presence penalties); extra: [R, vocab] float or None, row r's tokens beyond them (a tree row's path), counted
-    in both. Tensors on the logits' device.
+    presence penalties); extra: (rows [E], tokens [E], occurrences [E]) or None: row r's tokens beyond them (a tree
+    row's path), each (row, token) pair once with how often the token occurs there. Every row is processed with
+    the shared context in a few broadcast passes; the E entries a path changes are then computed again with their
+    own counts (a tree of N nodes and depth D changes at most N·D entries). Tensors on the logits' device.
     """
     x = logits.clone()
+    bias = None
     if sampling.logit_bias:
         ids = torch.tensor([t for t, _ in sampling.logit_bias], device=x.device)
         values = torch.tensor([v for _, v in sampling.logit_bias], dtype=x.dtype, device=x.device)
         x[:, ids] += values
+        bias = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device).index_copy_(0, ids, values)
+    # the penalties touch only the columns of tokens seen in the context (a few hundred of a large vocabulary)
+    touched = []
     if sampling.repetition_penalty != 1.0:
-        seen = in_context.expand_as(x) if extra is None else in_context | (extra > 0)
+        touched.append(in_context)
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        touched.append(counts > 0)
+    if touched:
+        cols = (touched[0] if len(touched) == 1 else touched[0] | touched[1]).nonzero()[:, 0]
+        if cols.numel():
+            x[:, cols] = _penalized(x[:, cols], sampling, None if in_context is None else in_context[cols],
+                                    None if counts is None else counts[cols])
+    if extra is not None and len(extra[0]):
+        rows, tokens, occurrences = extra
+        raw = logits[rows, tokens] if bias is None else logits[rows, tokens] + bias[tokens]
+        seen = torch.ones_like(raw, dtype=torch.bool)
+        x[rows, tokens] = _penalized(raw, sampling, seen, counts[tokens] + occurrences if counts is not None else None)
+    return x
+
+
+def _penalized(x: torch.Tensor, sampling: SamplingParams, seen: torch.Tensor | None,
+               counts: torch.Tensor | None) -> torch.Tensor:
+    """The repetition, frequency and presence penalties of ``x`` [..., n] given which of the n tokens were seen and
+    their output counts ([n], broadcast over the rows, or [...] entry by entry)."""
+    if sampling.repetition_penalty != 1.0:
         r = sampling.repetition_penalty
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
     if sampling.presence_penalty or sampling.frequency_penalty:
-        c = counts.expand_as(x) if extra is None else counts + extra
-        x = x - (sampling.frequency_penalty * c + sampling.presence_penalty * (c > 0).to(x.dtype)).to(x.dtype)
+        x = x - (sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(counts.dtype)
+                 ).to(x.dtype)
     return x
 
 
@@ -106,10 +133,12 @@ class ContextCounts:
         ancestors: [N, N] bool, node i's ancestors and itself (``TokenTree.ancestor_mask``). Without a tree:
         logits [1, vocab]."""
         extra = None
-        if tree_tokens is not None and len(tree_tokens):
-            rows, cols = np.nonzero(ancestors)  # row 1 + i counts each token on node i's path
-            extra = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-            index = (torch.as_tensor(rows + 1, device=logits.device),
-                     torch.as_tensor(np.asarray(tree_tokens, np.int64)[cols], device=logits.device))
-            extra.index_put_(index, torch.ones(len(rows), device=logits.device), accumulate=True)
+        if tree_tokens is not None and len(tree_tokens):  # row 1 + i counts each token on node i's path
+            rows, cols = np.nonzero(ancestors)
+            keys, occurrences = np.unique((rows + 1) * self.vocab_size + np.asarray(tree_tokens, np.int64)[cols],
+                                          return_counts=True)
+            device = logits.device
+            extra = (torch.from_numpy(keys // self.vocab_size).to(device),
+                     torch.from_numpy(keys % self.vocab_size).to(device),
+                     torch.from_numpy(occurrences.astype(np.float32)).to(device))
         return process_logits(logits, self.sampling, self.in_context, self.counts, extra)

@@ -75,10 +75,9 @@ def test_process_logits_matches_the_definitions_row_by_row(name):
     counts = torch.zeros(vocab, dtype=torch.float64)
     for t in output:
         counts[t] += 1
-    extra = torch.zeros(rows, vocab, dtype=torch.float64)
-    for r, tokens in enumerate(extra_tokens):
-        for t in tokens:
-            extra[r, t] += 1
+    pairs = Counter((r, t) for r, tokens in enumerate(extra_tokens) for t in tokens)
+    extra = (torch.tensor([r for r, _ in pairs]), torch.tensor([t for _, t in pairs]),
+             torch.tensor(list(pairs.values()), dtype=torch.float64))
     got = process_logits(logits, sp, in_context, counts, extra)
     for r in range(rows):
         want = ref_process(logits[r].numpy(), sp, prompt, output + extra_tokens[r])
