@@ -17,6 +17,8 @@ from dataclasses import dataclass
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# a temperature below this decodes greedily (vLLM's _SAMPLING_EPS): dividing logits by a denormal one overflows
+GREEDY_BELOW = 1e-5
 MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")  # structured output (specmesh/grammar.py)
 MAX_GRAMMAR_CHARS = 1 << 16  # a grammar's spec at most (a JSON Schema, a regex, a Lark grammar)
@@ -30,7 +32,7 @@ DEFAULT_MJSD_THRESHOLD = 0.3
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
@@ -94,7 +96,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def lossy(self) -> bool:

@@ -363,6 +363,17 @@ def test_warp_probs_batched_rows_are_independent():
         torch.testing.assert_close(batched[i], warp_probs(logits[i], 0.8, 4, 0.7))
 
 
+def test_a_denormal_temperature_decodes_greedily(e2e_models):
+    """Dividing logits by a temperature near 0 overflows: below GREEDY_BELOW (vLLM's epsilon) a request is greedy."""
+    from spec_helpers import engine_for
+
+    assert SamplingParams(temperature=2.2e-313).greedy and not SamplingParams(temperature=1e-4).greedy
+    engine = engine_for(e2e_models[1], "draft_model", 4, 2, draft_runner=e2e_models[2])
+    tiny = engine.generate(E2E_PROMPT, SamplingParams(temperature=2.2e-313, top_p=0.5, max_new_tokens=6,
+                                                      ignore_eos=True))
+    assert tiny.token_ids == engine.generate(E2E_PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True)).token_ids
+
+
 def test_sampling_params_reject_bad_values():
     for kw in ({"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_k": -1},
                {"top_p": 0.0}, {"top_p": float("nan")},

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specmesh.host_runtime import tune_host_allocator
 from specmesh.models import int_at_least, positive_int
+from specmesh.sampling import GREEDY_BELOW
 
 non_negative_int = int_at_least(0)
 
@@ -201,7 +202,7 @@ def report(args: argparse.Namespace, proposer: str, run) -> int:
                 ar_rates.append(ar.stats["tokens_per_second"])
         except (Interrupted, KeyboardInterrupt):  # a run not streamed has nothing to show
             interrupted = True
-        greedy = args.temperature == 0
+        greedy = args.temperature < GREEDY_BELOW
         if ratios:
             median = statistics.median(ratios)
             doc["compare_ar"] = {"speedup_median": median, "speedup_min": min(ratios), "speedup_max": max(ratios),
