@@ -101,9 +101,7 @@ class _Chain:
         logits = self.state.processed(logits, self.tokens)  # penalties and logit_bias, as the verifier's
         ended = False
         if self.grammar is not None:  # structured output: only what the grammar allows, as the verifier masks
-            allowed = self.grammar.allowed()
-            if allowed.any():
-                logits = logits.masked_fill(~allowed, float("-inf"))
+            logits = _grammar_masked(logits, self.grammar.allowed())
         if sp.greedy:
             x = int(logits.argmax())  # host sync
             self.probs.append(float(torch.softmax(logits.double(), -1)[x]))
@@ -139,6 +137,12 @@ class _Chain:
             q_ids=np.concatenate(ids).astype(np.int64),
             q_probs=np.concatenate(vals).astype(np.float64),
         )
+
+
+def _grammar_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Draft logits [vocab] with what the grammar rules out at -inf; unchanged where it allows nothing (a grammar
+    complete on a tokenizer without an end of sequence: the verifier decides)."""
+    return logits.masked_fill(~allowed, float("-inf")) if allowed.any() else logits
 
 
 def _log_q(logits: torch.Tensor, state: DraftSessionState) -> torch.Tensor:
@@ -319,8 +323,9 @@ class _DynamicTree:
     def absorb(self, step_logits: torch.Tensor) -> None:
         """The level's draft logits (a row per expanded node): their children become the frontier."""
         if self.processes or self.grammar is not None:  # penalties, logit_bias, grammar: each row in its context
-            step_logits = torch.stack([self._masked(self.state.processed(step_logits[row], self._path(c)),
-                                                    self._path(c)) for row, c in enumerate(self.expanding)])
+            paths = [self._path(c) for c in self.expanding]
+            step_logits = torch.stack([self._masked(self.state.processed(step_logits[row], path), path)
+                                       for row, path in enumerate(paths)])
         log_q = _log_q(step_logits, self.state)
         self.frontier = []
         for row, c in enumerate(self.expanding):
@@ -331,10 +336,7 @@ class _DynamicTree:
 
     def _masked(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
         """Logits [vocab] with what the grammar rules out after ``path`` at -inf (unchanged without a grammar)."""
-        if self.grammar is None:
-            return logits
-        allowed = allowed_after(self.grammar, path)
-        return logits.masked_fill(~allowed, float("-inf")) if allowed.any() else logits
+        return logits if self.grammar is None else _grammar_masked(logits, allowed_after(self.grammar, path))
 
     def _path(self, c: int) -> list[int]:
         """The drafted tokens from the root to candidate c."""

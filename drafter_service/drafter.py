@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from drafter_service.proposer import DraftSessionState, Proposer
-from specmesh.contract import Budget, DraftCall, edit_context
+from specmesh.contract import Budget, DraftCall, check_prompt_len, edit_context
 from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -26,8 +26,7 @@ class LocalDrafter:
 
     def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
              prompt_len: int | None = None) -> None:
-        if prompt_len is not None and not 0 <= prompt_len <= len(prompt):
-            raise ValueError(f"prompt_len must be in [0, {len(prompt)}], got {prompt_len}")
+        check_prompt_len(prompt_len, len(prompt))
         state = self._sessions[session_id] = DraftSessionState(
             session_id, list(prompt), sampling, prompt_len=len(prompt) if prompt_len is None else prompt_len)
         self.proposer.prepare(state)

@@ -32,7 +32,7 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
 from specmesh import metrics, models, serving, tracing
-from specmesh.contract import DraftCall, check_rollback, check_session_id
+from specmesh.contract import DraftCall, check_prompt_len, check_rollback, check_session_id
 from specmesh.feedback import DraftFeedback, TargetFeatures
 from specmesh.tree import TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
@@ -212,8 +212,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._check_tokens(prompt)
             sampling = sampling_from_proto(opening.sampling)
             prompt_len = opening.prompt_len if opening.HasField("prompt_len") else None
-            if prompt_len is not None and not 0 <= prompt_len <= len(prompt):
-                raise ValueError(f"prompt_len must be in [0, {len(prompt)}], got {prompt_len}")
+            check_prompt_len(prompt_len, len(prompt))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.num_sessions += 1

@@ -585,15 +585,14 @@ class OpenAIApi:
 async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]
                    ) -> tuple[str, Final, TokenLogprobs | None]:
     """The whole text, the end, and every token's log-probabilities (None unless the request asked)."""
-    parts, logprobs = [], None
+    parts, logprobs = [], []
     async with contextlib.aclosing(stream):
         item = first
         while not isinstance(item, Final):
             parts.append(item.text)
-            if item.logprobs is not None:
-                logprobs = item.logprobs if logprobs is None else logprobs + item.logprobs
+            logprobs.append(item.logprobs)
             item = await anext(stream)
-    return "".join(parts) + item.text, item, logprobs
+    return "".join(parts) + item.text, item, TokenLogprobs.join(logprobs)
 
 
 async def _collect_all(choices) -> list[tuple[str, Final, TokenLogprobs | None]]:

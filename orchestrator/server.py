@@ -39,7 +39,7 @@ from orchestrator.service import (
 from orchestrator.stats import RequestStats, StepStats
 from specmesh import models, rpc, serving
 from specmesh.chat import ChatTemplate, ChatTemplateError
-from specmesh.contract import CapacityError, UnknownSessionError
+from specmesh.contract import CapacityError, TokenLogprobs, UnknownSessionError
 from specmesh.metrics import add_metrics_argument, start_metrics_server
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
@@ -135,7 +135,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 yield chunk
 
     async def Generate(self, request, context):
-        response, logprobs = generate_pb2.GenerateResponse(), None
+        response, logprobs = generate_pb2.GenerateResponse(), []
         async for item in self._items(request, context):
             response.text += item.text
             if isinstance(item, Final):
@@ -143,10 +143,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 response.stats.CopyFrom(stats_to_proto(item.result.stats))
             else:
                 response.token_ids.extend(item.token_ids)
-                if item.logprobs is not None:
-                    logprobs = item.logprobs if logprobs is None else logprobs + item.logprobs
-        if logprobs is not None:
-            response.logprobs.CopyFrom(logprobs_to_proto(logprobs))
+                logprobs.append(item.logprobs)
+        if (joined := TokenLogprobs.join(logprobs)) is not None:
+            response.logprobs.CopyFrom(logprobs_to_proto(joined))
         return response
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -100,6 +100,13 @@ def check_rollback(rollback: int, context_length: int) -> None:
         raise ValueError(f"cannot roll back {rollback} of the session's {context_length} tokens")
 
 
+def check_prompt_len(prompt_len: int | None, opened_with: int) -> None:
+    """A drafter session's prompt length (None: all it was opened with) must lie within what it was opened with;
+    ValueError otherwise."""
+    if prompt_len is not None and not 0 <= prompt_len <= opened_with:
+        raise ValueError(f"prompt_len must be in [0, {opened_with}], got {prompt_len}")
+
+
 def edit_context(tokens: list[int], new_tokens: Sequence[int], rollback: int) -> None:
     """Apply a context edit in place: drop ``rollback`` tokens from the end, then append ``new_tokens``."""
     check_rollback(rollback, len(tokens))
@@ -169,6 +176,15 @@ class TokenLogprobs:
     def __add__(self, other: TokenLogprobs) -> TokenLogprobs:
         return TokenLogprobs(self.token_ids + other.token_ids, self.logprobs + other.logprobs,
                              self.top_ids + other.top_ids, self.top_logprobs + other.top_logprobs)
+
+    @staticmethod
+    def join(parts: Iterable[TokenLogprobs | None]) -> TokenLogprobs | None:
+        """The parts of one output in order, as one (the pieces a stream carried); None when none has any."""
+        joined = None
+        for part in parts:
+            if part is not None:
+                joined = part if joined is None else joined + part
+        return joined
 
 
 @dataclass(frozen=True)

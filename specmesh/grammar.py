@@ -147,15 +147,13 @@ def tree_masks(state: GrammarState, tree: TokenTree) -> tuple[np.ndarray, torch.
     masks[0] = state.allowed()
     children = tree.children  # [n + 1]: index 0 the root's (parent -1), i + 1 node i's
     stack = [(child, 0) for child in reversed(children[0])]  # (node, row of its parent)
-    depth = 0  # tokens consumed on the current path
-    path: list[int] = []  # nodes on the current path
+    path: list[int] = []  # nodes on the current path: each one token the matcher consumed
     while stack:
         node, parent_row = stack.pop()
         parent = parent_row - 1  # -1: the root
         while path and path[-1] != parent:  # back up to the node's parent
             path.pop()
             state.rollback(1)
-            depth -= 1
         token = int(tree.tokens[node])
         if not masks[parent_row, token]:
             continue
@@ -167,10 +165,9 @@ def tree_masks(state: GrammarState, tree: TokenTree) -> tuple[np.ndarray, torch.
             continue
         valid[node] = True
         path.append(node)
-        depth += 1
         masks[1 + node] = state.allowed()
         stack.extend((child, 1 + node) for child in reversed(children[1 + node]))
-    state.rollback(depth)
+    state.rollback(len(path))
     return valid, masks
 
 

@@ -44,12 +44,10 @@ def process_logits(logits: torch.Tensor, sampling: SamplingParams, in_context: t
     own counts (a tree of N nodes and depth D changes at most N·D entries). Tensors on the logits' device.
     """
     x = logits.clone()
-    bias = None
     if sampling.logit_bias:
         ids = torch.tensor([t for t, _ in sampling.logit_bias], device=x.device)
         values = torch.tensor([v for _, v in sampling.logit_bias], dtype=x.dtype, device=x.device)
         x[:, ids] += values
-        bias = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device).index_copy_(0, ids, values)
     # the penalties touch only the columns of tokens seen in the context (a few hundred of a large vocabulary)
     touched = []
     if sampling.repetition_penalty != 1.0:
@@ -63,7 +61,9 @@ def process_logits(logits: torch.Tensor, sampling: SamplingParams, in_context: t
                                     None if counts is None else counts[cols])
     if extra is not None and len(extra[0]):
         rows, tokens, occurrences = extra
-        raw = logits[rows, tokens] if bias is None else logits[rows, tokens] + bias[tokens]
+        raw = logits[rows, tokens]
+        if sampling.logit_bias:  # the bias of each entry's token
+            raw = raw + torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device).index_copy_(0, ids, values)[tokens]
         seen = torch.ones_like(raw, dtype=torch.bool)
         x[rows, tokens] = _penalized(raw, sampling, seen, counts[tokens] + occurrences if counts is not None else None)
     return x
@@ -89,18 +89,12 @@ def process_in_context(logits: torch.Tensor, sampling: SamplingParams, prompt: S
     model with a smaller head) are ignored."""
     if not processes_logits(sampling):
         return logits
-    vocab, device = logits.shape[-1], logits.device
+    vocab = logits.shape[-1]
     if any(t >= vocab for t, _ in sampling.logit_bias):
         sampling = dataclasses.replace(sampling, logit_bias=tuple((t, v) for t, v in sampling.logit_bias if t < vocab))
-    out = np.asarray(output, np.int64)
-    out = out[out < vocab]
-    counts = torch.from_numpy(np.bincount(out, minlength=vocab).astype(np.float32)).to(device)
-    in_context = counts > 0
-    if sampling.repetition_penalty != 1.0 and len(prompt):
-        ids = np.asarray(prompt, np.int64)
-        in_context[torch.from_numpy(ids[ids < vocab]).to(device)] = True
-    rows = logits.reshape(-1, vocab)
-    return process_logits(rows, sampling, in_context, counts).reshape(logits.shape)
+    context = ContextCounts(sampling, [t for t in prompt if t < vocab], vocab, logits.device)
+    context.add_output([t for t in output if t < vocab])
+    return context.apply(logits.reshape(-1, vocab)).reshape(logits.shape)
 
 
 class ContextCounts:

@@ -189,6 +189,29 @@ def engine_for(
     return Engine(verifier, drafters, StaticPolicy(max_nodes, max_depth), decode, strict=strict)
 
 
+def batched_events(target_runner: ModelRunner, proposer: str, jobs: Sequence[tuple[list[int], SamplingParams]],
+                   max_nodes: int = 12, max_depth: int = 5) -> list[list]:
+    """Every (prompt, sampling) job submitted at once to one EngineCore whose requests share one in-process drafter
+    of ``proposer`` (a static budget, strict): each job's StepEvents that carry tokens. Asserts that the jobs shared
+    forwards."""
+    from orchestrator.core import EngineCore
+    from orchestrator.requests import Method, QueueOutput
+
+    prop = make_proposer(proposer)
+    core = EngineCore(LocalVerifier(target_runner))
+    method = Method(only(LocalDrafter(prop), prop.name), StaticPolicy(max_nodes, max_depth), strict=True)
+    try:
+        outputs = []
+        for prompt, sampling in jobs:
+            outputs.append(QueueOutput())
+            core.submit(prompt, sampling, method, outputs[-1])
+        events = [[event for event in output.events() if event.tokens] for output in outputs]
+        assert core.stats.max_batch > 1
+        return events
+    finally:
+        core.close()
+
+
 def window_for(proposer: Proposer) -> LookaheadConfig | None:
     """The verifier window a proposer asks for (lookahead), as orchestrator/embedded.py configures it."""
     return LookaheadConfig(*proposer.feedback_window) if proposer.feedback_window is not None else None

@@ -13,11 +13,10 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from spec_helpers import engine_for, greedy, make_prompts
+from spec_helpers import batched_events, engine_for, greedy, make_prompts
 from test_sampling_distribution import E2E_PROMPT, E2E_VOCAB, P_PASS, chisquare_p, ref_warp
 
 from drafter_service.proposer import make_proposer, proposer_names
-from orchestrator.policy import StaticPolicy
 from specmesh.logits_process import ContextCounts, process_logits, processes_logits
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -175,30 +174,12 @@ def test_a_draft_equal_to_the_target_drafts_under_the_same_processors(model_sets
 
 def test_batched_steps_process_each_request_with_its_own_options(model_sets):
     """On the engine core, requests with different options (and none) share forwards; each decodes as alone."""
-    from drafter_service.drafter import LocalDrafter
-    from orchestrator.core import EngineCore
-    from orchestrator.drafter_link import only
-    from orchestrator.requests import Method, QueueOutput
-
-    ms = model_sets("cyclic")
-    target = ms.runner("target", "fast")
-    prop = make_proposer("prompt_lookup_tree")
-    core = EngineCore(LocalVerifier(target))
-    method = Method(only(LocalDrafter(prop), prop.name), StaticPolicy(12, 5), strict=True)
+    target = model_sets("cyclic").runner("target", "fast")
     plain = engine_for(target)
     jobs = [(prompt, greedy(MAX_NEW, **options)) for prompt in PROMPTS
             for options in [{}, *OPTIONS.values()]]
-    try:
-        outputs = []
-        for prompt, sp in jobs:
-            outputs.append(QueueOutput())
-            core.submit(prompt, sp, method, outputs[-1])
-        for (prompt, sp), output in zip(jobs, outputs, strict=True):
-            tokens = [t for event in output.events() for t in event.tokens]
-            assert tokens == plain.generate(prompt, sp).token_ids
-        assert core.stats.max_batch > 1
-    finally:
-        core.close()
+    for (prompt, sp), events in zip(jobs, batched_events(target, "prompt_lookup_tree", jobs), strict=True):
+        assert [t for event in events for t in event.tokens] == plain.generate(prompt, sp).token_ids
 
 
 # ---------------------------------------------------------------- sampling: the processed law

@@ -11,17 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from spec_helpers import engine_for, greedy, make_prompts
+from spec_helpers import batched_events, engine_for, greedy, make_prompts
 from test_logits_process import ref_process
 from test_sampling_distribution import ref_warp
 
-from drafter_service.proposer import make_proposer, proposer_names
-from orchestrator.policy import StaticPolicy
+from drafter_service.proposer import proposer_names
 from specmesh.contract import TokenLogprobs
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2
 from specmesh.wire import logprobs_from_proto, logprobs_to_proto
-from verifier_service.verifier import LocalVerifier
 
 MAX_NEW = 20
 K = 3
@@ -30,13 +28,9 @@ PROMPTS = make_prompts(3, seed=11)
 
 def result_logprobs(result) -> TokenLogprobs:
     """The log-probabilities of a GenerationResult's events, joined."""
-    parts = [e.logprobs for e in result.events if e.tokens]
-    assert all(p is not None and p.token_ids == e.tokens for p, e in zip(parts, [e for e in result.events if e.tokens],
-                                                                         strict=True))
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
+    events = [e for e in result.events if e.tokens]
+    assert all(e.logprobs is not None and e.logprobs.token_ids == e.tokens for e in events)
+    return TokenLogprobs.join(e.logprobs for e in events)
 
 
 @torch.no_grad()
@@ -149,37 +143,17 @@ def test_a_stop_inside_a_step_cuts_the_logprobs_with_the_tokens(model_sets):
 
 
 def test_batched_requests_get_their_own_logprobs(model_sets):
-    from drafter_service.drafter import LocalDrafter
-    from orchestrator.core import EngineCore
-    from orchestrator.drafter_link import only
-    from orchestrator.requests import Method, QueueOutput
-
-    ms = model_sets("cyclic")
-    target = ms.runner("target", "fast")
-    prop = make_proposer("prompt_lookup_tree")
-    core = EngineCore(LocalVerifier(target))
-    method = Method(only(LocalDrafter(prop), prop.name), StaticPolicy(12, 5), strict=True)
+    target = model_sets("cyclic").runner("target", "fast")
     plain = engine_for(target)
     jobs = [(p, greedy(MAX_NEW, **o)) for p in PROMPTS for o in ({}, {"logprobs": 2}, {"logprobs": 5})]
-    try:
-        outputs = []
-        for prompt, sp in jobs:
-            outputs.append(QueueOutput())
-            core.submit(prompt, sp, method, outputs[-1])
-        for (prompt, sp), output in zip(jobs, outputs, strict=True):
-            events = [e for e in output.events() if e.tokens]
-            ref = plain.generate(prompt, sp)
-            assert [t for e in events for t in e.tokens] == ref.token_ids
-            if sp.logprobs is None:
-                assert all(e.logprobs is None for e in events)
-                continue
-            got = events[0].logprobs
-            for e in events[1:]:
-                got = got + e.logprobs
-            want = result_logprobs(ref)
-            assert got.token_ids == want.token_ids and got.top_ids == want.top_ids
-            assert all(len(ids) == sp.logprobs for ids in got.top_ids)
-            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
-        assert core.stats.max_batch > 1
-    finally:
-        core.close()
+    for (prompt, sp), events in zip(jobs, batched_events(target, "prompt_lookup_tree", jobs), strict=True):
+        ref = plain.generate(prompt, sp)
+        assert [t for e in events for t in e.tokens] == ref.token_ids
+        if sp.logprobs is None:
+            assert all(e.logprobs is None for e in events)
+            continue
+        assert all(e.logprobs is not None for e in events)
+        got, want = TokenLogprobs.join(e.logprobs for e in events), result_logprobs(ref)
+        assert got.token_ids == want.token_ids and got.top_ids == want.top_ids
+        assert all(len(ids) == sp.logprobs for ids in got.top_ids)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)

@@ -803,10 +803,7 @@ class LocalVerifier:
         session.tokens.extend(tokens[:-1])
         session.prefilled = len(session.tokens)
         session.pending = acceptance.bonus_token
-        if session.context is not None:
-            session.context.add_output(tokens)
-        if session.grammar is not None:
-            self._advance_grammar(session, tokens)
+        self._note_output(session, tokens)
         accepted = acceptance.accepted_nodes
         if row.kept is not None:  # node indices of the tree as sent, before pruning
             accepted = tuple(int(row.kept[i]) for i in accepted)
@@ -814,10 +811,7 @@ class LocalVerifier:
 
     def _start_decoding(self, session: _Session, first: int) -> None:
         session.pending = first
-        if session.context is not None:
-            session.context.add_output([first])
-        if session.grammar is not None:
-            self._advance_grammar(session, [first])
+        self._note_output(session, [first])
         if self.lookahead is not None:
             note_successors(session.successors, session.tokens + [first])
             session.window = initial_window(first, self.lookahead, session.successors)
@@ -836,8 +830,11 @@ class LocalVerifier:
         return masks
 
     @staticmethod
-    def _advance_grammar(session: _Session, tokens: Sequence[int]) -> None:
-        if not session.grammar.consume(tokens):
+    def _note_output(session: _Session, tokens: Sequence[int]) -> None:
+        """Newly committed output tokens, to what reads the output: the logit processors' counts, the grammar."""
+        if session.context is not None:
+            session.context.add_output(tokens)
+        if session.grammar is not None and not session.grammar.consume(tokens):
             log.warning("a committed token broke its session's grammar (%s); the rest of it is unconstrained",
                         session.grammar.failed)
 
