@@ -7,9 +7,11 @@ compare the step's host work between two checkouts (run it from each, one after 
     python benchmarks/verifier_step.py                     # ~/.cache/specmesh-bench/tiny-llama-1x128
     python benchmarks/verifier_step.py --no-prefix-caching
     python benchmarks/verifier_step.py --options penalties   # the request options' host cost (issue 36)
+    python benchmarks/verifier_step.py --options sampled     # rejection sampling's (issue 32)
 
 ``--options``: what every session asks beside greedy decoding: ``penalties`` (presence 0.5, frequency 0.5,
-repetition 1.1, a logit_bias of 4 tokens), ``logprobs`` (5 alternatives), ``all`` (both).
+repetition 1.1, a logit_bias of 4 tokens), ``logprobs`` (5 alternatives), ``all`` (both), ``sampled``
+(temperature 0.7, top-p 0.95: acceptance by rejection sampling). The 16-node tree is 4 branches of 4 under the root.
 
 The model directory is the one ``benchmarks/engine_overhead.py`` builds (1 layer, 128 wide, random weights).
 """
@@ -21,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specmesh import models
@@ -36,11 +39,13 @@ OPTIONS = {
     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
                       logit_bias=((3, 1.0), (4, -1.0), (5, 2.0), (6, -2.0))),
     "logprobs": dict(logprobs=5),
+    "sampled": dict(temperature=0.7, top_p=0.95),
 }
 OPTIONS["all"] = {**OPTIONS["penalties"], **OPTIONS["logprobs"]}
 
 
-def median_step_ms(runner, sessions: int, nodes: int, steps: int, prefix_caching: bool, options: str = "none") -> float:
+def median_step_ms(runner, sessions: int, nodes: int, steps: int, prefix_caching: bool, options: str = "none",
+                   shape: str = "chain") -> float:
     verifier = LocalVerifier(runner, max_tree_nodes=64, prefix_caching=prefix_caching)
     sampling = SamplingParams(max_new_tokens=1000, ignore_eos=True, **OPTIONS[options])
     ids = [f"s{i}" for i in range(sessions)]
@@ -49,6 +54,9 @@ def median_step_ms(runner, sessions: int, nodes: int, steps: int, prefix_caching
     while prefilling := [sid for sid in ids if verifier.prefilling(sid)]:
         verifier.step(prefilling, [])
     tree = TokenTree.chain(list(range(7, 7 + nodes))) if nodes else TokenTree.empty()
+    if shape == "tree":  # 4 branches of 4 tokens under the root
+        tree = TokenTree(np.arange(7, 7 + nodes), np.array([-1 if i % 4 == 0 else i - 1 for i in range(nodes)]),
+                         np.ones(nodes))
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -70,9 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no model in {args.model_dir}: run benchmarks/engine_overhead.py once to build it")
     torch.set_num_threads(1)
     runner = models.load_runner(args.model_dir, torch.float32, "fast", "cpu")
-    for label, sessions, nodes in (("plain, 1 session", 1, 0), ("plain, 16", 16, 0), ("plain, 64", 64, 0),
-                                   ("16-node chain, 1", 1, 16), ("16-node chain, 16", 16, 16)):
-        best = min(median_step_ms(runner, sessions, nodes, args.steps, args.prefix_caching, args.options)
+    for label, sessions, nodes, shape in (
+            ("plain, 1 session", 1, 0, "chain"), ("plain, 16", 16, 0, "chain"), ("plain, 64", 64, 0, "chain"),
+            ("16-node chain, 1", 1, 16, "chain"), ("16-node chain, 16", 16, 16, "chain"),
+            ("16-node tree, 1", 1, 16, "tree"), ("16-node tree, 16", 16, 16, "tree")):
+        best = min(median_step_ms(runner, sessions, nodes, args.steps, args.prefix_caching, args.options, shape)
                    for _ in range(3))
         print(f"{label}: {best:.3f} ms")
 

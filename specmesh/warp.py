@@ -9,14 +9,16 @@ from __future__ import annotations
 import torch
 
 
-def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Softmax of warped logits, in float64.
+def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Softmax of warped logits, in ``dtype`` (float64 by default: the drafters' q and the reference; the
+    verifier's device acceptance warps in float32).
 
     logits: [..., vocab]. Returns probs [..., vocab] summing to 1. temperature must be > 0
     (greedy decoding uses argmax, not this function).
     """
     assert temperature > 0.0, "warp_probs is for sampling; use argmax for greedy"
-    x = logits.double() / temperature
+    x = logits.to(dtype) / temperature
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]

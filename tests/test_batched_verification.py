@@ -92,6 +92,34 @@ def test_greedy_batch_equals_greedy_per_tree(specs, vocab, seed):
     assert verify_sample_batch(trees, hot, cu_rows, gens) == expected
 
 
+@settings(max_examples=150)
+@given(st.lists(TREE, min_size=1, max_size=6), st.integers(2, 6), st.integers(0, 2**32 - 1))
+def test_device_sampler_walks_the_reference_rule_exactly(specs, vocab, seed):
+    """``sample_trees`` (batched, on the device, p kept unnormalised with sparse residuals) accepts the same path as
+    the reference walk given the same uniforms, and draws its bonus from the same distribution."""
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(kind, n, vocab, dists, s) for kind, n, dists, s in specs]
+    rows = [torch.softmax(target_logits(tree, vocab, rng).double() * rng.uniform(0.1, 1.0), dim=-1) for tree in trees]
+    probs, cu_rows = packed(rows)
+    plan = verification.plan_trees(trees, cu_rows[:-1], "cpu", torch.float64)
+    uniforms = torch.from_numpy(rng.random(sum(plan.sizes)))
+    exponentials = torch.empty(len(trees), vocab, dtype=torch.float64).exponential_()
+    got = verification.sample_trees(probs, plan, uniforms, exponentials)
+    acceptances = plan.acceptances(got.host_columns().numpy())
+    at = 0
+    for r, (tree, tree_rows) in enumerate(zip(trees, rows, strict=True)):
+        u = uniforms[at : at + tree.num_nodes].numpy()
+        at += tree.num_nodes
+        p_tokens = tree_rows[tree.parents + 1, tree.tokens].numpy()
+        accepted, bonus_p = verification._walk_sample(tree, tree_rows, u, p_tokens)
+        assert acceptances[r].accepted_nodes == tuple(accepted)
+        last = accepted[-1] + 1 if accepted else 0
+        assert int(got.bonus_row[r]) == cu_rows[r] + last  # the row the bonus was drawn from
+        torch.testing.assert_close(got.bonus_probs[r] / got.bonus_probs[r].sum(), bonus_p, rtol=0, atol=1e-12)
+        assert bonus_p[acceptances[r].bonus_token] > 0  # the race picks a token of the distribution's support
+        assert int(got.num_accepted[r]) == len(accepted)
+
+
 def test_empty_batch_returns_nothing():
     assert verify_greedy_batch([], torch.zeros(0, 7), [0]) == []
     assert verify_sample_batch([], torch.zeros(0, 7, dtype=torch.float64), [0], []) == []
@@ -113,8 +141,8 @@ def test_packing_that_does_not_fit_the_trees_is_refused():
             verify_greedy_batch(trees, probs, bad)
         with pytest.raises(AssertionError):
             verify_sample_batch(trees, probs, bad, [None, None])
-    with pytest.raises(AssertionError):  # probabilities must be float64
-        verify_sample_batch(trees, probs.float(), [0, 3, 4], [None, None])
+    with pytest.raises(AssertionError):  # probabilities, not counts
+        verify_sample_batch(trees, probs.long(), [0, 3, 4], [None, None])
 
 
 # ---------------------------------------------------------------- sampling
@@ -181,7 +209,8 @@ def test_batched_sampling_matches_target_distribution():
 
 
 def test_negative_control_residual_equal_to_p_is_detected(monkeypatch):
-    monkeypatch.setattr(verification, "residual", lambda p, q_ids, q_vals: p)  # rejected mass goes back to p
+    # rejected mass goes back to p
+    monkeypatch.setattr(verification, "residual_sparse", lambda p, total, q_ids, q_vals, q_real, rejected: (p, total))
     names = ["chain2_iid", "tree_iid_siblings", "tree_topk_siblings", "tree_mixed"]
     counts = simulate_batched(names, NEGATIVE_TRIALS, seed=7)
     for name in names:

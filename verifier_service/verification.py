@@ -25,12 +25,16 @@ tree's num_nodes + 1 rows, laid out as above), on the model's device.
 
 - ``verify_greedy_batch``: one argmax over all rows and one host copy, then
   ``verify_greedy`` per tree.
-- ``verify_sample_batch``: the rule of ``verify_sample``, with the device work done up
-  front for all requests (in the style of vLLM's rejection sampler): each request's
-  uniforms drawn in one call with its own generator, p(x_i) of every node read from its
-  parent's row by one gather, both copied to the host at once. The tree walk runs on the
-  host; the device is read again only after a rejection has changed p at a node (the
-  residual). The bonus tokens are drawn on the device and copied at once.
+- ``sample_trees``: the rule of ``verify_sample`` for every tree of the batch at once, on the
+  probabilities' device and without a host sync (the verifier copies its decisions to the host
+  together with everything else a step needs: ``verifier_service/decisions.py``). The host lays
+  the trees out once (``plan_trees``: children tables, sparse draft distributions); the walk goes
+  level by level, each live tree trying its current node's children in index order, with p kept
+  unnormalised and a rejection's residual written on q's support only (``residual_sparse``); the
+  bonus token is an exponential race over the final p. ``verify_sample_batch`` wraps it for
+  callers that want ``Acceptance``s. Every request draws from its own generator (seeded) or from
+  one shared draw (``draw_randoms``). ``verify_sample`` remains the host reference the tests hold
+  ``sample_trees`` to, draw for draw.
 """
 
 from __future__ import annotations
@@ -133,25 +137,35 @@ def verify_mjsd(tree: TokenTree, target_argmax: np.ndarray, target_logprobs: np.
 
 
 def node_logprobs(trees: Sequence[TokenTree], logits: torch.Tensor, firsts: Sequence[int]) -> list[np.ndarray]:
-    """log p(x_i | ...) of every node of every tree: tree r's outputs are rows [firsts[r], firsts[r] + num_nodes + 1)
-    of logits [R, vocab] (any device), row 0 the root's; node i's token is read from its parent's row. One log-softmax
-    over the parents' rows (float64), one gather and one host copy for all trees. Returns [num_nodes] per tree."""
-    rows = np.concatenate([first + 1 + tree.parents for tree, first in zip(trees, firsts, strict=True)] + [[]])
-    cols = np.concatenate([tree.tokens for tree in trees] + [[]])
-    if not len(rows):
-        return [np.zeros(0) for _ in trees]
-    index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
-    picked = logits[index].double()  # [total_nodes, vocab]
-    logp = picked.gather(1, torch.from_numpy(cols.astype(np.int64)).to(logits.device)[:, None])[:, 0]
-    logp = (logp - torch.logsumexp(picked, dim=-1)).cpu().numpy()  # [total_nodes]; host sync
+    """log p(x_i | ...) of every node of every tree (``node_logprobs_device``) on the host, [num_nodes] per tree."""
+    logp = node_logprobs_device(trees, logits, firsts).cpu().numpy()  # [total_nodes]; host sync
     cu = np.cumsum([0] + [tree.num_nodes for tree in trees])
     return [logp[a:b] for a, b in pairwise(cu)]
 
 
+def node_logprobs_device(trees: Sequence[TokenTree], logits: torch.Tensor, firsts: Sequence[int]) -> torch.Tensor:
+    """log p(x_i | ...) of every node of every tree, packed [total_nodes] on the logits' device: tree r's outputs
+    are rows [firsts[r], firsts[r] + num_nodes + 1) of logits [R, vocab], row 0 the root's; node i's token is read
+    from its parent's row. One log-softmax over the parents' rows (float32) and one gather for all trees."""
+    rows = np.concatenate([first + 1 + tree.parents for tree, first in zip(trees, firsts, strict=True)] + [[]])
+    cols = np.concatenate([tree.tokens for tree in trees] + [[]])
+    if not len(rows):
+        return torch.zeros(0, device=logits.device)
+    index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
+    picked = logits[index].float()  # [total_nodes, vocab]
+    logp = picked.gather(1, torch.from_numpy(cols.astype(np.int64)).to(logits.device)[:, None])[:, 0]
+    return logp - torch.logsumexp(picked, dim=-1)
+
+
 def verify_sample(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
     """target_probs: [num_nodes + 1, vocab] float64, warped target distributions (sum to 1 per row).
-    A batch of one for ``verify_sample_batch``, whose walk is the rule described above."""
-    return verify_sample_batch([tree], target_probs, [0, tree.num_nodes + 1], [generator])[0]
+    The reference walk, on the host: ``sample_trees`` is held to it on random trees and draws."""
+    assert target_probs.shape[0] == tree.num_nodes + 1, (target_probs.shape, tree.num_nodes)
+    uniforms = torch.rand(tree.num_nodes, generator=generator, dtype=torch.float64)
+    rows = torch.from_numpy(tree.parents + 1)
+    p_tokens = target_probs[rows.to(target_probs.device), torch.from_numpy(tree.tokens).to(target_probs.device)]
+    accepted, bonus_p = _walk_sample(tree, target_probs, uniforms.numpy(), p_tokens.cpu().numpy())
+    return Acceptance(tuple(accepted), int(torch.multinomial(bonus_p.cpu(), 1, generator=generator)))
 
 
 def residual(p: torch.Tensor, q_ids: torch.Tensor, q_vals: torch.Tensor) -> torch.Tensor:
@@ -179,37 +193,213 @@ def verify_greedy_batch(
 
 def verify_sample_batch(
     trees: Sequence[TokenTree],
-    probs: torch.Tensor,  # [total_rows, vocab] float64, warped target distributions (sum to 1 per row)
+    probs: torch.Tensor,  # [total_rows, vocab] float32/64, warped target distributions (sum to 1 per row)
     cu_rows: Sequence[int],  # [num_trees + 1], tree r owns rows cu_rows[r]:cu_rows[r + 1]
     generators: Sequence[torch.Generator | None],  # [num_trees] on probs.device; request r uses only its own
+    shared: torch.Generator | None = None,  # draws of the trees without a generator of their own (None: torch's)
 ) -> list[Acceptance]:
-    """``verify_sample`` for every tree, with the same output law (not the same random stream)."""
-    assert probs.dtype == torch.float64, probs.dtype
-    assert len(generators) == len(trees), (len(generators), len(trees))
+    """``verify_sample`` for every tree, with the same output law (not the same random stream), decided on the
+    probabilities' device for the whole batch (``sample_trees``) and copied to the host once."""
+    assert probs.is_floating_point(), probs.dtype
     spans = _row_spans(trees, probs, cu_rows)
     if not trees:
         return []
+    plan = plan_trees(trees, [lo for lo, _ in spans], probs.device, probs.dtype)
+    uniforms, exponentials = draw_randoms(plan.sizes, probs.shape[1], generators, shared, probs.device, probs.dtype)
+    sampled = sample_trees(probs, plan, uniforms, exponentials)
+    return plan.acceptances(sampled.host_columns().cpu().numpy())  # host sync, the only one
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """B trees laid out for ``sample_trees``, built on the host and copied to the device once.
+
+    A tree's slot 0 is its root (the pending token), slot 1 + i its node i; global node g = cu_nodes[b] + i, and
+    g = G (one past the last node) stands for "no node" in every table (a dummy entry with an empty distribution)."""
+
+    sizes: tuple[int, ...]  # [B] host: nodes per tree
+    depth: int  # host: the deepest tree's levels
+    width: int  # host: the most children of one node
+    firsts: torch.Tensor  # [B] int64: the row of each tree's root in the packed probabilities
+    cu_nodes: torch.Tensor  # [B] int64: each tree's first global node
+    kids: torch.Tensor  # [B, S, C] int64: global node of slot s's c-th child (in index order), G past the last
+    parent_rows: torch.Tensor  # [G] int64: the packed row of each node's parent (p of the node's token lives there)
+    tokens: torch.Tensor  # [G + 1] int64
+    q_token: torch.Tensor  # [G + 1] float: q(x_g), the draft's probability of the node's own token
+    q_ids: torch.Tensor  # [G + 1, K] int64: the support of node g's draft distribution (padded with its first entry)
+    q_vals: torch.Tensor  # [G + 1, K] float: q over that support (padding repeats the first entry's value)
+    q_real: torch.Tensor  # [G + 1, K] bool: entries that are not padding
+    branch_rows: torch.Tensor  # [M] int64: the packed rows of the nodes with two children or more
+    branch_kids: torch.Tensor  # [M, C] int64: their children, G past the last
+
+    def acceptances(self, columns: np.ndarray) -> list[Acceptance]:
+        """The host's Acceptance per tree from ``SampledTrees.host_columns`` copied: [B * (2 + depth)]."""
+        b = len(self.sizes)
+        table = columns.reshape(b, 2 + self.depth).astype(np.int64)
+        return [Acceptance(tuple(row[2 : 2 + row[0]].tolist()), int(row[1])) for row in table]
+
+
+def plan_trees(trees: Sequence[TokenTree], firsts: Sequence[int], device: torch.device | str,
+               dtype: torch.dtype) -> TreePlan:
+    """The device layout of ``trees`` (root rows ``firsts``), vectorised over the batch on the host."""
+    sizes = np.fromiter((tree.num_nodes for tree in trees), np.int64, len(trees))
+    b, total = len(trees), int(sizes.sum())
+    firsts = np.asarray(firsts, np.int64)
+    cu = np.zeros(b + 1, np.int64)
+    np.cumsum(sizes, out=cu[1:])
+    tree_of = np.repeat(np.arange(b), sizes)  # [G]
+    parent_slot = np.concatenate([tree.parents for tree in trees] + [np.zeros(0, np.int64)]) + 1
+    depth = np.concatenate([tree.depth for tree in trees] + [np.zeros(0, np.int64)])
+    slots = 1 + int(sizes.max(initial=0))
+    # a node's rank among its siblings: nodes of one parent, in index order, after a stable sort by parent
+    key = tree_of * slots + parent_slot
+    order = np.argsort(key, kind="stable")
+    rank = np.empty(total, np.int64)
+    rank[order] = np.arange(total) - np.searchsorted(key[order], key[order])
+    width = int(rank.max(initial=-1)) + 1
+    kids = np.full((b, slots, max(width, 1)), total, np.int64)
+    kids[tree_of, parent_slot, rank] = np.arange(total)
+    # parents with a second child: their residual after each rejected child is what the next one is tested on
+    branching = np.unique(key[rank == 1])
+    branch_tree, branch_slot = branching // slots, branching % slots
+    # draft distributions, padded to the widest: a tree without them has point masses on its tokens
+    tokens = np.concatenate([tree.tokens for tree in trees] + [np.zeros(1, np.int64)])  # the dummy node's last
+    ids, vals, counts = [], [], []
+    for tree in trees:
+        if tree.q_cu is None:
+            ids.append(tree.tokens)
+            vals.append(np.ones(tree.num_nodes))
+            counts.append(np.ones(tree.num_nodes, np.int64))
+        else:
+            ids.append(tree.q_ids)
+            vals.append(tree.q_probs)
+            counts.append(np.diff(tree.q_cu))
+    flat_ids, flat_vals = np.concatenate(ids + [np.zeros(0, np.int64)]), np.concatenate(vals + [np.zeros(0)])
+    counts = np.concatenate(counts + [np.zeros(1, np.int64)])  # [G + 1]
+    support = max(int(counts.max(initial=0)), 1)
+    starts = np.zeros(total + 2, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    head = starts[:-1].clip(max=max(len(flat_ids) - 1, 0))  # each node's first entry (the dummy: any, unused)
+    q_ids = np.repeat((flat_ids[head] if len(flat_ids) else np.zeros(total + 1, np.int64))[:, None], support, 1)
+    q_vals = np.repeat((flat_vals[head] if len(flat_vals) else np.zeros(total + 1))[:, None], support, 1)
+    entry_node = np.repeat(np.arange(total + 1), counts)
+    entry_pos = np.arange(len(flat_ids)) - np.repeat(starts[:-1], counts)
+    q_ids[entry_node, entry_pos] = flat_ids
+    q_vals[entry_node, entry_pos] = flat_vals
+    q_real = np.zeros((total + 1, support), bool)
+    q_real[entry_node, entry_pos] = True
+    q_vals[total] = 0.0  # the dummy node: an empty distribution, nothing subtracted
+    q_token = np.where(q_real & (q_ids == tokens[:, None]), q_vals, 0.0).sum(axis=1)
+
+    def dev(a: np.ndarray, dt: torch.dtype | None = None) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt, non_blocking=True)
+
+    return TreePlan(
+        tuple(sizes.tolist()), int(depth.max(initial=-1)) + 1, width, dev(firsts), dev(cu[:-1]), dev(kids),
+        dev(firsts[tree_of] + parent_slot), dev(tokens), dev(q_token, dtype), dev(q_ids), dev(q_vals, dtype),
+        dev(q_real), dev(firsts[branch_tree] + branch_slot), dev(kids[branch_tree, branch_slot]),
+    )
+
+
+def draw_randoms(sizes: Sequence[int], vocab: int, generators: Sequence[torch.Generator | None],
+                 shared: torch.Generator | None, device: torch.device | str,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uniforms [G]: one per node, exponentials [B, vocab]: one race per bonus token) for B trees of ``sizes``
+    nodes. A tree with a generator draws from it alone, the same numbers whatever its batch; the others share one
+    draw from ``shared``."""
+    assert len(generators) == len(sizes), (len(generators), len(sizes))
+    unseeded = [i for i, gen in enumerate(generators) if gen is None]
+    common_u = torch.rand(sum(sizes[i] for i in unseeded), generator=shared, device=device, dtype=dtype)
+    common_e = torch.empty(len(unseeded), vocab, device=device, dtype=dtype).exponential_(generator=shared)
+    us, es, at, row = [], [], 0, 0
+    for n, gen in zip(sizes, generators, strict=True):
+        if gen is None:
+            us.append(common_u[at : at + n])
+            es.append(common_e[row : row + 1])
+            at, row = at + n, row + 1
+        else:
+            us.append(torch.rand(n, generator=gen, device=device, dtype=dtype))
+            es.append(torch.empty(1, vocab, device=device, dtype=dtype).exponential_(generator=gen))
+    return torch.cat(us), torch.cat(es)
+
+
+@dataclass(frozen=True)
+class SampledTrees:
+    """What ``sample_trees`` decided, on the device."""
+
+    num_accepted: torch.Tensor  # [B] int64
+    path: torch.Tensor  # [B, depth] int64: accepted nodes (tree-local), -1 past num_accepted
+    bonus: torch.Tensor  # [B] int64: the token drawn after the path
+    bonus_row: torch.Tensor  # [B] int64: the packed row the bonus was drawn from (its last accepted node's, or root's)
+    bonus_probs: torch.Tensor  # [B, vocab] unnormalised: the distribution the bonus was drawn from
+
+    def host_columns(self) -> torch.Tensor:
+        """[B * (2 + depth)] float64: per tree (num_accepted, bonus, path...), what ``TreePlan.acceptances`` reads."""
+        table = torch.cat([self.num_accepted[:, None], self.bonus[:, None], self.path], dim=1)
+        return table.double().flatten()
+
+
+def sample_trees(probs: torch.Tensor, plan: TreePlan, uniforms: torch.Tensor,
+                 exponentials: torch.Tensor) -> SampledTrees:
+    """``verify_sample``'s rule for every tree of ``plan`` at once, with no host sync.
+
+    probs: [R, vocab] warped target distributions, the trees' rows as ``plan`` says; uniforms: [G], node g's
+    acceptance draw; exponentials: [B, vocab] Exp(1) draws, the bonus token's race (argmax of p / E is a draw from
+    p). The rule tries a node's children in index order: child c (token x) is accepted when u * q(x) < p_c(x),
+    where p_c is the parent's row after its children 0..c-1 were rejected (p <- normalize(max(p - q, 0)) each),
+    and the walk moves to the first accepted child. p_c depends only on the parent's row and its earlier
+    children, not on the path that reached it, so every node's test is decided at once (the residuals of the
+    nodes with several children kept unnormalised, written on q's support only: ``residual_sparse``); the walk is
+    then a chase of "first accepted child" pointers, one gather per level. The bonus is drawn, by an exponential
+    race, from the last node's row after all its children were rejected (a leaf: its row as is)."""
+    b, g = len(plan.sizes), plan.tokens.shape[0] - 1
     device = probs.device
-    # one uniform per node, one call per request: a seeded request's draws do not depend on its batch
-    uniforms = torch.cat([
-        torch.rand(tree.num_nodes, generator=gen, device=device, dtype=torch.float64)
-        for tree, gen in zip(trees, generators, strict=True)
-    ])  # [total_nodes]
-    # p(x_i) of every node's token, read from its parent's row
-    rows = np.concatenate([lo + 1 + tree.parents for tree, (lo, _) in zip(trees, spans, strict=True)])
-    cols = np.concatenate([tree.tokens for tree in trees])  # rows, cols: [total_nodes]
-    p_tokens = probs[torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)]  # [total_nodes]
-    uniforms_host, p_tokens_host = torch.stack([uniforms, p_tokens]).cpu().numpy()  # host sync
-    cu_nodes = np.cumsum([0] + [tree.num_nodes for tree in trees])  # [num_trees + 1]
-    walks = [
-        _walk_sample(tree, probs[lo:hi], uniforms_host[a:b], p_tokens_host[a:b])
-        for tree, (lo, hi), a, b in zip(trees, spans, cu_nodes[:-1], cu_nodes[1:], strict=True)
-    ]
-    bonus = torch.cat([
-        torch.multinomial(bonus_p, 1, generator=gen)
-        for (_, bonus_p), gen in zip(walks, generators, strict=True)
-    ]).tolist()  # [num_trees]; host sync
-    return [Acceptance(tuple(accepted), token) for (accepted, _), token in zip(walks, bonus, strict=True)]
+    arange = torch.arange(b, device=device)
+    # p_c(x) of every node: its parent's row as is for a first child, the residual after the earlier siblings else
+    p_x = torch.cat([probs[plan.parent_rows, plan.tokens[:g]], probs.new_zeros(1)])  # [G + 1], the dummy last
+    if plan.branch_rows.numel():
+        p, total = probs[plan.branch_rows], probs.new_ones(plan.branch_rows.shape[0])  # [M, vocab], [M]
+        for c in range(1, plan.width):
+            before, child = plan.branch_kids[:, c - 1], plan.branch_kids[:, c]
+            p, total = residual_sparse(p, total, plan.q_ids[before], plan.q_vals[before], plan.q_real[before],
+                                       child < g)
+            p_x = p_x.scatter(0, child, p.gather(1, plan.tokens[child][:, None])[:, 0] / total)  # G: the dummy's
+    accept = uniforms.new_zeros(g + 1, dtype=torch.bool)
+    accept[:g] = uniforms * plan.q_token[:g] < p_x[:g]  # u < min(1, p(x) / q(x)), without dividing
+    # each slot's first accepted child, as the slot it leads to (-1: none)
+    tried = accept[plan.kids]  # [B, S, C]
+    first = plan.kids.gather(2, tried.to(torch.uint8).argmax(dim=2, keepdim=True))[..., 0]  # argmax: the first
+    next_slot = torch.where(tried.any(dim=2), first - plan.cu_nodes[:, None] + 1, -1)  # [B, S]
+    slot = torch.zeros(b, dtype=torch.int64, device=device)
+    path = torch.full((b, plan.depth), -1, dtype=torch.int64, device=device)
+    for level in range(plan.depth):  # a finished tree's slot has no accepted child: it stays where it is
+        nxt = next_slot.gather(1, slot[:, None])[:, 0]
+        path[:, level] = nxt - 1  # -1 - 1 < 0 past the end: cleaned below
+        slot = torch.where(nxt >= 0, nxt, slot)
+    path = torch.where(path >= 0, path, -1)
+    # the bonus: the last node's row after its children's rejections
+    bonus_row = plan.firsts + slot
+    p, total = probs[bonus_row], probs.new_ones(b)
+    for c in range(plan.width):
+        child = plan.kids[arange, slot, c]
+        p, total = residual_sparse(p, total, plan.q_ids[child], plan.q_vals[child], plan.q_real[child], child < g)
+    bonus = (p / exponentials).argmax(dim=1)
+    return SampledTrees((path >= 0).sum(dim=1), path, bonus, bonus_row, p)
+
+
+def residual_sparse(p: torch.Tensor, total: torch.Tensor, q_ids: torch.Tensor, q_vals: torch.Tensor,
+                    q_real: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual`` for the rows of ``rejected`` [B]: p [B, vocab] unnormalised with its totals [B], q sparse
+    (q_ids, q_vals, q_real: [B, K]). max(p / total - q, 0) changes only q's support, so the new unnormalised p is
+    max(p - total * q, 0) there, and the new total is the old less what those entries lost. A residual with no
+    mass left (p == q up to rounding: the child would have been accepted surely) keeps p, as ``residual`` does.
+    Updates p in place; returns (p, total)."""
+    old = p.gather(1, q_ids)
+    new = (old - total[:, None] * q_vals).clamp(min=0.0)
+    left = total - ((old - new) * q_real).sum(dim=1)
+    ok = rejected & (left > total * 4 * torch.finfo(p.dtype).eps)
+    p.scatter_(1, q_ids, torch.where(ok[:, None], new, old))  # padding repeats an entry: the same value written
+    return p, torch.where(ok, left, total)
 
 
 def _walk_sample(

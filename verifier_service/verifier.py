@@ -15,8 +15,9 @@ what is accepted nor what stays in the KV cache.
 
 Batching: ``step`` runs one forward over the next prompt chunk of any number of prefilling
 sessions and the trees of any number of verifying ones (``ModelRunner.forward_batch``:
-packed rows, attention per session under its own tree mask), then one argmax (and top-k)
-over all rows and one host copy. Every session's KV lives in one paged pool
+packed rows, attention per session under its own tree mask), then every decision of the batch
+on the device (greedy, sampled and MJSD acceptance, top-k, logprobs: ``verifier_service/decisions.py``)
+and one host copy. Every session's KV lives in one paged pool
 (``specmesh.kv_pool``): ``admit`` takes the prompt's blocks, a step the blocks its rows write
 (``step_blocks`` says how many, before the forward), and compaction gives back a rejected
 branch's. When a step cannot get them, its scheduler ``preempt``s a session (every block back;
@@ -54,12 +55,12 @@ from specmesh.logits_process import ContextCounts, processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
-from specmesh.warp import warp_probs
 from verifier_service.arguments import (
     DEFAULT_KV_CACHE_GB,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_PREFILL_CHUNK,
 )
+from verifier_service.decisions import Decisions, HostCopy, Item
 from verifier_service.lookahead import (
     LookaheadConfig,
     Window,
@@ -73,14 +74,7 @@ from verifier_service.lookahead import (
     window_positions,
     window_span,
 )
-from verifier_service.verification import (
-    Acceptance,
-    node_logprobs,
-    verify_greedy,
-    verify_greedy_chains,
-    verify_mjsd,
-    verify_sample_batch,
-)
+from verifier_service.verification import Acceptance
 
 
 def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: int,
@@ -174,54 +168,13 @@ def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
 log = logging.getLogger(__name__)
 
 
-def token_logprobs(items: Sequence[tuple[_Session, TokenTree, int]], acceptances: Sequence[Acceptance],
-                   logits: torch.Tensor) -> list[TokenLogprobs | None]:
-    """The log-probabilities of each committed token (accepted path + bonus) of the sessions that ask
-    (``SamplingParams.logprobs``), None for the others. Token j's row is its parent's: the pending row for the first,
-    then each accepted node's. The distribution is the one acceptance decoded from: the processed logits (processors
-    already applied in place), warped when sampling, their softmax when greedy. Computed for the whole batch on the
-    logits' device and copied to the host once.
-
-    items: (session, tree, first logits row) as ``_accept_all``; logits: [R, vocab] (processed)."""
-    asking = [i for i, (session, _, _) in enumerate(items) if session.sampling.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * len(items)
-    if not asking:
-        return out
-    k = max(items[i][0].sampling.logprobs for i in asking)
-    parts, tokens, sizes = [], [], []
-    for i in asking:
-        session, tree, first = items[i]
-        acceptance, sp = acceptances[i], session.sampling
-        rows = logits[[first, *(first + 1 + n for n in acceptance.accepted_nodes)]]
-        if sp.greedy:
-            parts.append(torch.log_softmax(rows.double(), dim=-1))
-        else:
-            parts.append(torch.log(warp_probs(rows, sp.temperature, sp.top_k, sp.top_p)))
-        tokens += acceptance.tokens(tree)
-        sizes.append(len(rows))
-    logp = torch.cat(parts)  # [M, vocab] float64
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])  # [M, 1]
-    top = torch.topk(logp, k, dim=-1)  # sorted, most likely first
-    packed = torch.cat([chosen, top.values, top.indices.double()], dim=1).cpu().numpy()  # [M, 1 + 2k]: one copy
-    start = 0
-    for i, size in zip(asking, sizes, strict=True):
-        block = packed[start : start + size]
-        n = items[i][0].sampling.logprobs
-        out[i] = TokenLogprobs(tuple(tokens[start : start + size]), tuple(block[:, 0].tolist()),
-                               tuple(map(tuple, block[:, 1 + k : 1 + k + n].astype(np.int64).tolist())),
-                               tuple(map(tuple, block[:, 1 : 1 + n].tolist())))
-        start += size
-    return out
-
-
-VECTORISE_FROM = 8  # greedy chains of a step accepted in one numpy pass from this many on (fewer: one walk each)
 
 
 @dataclass
 class _Session:
     cache: KVCache | PagedKVCache
     sampling: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # a seeded sampled request's own (None: the verifier's shared draws)
     table: list[int]  # a runner cache's KV blocks, bookkeeping only (a paged cache holds its own table)
     # every token whose KV the cache holds (or will, once computed): the prompt, then each step's pending token and
     # accepted path; what a preempted session computes again when it resumes
@@ -312,6 +265,10 @@ class LocalVerifier:
         self.max_tree_nodes = max_tree_nodes
         self.feedback_topk = min(feedback_topk, runner.info.vocab_size)
         self.grammar_tokenizer = grammar_tokenizer
+        # the draws of every unseeded sampled request: one call per step for all of them (fresh entropy, without
+        # touching torch's global RNG); a seeded request has a generator of its own
+        self._shared_generator = torch.Generator(device=runner.device)
+        self._shared_generator.seed()
         self.lookahead = lookahead
         self.prefill_chunk = prefill_chunk
         self.features = features
@@ -367,13 +324,9 @@ class LocalVerifier:
         self.check_request(prompt, sampling)
         features = features or self.features
         cache, table = self._take(prompt, (len(prompt) - 1) // self.allocator.block_size, features)
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=self.runner.device)
-            if sampling.seed is not None:
-                generator.manual_seed(sampling.seed)
-            else:
-                generator.seed()  # fresh entropy, without touching torch's global RNG
+        generator = None  # an unseeded sampled request draws from the verifier's shared generator
+        if not sampling.greedy and sampling.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         reused = cache.length  # prompt positions found in the prefix cache
         context = grammar = None
         if processes_logits(sampling):
@@ -566,13 +519,20 @@ class LocalVerifier:
                     logits[first : first + n], tree.tokens, tree.ancestor_mask if tree.num_nodes else None)
             if session.row_masks is not None:  # structured output: what the grammar allows after each row
                 masks, session.row_masks = self._usable(session.row_masks), None
-                logits[first : first + n].masked_fill_(~masks.to(logits.device), float("-inf"))
-        argmax = logits.argmax(dim=-1).cpu().numpy()  # one host copy for every greedy decision and window
-        topk = None
+                logits[first : first + n].masked_fill_(~masks.to(logits.device, non_blocking=True), float("-inf"))
+        # every decision on the device, then one copy to the host (verifier_service/decisions.py)
+        copy = HostCopy()
+        argmax_device = logits.argmax(dim=-1)
+        argmax_handle = copy.add(argmax_device)
+        topk_handle = None
         if self.feedback_topk and verify_rows:
-            topk = torch.topk(logits, self.feedback_topk, dim=-1).indices.cpu().numpy()  # [R, k]
-        acceptances = self._accept_all(accepting, logits, argmax)
-        logprobs = token_logprobs(accepting, acceptances, logits)
+            topk_handle = copy.add(torch.topk(logits, self.feedback_topk, dim=-1).indices)  # [R, k]
+        decisions = Decisions([Item(s.sampling, s.generator, tree, first) for s, tree, first in accepting],
+                              logits, argmax_device, copy, self._shared_generator)
+        copy.fetch()  # the step's one device-to-host transfer
+        argmax = copy[argmax_handle].astype(np.int64)  # [R]: every greedy decision and window
+        topk = None if topk_handle is None else copy[topk_handle].astype(np.int64)
+        acceptances, logprobs = decisions.resolve(argmax)
         firsts: dict[str, int] = {}
         for session_id, acceptance, lp in zip(finishing, acceptances, logprobs, strict=False):
             firsts[session_id] = acceptance.bonus_token
@@ -852,59 +812,6 @@ class LocalVerifier:
         note_successors(session.successors, [session.pending, *committed])
         session.window = shift_window(session.window, outputs, len(committed) - 1, committed[-1], session.successors)
         return ngrams
-
-    @staticmethod
-    def _accept_all(items: Sequence[tuple[_Session, TokenTree, int]], logits: torch.Tensor,
-                    argmax: np.ndarray) -> list[Acceptance]:
-        """The accepted path of each (session, tree, first row): tree r's outputs are rows
-        [first, first + num_nodes + 1) of logits [R, vocab] (argmax: its row-wise argmax, on the host).
-        Greedy sessions walk the argmax; sampling ones go through one batched rejection sampler; MJSD sessions
-        (lossy, greedy) read their nodes' target log-probabilities with one gather for all of them."""
-        out: list[Acceptance | None] = [None] * len(items)
-        sampled, mjsd, chains = [], [], []
-        for i, (session, tree, first) in enumerate(items):
-            if session.sampling.acceptance == "mjsd":
-                mjsd.append(i)
-            elif not session.sampling.greedy:
-                sampled.append(i)
-            elif tree.num_nodes == 0:  # plain decoding: the target's token
-                out[i] = Acceptance((), int(argmax[first]))
-            elif tree.is_chain:  # chains: one vectorised pass below
-                chains.append(i)
-            else:
-                out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
-        if len(chains) < VECTORISE_FROM:  # numpy's per-call cost outweighs a short host walk
-            for i in chains:
-                session, tree, first = items[i]
-                out[i] = verify_greedy(tree, argmax[first : first + tree.num_nodes + 1])
-            chains = []
-        if chains:
-            trees = [items[i][1] for i in chains]
-            cu_nodes = np.zeros(len(chains) + 1, np.int64)
-            np.cumsum([tree.num_nodes for tree in trees], out=cu_nodes[1:])
-            tokens = np.concatenate([tree.tokens for tree in trees])
-            firsts = np.fromiter((items[i][2] for i in chains), np.int64, len(chains))
-            num_accepted, bonus = verify_greedy_chains(argmax, firsts, tokens, cu_nodes)
-            for i, count, token in zip(chains, num_accepted.tolist(), bonus.tolist(), strict=True):
-                out[i] = Acceptance(tuple(range(count)), token)
-        if mjsd:
-            logprobs = node_logprobs([items[i][1] for i in mjsd], logits, [items[i][2] for i in mjsd])
-            for i, logp in zip(mjsd, logprobs, strict=True):
-                session, tree, first = items[i]
-                out[i] = verify_mjsd(tree, argmax[first : first + tree.num_nodes + 1], logp,
-                                     session.sampling.mjsd_threshold)
-        if sampled:
-            probs, cu = [], [0]
-            for i in sampled:
-                session, tree, first = items[i]
-                sp = session.sampling
-                probs.append(warp_probs(logits[first : first + tree.num_nodes + 1], sp.temperature, sp.top_k, sp.top_p))
-                cu.append(cu[-1] + tree.num_nodes + 1)
-            trees = [items[i][1] for i in sampled]
-            generators = [items[i][0].generator for i in sampled]
-            for i, acceptance in zip(sampled, verify_sample_batch(trees, torch.cat(probs), cu, generators), strict=True):
-                out[i] = acceptance
-        return out
 
     @property
     def num_sessions(self) -> int:

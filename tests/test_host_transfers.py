@@ -1,0 +1,180 @@
+"""One device-to-host transfer per verifier step (issue 32 item 1).
+
+Every decision a step makes (greedy and sampled acceptance of chains and trees, MJSD, the top-k feedback, the
+lookahead window's outputs, log-probabilities, a finishing prefill's first token) is staged on the device and copied
+to the host once. On the CPU there is no device, so the test marks what the target's forward returns: its outputs
+are ``OnDevice`` tensors, whose subclass every result computed from them keeps, and every read of one on the host
+(``.cpu()``, ``.tolist()``, ``.item()``, ``.numpy()``, ``bool()``/``int()``/``float()``, ``np.asarray``) or operation
+that makes a device wait for its host (``nonzero``, ``unique``, boolean-mask indexing) is counted. On CUDA the same
+steps run under ``torch.cuda.set_sync_debug_mode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from specmesh.fast_llama import FastLlamaRunner
+from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
+from verifier_service.lookahead import LookaheadConfig
+from verifier_service.verifier import LocalVerifier
+
+READS = {"cpu", "tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__", "nonzero",
+         "unique", "unique_consecutive", "masked_select", "argwhere", "nonzero_static"}
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor standing for one on an accelerator: host reads of it and its descendants are counted."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS or name == "to" and _to_host(args, kwargs or {}) or name in ("__getitem__", "__setitem__") \
+                and _boolean_index(args[1]):
+            cls.reads.append(name)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _to_host(args, kwargs) -> bool:
+    target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, str | torch.device)), None))
+    return target is not None and torch.device(target).type == "cpu"
+
+
+def _boolean_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+def marked(model_sets):
+    """A runner of the random target of its own, its forward's outputs (logits, features) marked ``OnDevice``."""
+    runner = FastLlamaRunner(model_sets("random").target)
+    forward = runner.forward_batch
+
+    def forward_batch(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(t.as_subclass(OnDevice) for t in out)
+        return out.as_subclass(OnDevice)
+
+    runner.forward_batch = forward_batch
+    return runner
+
+
+@contextlib.contextmanager
+def counting():
+    OnDevice.reads = []
+    yield OnDevice.reads
+
+
+def tree_for(rng: random.Random, kind: str, vocab: int) -> TokenTree:
+    """chain: 4 tokens; tree: two branches (4 and 2 tokens) and a second child of the first node; empty."""
+    if kind == "empty":
+        return TokenTree.empty()
+    if kind == "chain":
+        return TokenTree.chain([rng.randrange(vocab) for _ in range(4)])
+    tokens = [rng.randrange(vocab) for _ in range(7)]
+    return TokenTree(np.array(tokens, np.int64), np.array([-1, 0, 1, 2, -1, 4, 0], np.int64), np.ones(7))
+
+
+SESSIONS = {
+    "greedy": SamplingParams(max_new_tokens=64),
+    "greedy_logprobs": SamplingParams(max_new_tokens=64, logprobs=3),
+    "sampled": SamplingParams(max_new_tokens=64, temperature=0.8, top_p=0.9),
+    "sampled_seeded_logprobs": SamplingParams(max_new_tokens=64, temperature=0.7, top_k=20, seed=5, logprobs=2),
+    "penalised": SamplingParams(max_new_tokens=64, temperature=0.9, presence_penalty=0.5, repetition_penalty=1.2),
+    "mjsd": SamplingParams(max_new_tokens=64, acceptance="mjsd", mjsd_threshold=0.3),
+}
+
+
+@pytest.mark.parametrize("kinds", [("empty",), ("chain",), ("tree",), ("empty", "chain", "tree")],
+                         ids=["plain", "chains", "trees", "mixed"])
+@pytest.mark.parametrize("modes", [("greedy",), ("sampled",), tuple(SESSIONS)], ids=["greedy", "sampled", "all"])
+@pytest.mark.parametrize("extras", ["none", "feedback_lookahead"])
+def test_a_step_reads_the_device_once(model_sets, kinds, modes, extras):
+    runner = marked(model_sets)
+    vocab = runner.info.vocab_size
+    options = {"feedback_topk": 4, "lookahead": LookaheadConfig(window=3, ngram=3)} if extras != "none" else {}
+    verifier = LocalVerifier(runner, prefill_chunk=16, **options)
+    rng = random.Random(hash((kinds, modes, extras)) % 2**32)
+    ids = [f"{mode}-{i}" for i, mode in enumerate(modes * 2)]
+    for sid in ids:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 30))]
+        verifier.admit(sid, prompt, SESSIONS[sid.split("-")[0]])
+    steps = 0
+    while prefilling := [sid for sid in ids if verifier.prefilling(sid)]:
+        with counting() as reads:
+            verifier.step(prefilling, ())
+        assert len(reads) == 1, reads
+        steps += 1
+    for step in range(6):
+        trees = [(sid, tree_for(rng, kinds[(i + step) % len(kinds)], vocab)) for i, sid in enumerate(ids)]
+        with counting() as reads:
+            _, results = verifier.step((), trees)
+        assert len(reads) == 1, reads  # HostCopy.fetch, and nothing else
+        for sid, result in zip(ids, results, strict=True):
+            assert not isinstance(result, Exception), result
+            assert result.tokens, result
+            if SESSIONS[sid.split("-")[0]].logprobs is not None:
+                assert len(result.logprobs) == len(result.tokens)
+        steps += 1
+    assert steps >= 7
+
+
+def test_a_mixed_step_with_prefills_and_verifies_reads_once(model_sets):
+    runner = marked(model_sets)
+    verifier = LocalVerifier(runner, prefill_chunk=8)
+    rng = random.Random(1)
+    verifier.admit("a", [rng.randrange(100) for _ in range(5)], SESSIONS["sampled"])
+    verifier.step(["a"], ())
+    verifier.admit("b", [rng.randrange(100) for _ in range(20)], SESSIONS["sampled_seeded_logprobs"])
+    for step in range(3):  # b's 20-token prompt in chunks of 8, beside a's trees; its first token at the last
+        with counting() as reads:
+            firsts, results = verifier.step(["b"], [("a", TokenTree.chain([1, 2, 3][: step + 1]))])
+        assert len(reads) == 1, reads
+        assert results[0].tokens and ("b" in firsts) == (step == 2)
+    assert len(verifier.take_first_logprobs("b")) == 1
+
+
+def test_the_counter_sees_a_host_read(model_sets):
+    """The instrument itself: an argmax copied outside the one transfer is seen."""
+    runner = marked(model_sets)
+    out = runner.forward_batch([runner.new_pool(8, 4).open(4)], np.arange(3), np.arange(3), [3], [None])
+    with counting() as reads:
+        out.argmax(dim=-1).cpu()
+        out.argmax(dim=-1).tolist()
+        out[out > 0]
+        (out * 2).sum().item()
+    assert reads == ["cpu", "tolist", "__getitem__", "item"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_step_waits_for_the_device_once(model_sets):
+    """On CUDA: no operation of a verify step but the one copy makes the host wait (the sync debug mode warns for
+    each; a step with a sampled tree, a greedy chain and logprobs)."""
+    runner = FastLlamaRunner(copy.deepcopy(model_sets("random").target).cuda())
+    verifier = LocalVerifier(runner)
+    verifier.admit("s", list(range(1, 12)), SESSIONS["sampled_seeded_logprobs"])
+    verifier.admit("g", list(range(3, 9)), SESSIONS["greedy"])
+    verifier.step(["s", "g"], ())
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            verifier.step((), [("s", tree_for(random.Random(0), "tree", 100)), ("g", TokenTree.chain([5, 6]))])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, syncs
