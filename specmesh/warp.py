@@ -25,12 +25,39 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: 
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cum_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = cum_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        if CPU_SHORTCUT and probs.device.type == "cpu":
+            drop = _top_p_drop_cpu(probs, top_p)
+        else:
+            drop = _top_p_drop(probs, top_p)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
+
+# On the CPU, top-p first looks among each row's TOP_P_CANDIDATES most likely tokens (a partial sort, ~7x
+# cheaper than sorting 8,192 columns) and sorts whole rows only when those do not reach top_p: the same tokens
+# kept, decided on the host, which on the CPU is where the tensor is. On an accelerator the full sort runs (no
+# host read). Tests turn the shortcut off to hold the device path to one transfer per step.
+CPU_SHORTCUT = True
+TOP_P_CANDIDATES = 256
+
+
+def _top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., vocab] bool: the tokens outside the smallest most-likely prefix whose mass reaches top_p (always at
+    least one token kept)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    cum_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = cum_before >= top_p
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def _top_p_drop_cpu(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``_top_p_drop`` from the top TOP_P_CANDIDATES of each row when their mass reaches top_p (every row's)."""
+    if probs.shape[-1] <= TOP_P_CANDIDATES:
+        return _top_p_drop(probs, top_p)
+    top = torch.topk(probs, TOP_P_CANDIDATES, dim=-1)  # sorted, most likely first
+    cum = torch.cumsum(top.values, dim=-1)
+    if not bool((cum[..., -1] > top_p).all()):  # a flat row: its prefix goes past the candidates
+        return _top_p_drop(probs, top_p)
+    keep_sorted = cum - top.values < top_p
+    return ~torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top.indices, keep_sorted)

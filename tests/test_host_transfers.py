@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from specmesh import warp
 from specmesh.fast_llama import FastLlamaRunner
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -55,6 +56,12 @@ def _to_host(args, kwargs) -> bool:
 def _boolean_index(index) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+@pytest.fixture(autouse=True)
+def device_paths(monkeypatch):
+    """The accelerator's code paths: top-p by a full sort (the CPU's shortcut reads the host; see specmesh.warp)."""
+    monkeypatch.setattr(warp, "CPU_SHORTCUT", False)
 
 
 def marked(model_sets):

@@ -363,6 +363,24 @@ def test_warp_probs_batched_rows_are_independent():
         torch.testing.assert_close(batched[i], warp_probs(logits[i], 0.8, 4, 0.7))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.05, 0.3, 1.0, 4.0]), st.sampled_from([0.99, 0.95, 0.5, 0.05]),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_cpu_top_p_shortcut_keeps_the_same_tokens(seed, spread, top_p, dtype):
+    """The CPU's top-p from each row's top TOP_P_CANDIDATES equals the full sort's: rows peaked (decided among
+    the candidates) and flat (spread 0.05: the prefix goes past them, the full sort decides) in one batch."""
+    from specmesh import warp
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 3 * warp.TOP_P_CANDIDATES, generator=gen)
+    logits[::2] *= spread
+    logits[1::2] *= 4.0
+    fast = warp._top_p_drop_cpu(torch.softmax(logits.to(dtype), -1), top_p)
+    full = warp._top_p_drop(torch.softmax(logits.to(dtype), -1), top_p)
+    assert torch.equal(fast, full)
+    assert (~fast).any(dim=-1).all()  # at least one token kept per row
+
+
 def test_a_denormal_temperature_decodes_greedily(e2e_models):
     """Dividing logits by a temperature near 0 overflows: below GREEDY_BELOW (vLLM's epsilon) a request is greedy."""
     from spec_helpers import engine_for
