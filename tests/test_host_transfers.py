@@ -5,14 +5,13 @@ lookahead window's outputs, log-probabilities, a finishing prefill's first token
 to the host once. On the CPU there is no device, so the test marks what the target's forward returns: its outputs
 are ``OnDevice`` tensors, whose subclass every result computed from them keeps, and every read of one on the host
 (``.cpu()``, ``.tolist()``, ``.item()``, ``.numpy()``, ``bool()``/``int()``/``float()``, ``np.asarray``) or operation
-that makes a device wait for its host (``nonzero``, ``unique``, boolean-mask indexing) is counted. On CUDA the same
-steps run under ``torch.cuda.set_sync_debug_mode``.
+that makes a device wait for its host (``nonzero``, ``unique``, boolean-mask indexing) is counted. On CUDA a step's decisions
+are staged under ``torch.cuda.set_sync_debug_mode`` (the forward's own metadata copies are issue 32 item 3's).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 import warnings
 
@@ -24,6 +23,7 @@ from specmesh import warp
 from specmesh.fast_llama import FastLlamaRunner
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
+from verifier_service.decisions import Decisions, HostCopy, Item
 from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
 
@@ -167,21 +167,35 @@ def test_the_counter_sees_a_host_read(model_sets):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_cuda_step_waits_for_the_device_once(model_sets):
-    """On CUDA: no operation of a verify step but the one copy makes the host wait (the sync debug mode warns for
-    each; a step with a sampled tree, a greedy chain and logprobs)."""
-    runner = FastLlamaRunner(copy.deepcopy(model_sets("random").target).cuda())
-    verifier = LocalVerifier(runner)
-    verifier.admit("s", list(range(1, 12)), SESSIONS["sampled_seeded_logprobs"])
-    verifier.admit("g", list(range(3, 9)), SESSIONS["greedy"])
-    verifier.step(["s", "g"], ())
+def test_cuda_decisions_wait_for_the_device_once():
+    """On CUDA: staging a step's decisions (greedy chain, sampled trees seeded and not, MJSD, logprobs, top-k) makes
+    the host wait nowhere (the sync debug mode warns at each synchronising call) but at the one copy."""
+    rng = random.Random(0)
+    vocab = 1000
+    items, first = [], 0
+    for name, kind in (("greedy", "chain"), ("sampled", "tree"), ("sampled_seeded_logprobs", "tree"),
+                       ("greedy_logprobs", "tree"), ("mjsd", "chain"), ("sampled", "empty")):
+        tree = tree_for(rng, kind, vocab)
+        sampling = SESSIONS[name]
+        gen = torch.Generator("cuda").manual_seed(sampling.seed) if sampling.seed is not None else None
+        items.append(Item(sampling, gen, tree, first))
+        first += tree.num_nodes + 1
+    logits = torch.randn(first, vocab, device="cuda")
+    shared = torch.Generator("cuda").manual_seed(1)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            verifier.step((), [("s", tree_for(random.Random(0), "tree", 100)), ("g", TokenTree.chain([5, 6]))])
+            copy = HostCopy()
+            argmax = logits.argmax(dim=-1)
+            handle = copy.add(argmax)
+            copy.add(torch.topk(logits, 4, dim=-1).indices)
+            decisions = Decisions(items, logits, argmax, copy, shared)
+            copy.fetch()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= 1, syncs
+    acceptances, logprobs = decisions.resolve(copy[handle].astype(np.int64))
+    assert len(acceptances) == len(items) and logprobs[2] is not None and logprobs[0] is None

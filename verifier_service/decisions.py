@@ -147,10 +147,10 @@ class Decisions:
                 greedy_rows.append(np.arange(items[i].first, items[i].first + n))
         parts = []
         if greedy_rows:
-            index = torch.from_numpy(np.concatenate(greedy_rows)).to(device)
+            index = torch.from_numpy(np.concatenate(greedy_rows)).to(device, non_blocking=True)
             parts.append(torch.log_softmax(logits[index].float(), dim=-1))
         if sampled_rows:
-            parts.append(torch.log(probs[torch.from_numpy(np.concatenate(sampled_rows)).to(device)]))
+            parts.append(torch.log(probs[torch.from_numpy(np.concatenate(sampled_rows)).to(device, non_blocking=True)]))
         logp = torch.cat(parts)  # [M, vocab]: the greedy askers' rows, then the sampled askers'
         order = [i for i in self.asking if i not in sampled_at] + [i for i in self.asking if i in sampled_at]
         self._row0, self._node0 = {}, {}
@@ -164,8 +164,8 @@ class Decisions:
             at_node += tree.num_nodes
         k = max(items[i].sampling.logprobs for i in self.asking)
         top = torch.topk(logp, k, dim=-1)  # sorted, most likely first
-        index_rows = torch.from_numpy(np.concatenate(rows + [np.zeros(0, np.int64)])).to(device)
-        index_cols = torch.from_numpy(np.concatenate(cols + [np.zeros(0, np.int64)])).to(device)
+        index_rows = torch.from_numpy(np.concatenate(rows + [np.zeros(0, np.int64)])).to(device, non_blocking=True)
+        index_cols = torch.from_numpy(np.concatenate(cols + [np.zeros(0, np.int64)])).to(device, non_blocking=True)
         self._lp = (
             self._copy.add(logp[index_rows, index_cols]),  # [nodes] each node's token under its parent's row
             self._copy.add(logp.max(dim=-1).values),  # [M] the argmax's: a greedy bonus's

@@ -151,9 +151,9 @@ def node_logprobs_device(trees: Sequence[TokenTree], logits: torch.Tensor, first
     cols = np.concatenate([tree.tokens for tree in trees] + [[]])
     if not len(rows):
         return torch.zeros(0, device=logits.device)
-    index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
+    index = torch.from_numpy(rows.astype(np.int64)).to(logits.device, non_blocking=True)
     picked = logits[index].float()  # [total_nodes, vocab]
-    logp = picked.gather(1, torch.from_numpy(cols.astype(np.int64)).to(logits.device)[:, None])[:, 0]
+    logp = picked.gather(1, torch.from_numpy(cols.astype(np.int64)).to(logits.device, non_blocking=True)[:, None])[:, 0]
     return logp - torch.logsumexp(picked, dim=-1)
 
 
