@@ -42,6 +42,11 @@ from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.tree import TokenTree, ancestor_mask
 from specmesh.warp import warp_probs
 
+# On the CPU, batched greedy chains stop drafting once no chain goes on (reading that costs nothing there); on an
+# accelerator every level up to the longest budget runs, so that nothing is read before the chains are done.
+# Tests turn it off to hold the device path to one copy per draft step.
+CPU_STOPS_EARLY = True
+
 
 @dataclass
 class DraftCache:
@@ -60,9 +65,10 @@ def sync_draft_cache(runner: ModelRunner, dc: DraftCache, committed: list[int]) 
     return logits
 
 
-def sync_draft_caches(runner: ModelRunner, caches: Sequence[DraftCache], contexts: Sequence[list[int]]) -> torch.Tensor:
+def sync_draft_caches(runner: ModelRunner, caches: Sequence[DraftCache], contexts: Sequence[list[int]],
+                      on_host: bool = True) -> torch.Tensor:
     """``sync_draft_cache`` for many sessions in one forward; the logits after each context's last token,
-    [len(caches), vocab] on the host."""
+    [len(caches), vocab] on the host (``on_host``) or on the draft model's device."""
     ids, positions, num_new = [], [], []
     for dc, committed in zip(caches, contexts, strict=True):
         common = common_prefix_len(dc.cached, committed, limit=len(committed) - 1)
@@ -72,8 +78,9 @@ def sync_draft_caches(runner: ModelRunner, caches: Sequence[DraftCache], context
         num_new.append(len(committed) - common)
         dc.cached = list(committed)
     last = torch.as_tensor(np.cumsum(num_new) - 1)
-    return runner.forward_batch([dc.cache for dc in caches], ids, positions, num_new, [None] * len(caches),
-                                last.to(runner.device)).cpu()
+    logits = runner.forward_batch([dc.cache for dc in caches], ids, positions, num_new, [None] * len(caches),
+                                  last.to(runner.device, non_blocking=True))
+    return logits.cpu() if on_host else logits
 
 
 @dataclass
@@ -192,6 +199,11 @@ class DraftModelProposer(Proposer):
             if dc is None:
                 dc = states[i].scratch[self.name] = DraftCache(self.runner.new_cache())
             caches.append(dc)
+        if not self.tree and all(self._on_device(states[i]) for i in live):
+            logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live], on_host=False)
+            for i, tree in zip(live, self._device_chains(caches, [budgets[i] for i in live], logits), strict=True):
+                out[i] = tree
+            return out
         logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live])  # [len(live), vocab]
         if self.tree:
             for i, tree in zip(live, self._trees([states[i] for i in live], [budgets[i] for i in live], caches,
@@ -218,6 +230,57 @@ class DraftModelProposer(Proposer):
         for c, i in enumerate(live):
             out[i] = chains[c].tree(self.name)
         return out
+
+    def _on_device(self, state: DraftSessionState) -> bool:
+        """Whether the session's chain is drafted by ``_device_chains``: greedy, without logit processors or a
+        grammar (those decide on the host, token by token)."""
+        return state.sampling.greedy and not processes_logits(state.sampling) and self._grammar(state) is None
+
+    def _device_chains(self, caches: Sequence[DraftCache], budgets: Sequence[Budget],
+                       logits: torch.Tensor) -> list[TokenTree]:
+        """Greedy chains for B sessions with every decision on the draft model's device and one copy of the
+        finished chains to the host: the same chains as ``_Chain.pick`` one token at a time. Level l picks each
+        chain's argmax and its softmax probability, and a chain goes on while it is shorter than its budget, its
+        last token's probability is at least ``min_confidence`` and its path's at least ``min_path_prob``. Every
+        chain is fed at every level (a chain that stopped drafts on unseen: its later tokens are not shipped, and
+        the draft cache holds them like any other fed token); the levels run until the longest budget, or, on the
+        CPU (where reading a tensor costs nothing), until no chain goes on. logits: [B, vocab] after each context."""
+        b = len(caches)
+        device = logits.device
+        lengths = [min(budget.max_nodes, budget.max_depth) for budget in budgets]
+        limit = torch.tensor(lengths).to(device, non_blocking=True)
+        min_path = torch.tensor([budget.min_path_prob for budget in budgets], dtype=torch.float64)
+        min_path = min_path.to(device, non_blocking=True)
+        tokens = torch.zeros(b, max(lengths), dtype=torch.int64, device=device)
+        probs = torch.zeros(b, max(lengths), dtype=torch.float64, device=device)
+        alive = torch.ones(b, dtype=torch.bool, device=device)
+        count = torch.zeros(b, dtype=torch.int64, device=device)
+        path_prob = torch.ones(b, dtype=torch.float64, device=device)
+        fed = 0
+        for level in range(max(lengths)):
+            x = logits.argmax(dim=-1)  # [B]
+            p = torch.softmax(logits.double(), dim=-1).gather(1, x[:, None])[:, 0]
+            tokens[:, level], probs[:, level] = x, p
+            count += alive
+            path_prob = path_prob * p
+            alive = alive & (level + 1 < limit) & (p >= self.min_confidence) & (path_prob >= min_path)
+            expired = [budget.expired() for budget in budgets]  # the host's clock: no device read
+            if any(expired):
+                alive = alive & ~torch.tensor(expired).to(device, non_blocking=True)
+            if level + 1 == max(lengths) or all(expired) or (CPU_STOPS_EARLY and device.type == "cpu"
+                                                             and not bool(alive.any())):
+                break
+            logits = self.runner.forward_batch([dc.cache for dc in caches], x, [len(dc.cached) + fed for dc in caches],
+                                               [1] * b, [None] * b)  # [B, vocab]
+            fed += 1
+        host = torch.cat([count.double()[:, None], tokens.double(), probs], dim=1).cpu().numpy()  # the one copy
+        trees = []
+        for dc, row in zip(caches, host, strict=True):
+            chain = row[1 : 1 + tokens.shape[1]].astype(np.int64)
+            dc.cached.extend(chain[:fed].tolist())
+            n = int(row[0])
+            trees.append(TokenTree.chain(chain[:n].tolist(), row[1 + tokens.shape[1] :][:n].tolist(), self.name))
+        return trees
 
     def prepare(self, state: DraftSessionState) -> None:
         """Prefill the prompt (all but its last token, which the first proposal feeds)."""

@@ -194,13 +194,28 @@ def test_batched_drafts_equal_one_session_at_a_time(model_sets, backend, sampled
     """``propose_batch`` (one draft forward per level for every session, caches caught up in one forward) drafts
     the chains and dynamic trees ``propose`` drafts session by session, including sampled tokens and their
     shipped q, over rounds of context edits (accepted drafts kept in the cache, rejected ones rolled back)."""
-    runner = model_sets("random").runner("near", backend)
+    batched_equals_alone(model_sets("random").runner("near", backend), sampled, tree)
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.2])
+def test_device_chains_run_every_level_and_draft_the_same(model_sets, monkeypatch, min_confidence):
+    """Greedy chains on an accelerator (``_device_chains`` without the CPU's early stop: every level to the longest
+    budget, chains that stopped fed on unseen) ship the chains ``propose`` drafts one by one, and their draft
+    caches stay right for the next round."""
+    from drafter_service import draft_model
+
+    monkeypatch.setattr(draft_model, "CPU_STOPS_EARLY", False)
+    batched_equals_alone(model_sets("random").runner("near", "fast"), False, False, min_confidence)
+
+
+def batched_equals_alone(runner, sampled: bool, tree: bool, min_confidence: float = 0.0) -> None:
     prompts = make_prompts(5, seed=23, min_len=3, max_len=30)
     sampling = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=64) if sampled else GREEDY
     budgets = [Budget(6, 6), Budget(3, 2), Budget(0, 0), Budget(8, 4, min_path_prob=0.05), Budget(1, 1)]
     if tree:
         budgets[0] = Budget(12, 4)
-    one, batched = DraftModelProposer(runner, tree=tree), DraftModelProposer(runner, tree=tree)
+    one = DraftModelProposer(runner, tree=tree, min_confidence=min_confidence)
+    batched = DraftModelProposer(runner, tree=tree, min_confidence=min_confidence)
     alone = [_state(list(p), sampling, seed=i) for i, p in enumerate(prompts)]
     together = [_state(list(p), sampling, seed=i) for i, p in enumerate(prompts)]
     rng = random.Random(0)
