@@ -48,6 +48,46 @@ from specmesh.warp import warp_probs
 CPU_STOPS_EARLY = True
 
 
+# A sampled draft token is drawn from the DRAFT_SUPPORT most likely tokens of the warped q, renormalised, and that
+# distribution ships with the tree exactly (the verifier's rejection sampling stays lossless for any q the draft
+# really sampled from). Wider supports (a high temperature without top-k/top-p) lose only their tail; the shape is
+# fixed, so that the batched draft decides on the device and ships every level's q in one copy.
+DRAFT_SUPPORT = 256
+
+
+def draft_draws(generator: torch.Generator, levels: int, vocab: int) -> torch.Tensor:
+    """[levels, min(DRAFT_SUPPORT, vocab)] float64 Exp(1) draws of one sampled chain, taken from the session's
+    generator at the start of the chain, all levels at once: a chain that stops early consumes as many as one
+    that does not, so the one-by-one and the batched draft keep the same random stream."""
+    return torch.empty(levels, min(DRAFT_SUPPORT, vocab), dtype=torch.float64).exponential_(generator=generator)
+
+
+def pick_sampled(q: torch.Tensor, exponentials: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A draw from q [..., vocab] (warped, float64) truncated to its DRAFT_SUPPORT most likely tokens: the
+    exponential race argmax(q' / E) over the renormalised q'. exponentials: [..., n]. Returns (token, q'(token),
+    support ids [..., n], q' over them [..., n]; zeros past q's own support)."""
+    top = torch.topk(q, exponentials.shape[-1], dim=-1)
+    vals = top.values / top.values.sum(dim=-1, keepdim=True)
+    choice = (vals / exponentials).argmax(dim=-1, keepdim=True)
+    return top.indices.gather(-1, choice)[..., 0], vals.gather(-1, choice)[..., 0], top.indices, vals
+
+
+def chain_tree(tokens: Sequence[int], probs: Sequence[float], dists: Sequence[tuple[np.ndarray, np.ndarray]],
+               name: str) -> TokenTree:
+    """A drafted chain; with ``dists`` (sampling), each node's sparse q ships with it."""
+    tree = TokenTree.chain(tokens, probs, name)
+    if not dists:
+        return tree
+    ids, vals = zip(*dists, strict=True)
+    sizes = [len(i) for i in ids]
+    return TokenTree(
+        tree.tokens, tree.parents, tree.draft_probs, tree.sources,
+        q_cu=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        q_ids=np.concatenate(ids).astype(np.int64),
+        q_probs=np.concatenate(vals).astype(np.float64),
+    )
+
+
 @dataclass
 class DraftCache:
     cache: KVCache
@@ -97,6 +137,7 @@ class _Chain:
 
     grammar: GrammarState | None = None  # structured output: the session's grammar, fed this chain's tokens
     fed: int = 0  # drafted tokens the grammar consumed (rolled back when the chain is done)
+    draws: torch.Tensor | None = None  # sampling: the chain's Exp(1) draws (``draft_draws``), taken at its first pick
 
     def pick(self, logits: torch.Tensor, min_confidence: float) -> bool:
         """Choose the next token from ``logits`` [vocab] (greedy: the draft's argmax; sampling: a draw from the
@@ -113,19 +154,26 @@ class _Chain:
             x = int(logits.argmax())  # host sync
             self.probs.append(float(torch.softmax(logits.double(), -1)[x]))
         else:
+            if self.draws is None:
+                self.draws = draft_draws(self.state.generator, self.length, logits.shape[-1])
             q = warp_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-            x = int(torch.multinomial(q, 1, generator=self.state.generator))
-            ids = torch.nonzero(q).flatten()
-            self.dists.append((ids.numpy(), q[ids].numpy()))
-            self.probs.append(float(q[x]))
+            token, q_x, ids, vals = pick_sampled(q, self.draws[len(self.tokens)])
+            x = int(token)
+            support = vals > 0
+            self.dists.append((ids[support].numpy(), vals[support].numpy()))
+            self.probs.append(float(q_x))
         self.tokens.append(x)
         if self.grammar is not None:
             ended = x in self.grammar.eos or not self.grammar.matcher.consume_token(x)
             self.fed += not ended
         self.path_prob *= self.probs[-1]
-        length = min(self.budget.max_nodes, self.budget.max_depth)
-        return not (ended or len(self.tokens) == length or self.probs[-1] < min_confidence
+        return not (ended or len(self.tokens) == self.length or self.probs[-1] < min_confidence
                     or self.path_prob < self.budget.min_path_prob or self.budget.expired())
+
+    @property
+    def length(self) -> int:
+        """The most tokens the budget lets the chain have."""
+        return min(self.budget.max_nodes, self.budget.max_depth)
 
     def tree(self, name: str) -> TokenTree:
         """The drafted chain; when sampling, the sparse q of every node ships with it. The grammar, if any, is rolled
@@ -133,17 +181,7 @@ class _Chain:
         if self.grammar is not None:
             self.grammar.rollback(self.fed)
             self.fed = 0
-        tree = TokenTree.chain(self.tokens, self.probs, name)
-        if not self.dists:
-            return tree
-        ids, vals = zip(*self.dists, strict=True)
-        sizes = [len(i) for i in ids]
-        return TokenTree(
-            tree.tokens, tree.parents, tree.draft_probs, tree.sources,
-            q_cu=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-            q_ids=np.concatenate(ids).astype(np.int64),
-            q_probs=np.concatenate(vals).astype(np.float64),
-        )
+        return chain_tree(self.tokens, self.probs, self.dists, name)
 
 
 def _grammar_masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -201,7 +239,8 @@ class DraftModelProposer(Proposer):
             caches.append(dc)
         if not self.tree and all(self._on_device(states[i]) for i in live):
             logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live], on_host=False)
-            for i, tree in zip(live, self._device_chains(caches, [budgets[i] for i in live], logits), strict=True):
+            for i, tree in zip(live, self._device_chains([states[i] for i in live], caches, [budgets[i] for i in live],
+                                                         logits), strict=True):
                 out[i] = tree
             return out
         logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live])  # [len(live), vocab]
@@ -232,34 +271,59 @@ class DraftModelProposer(Proposer):
         return out
 
     def _on_device(self, state: DraftSessionState) -> bool:
-        """Whether the session's chain is drafted by ``_device_chains``: greedy, without logit processors or a
-        grammar (those decide on the host, token by token)."""
-        return state.sampling.greedy and not processes_logits(state.sampling) and self._grammar(state) is None
+        """Whether the session's chain is drafted by ``_device_chains``: without logit processors or a grammar
+        (those decide on the host, token by token)."""
+        return not processes_logits(state.sampling) and self._grammar(state) is None
 
-    def _device_chains(self, caches: Sequence[DraftCache], budgets: Sequence[Budget],
-                       logits: torch.Tensor) -> list[TokenTree]:
-        """Greedy chains for B sessions with every decision on the draft model's device and one copy of the
-        finished chains to the host: the same chains as ``_Chain.pick`` one token at a time. Level l picks each
-        chain's argmax and its softmax probability, and a chain goes on while it is shorter than its budget, its
-        last token's probability is at least ``min_confidence`` and its path's at least ``min_path_prob``. Every
-        chain is fed at every level (a chain that stopped drafts on unseen: its later tokens are not shipped, and
-        the draft cache holds them like any other fed token); the levels run until the longest budget, or, on the
-        CPU (where reading a tensor costs nothing), until no chain goes on. logits: [B, vocab] after each context."""
-        b = len(caches)
+    def _device_chains(self, states: Sequence[DraftSessionState], caches: Sequence[DraftCache],
+                       budgets: Sequence[Budget], logits: torch.Tensor) -> list[TokenTree]:
+        """Chains for B sessions with every decision on the draft model's device and one copy of the finished
+        chains to the host: the same chains as ``_Chain.pick`` one token at a time. Level l picks each greedy
+        chain's argmax (and its softmax probability) and draws each sampled chain's token from its warped q
+        (``pick_sampled``, with the chain's own draws, taken on the host at the start and copied once); a chain
+        goes on while it is shorter than its budget, its last token's probability is at least ``min_confidence``
+        and its path's at least ``min_path_prob``. Every chain is fed at every level (a chain that stopped drafts
+        on unseen: its later tokens are not shipped, and the draft cache holds them like any other fed token); the
+        levels run until the longest budget, or, on the CPU (where reading a tensor costs nothing), until no chain
+        goes on. logits: [B, vocab] after each context."""
+        b, vocab = logits.shape
         device = logits.device
         lengths = [min(budget.max_nodes, budget.max_depth) for budget in budgets]
+        depth = max(lengths)
         limit = torch.tensor(lengths).to(device, non_blocking=True)
         min_path = torch.tensor([budget.min_path_prob for budget in budgets], dtype=torch.float64)
         min_path = min_path.to(device, non_blocking=True)
-        tokens = torch.zeros(b, max(lengths), dtype=torch.int64, device=device)
-        probs = torch.zeros(b, max(lengths), dtype=torch.float64, device=device)
+        sampled = [r for r, state in enumerate(states) if not state.sampling.greedy]
+        support = min(DRAFT_SUPPORT, vocab)
+        if sampled:  # each sampled chain's draws, from its own generator; greedy rows' are unused ones
+            draws = torch.ones(b, depth, support, dtype=torch.float64)
+            for r in sampled:
+                draws[r, : lengths[r]] = draft_draws(states[r].generator, lengths[r], vocab)
+            draws = draws.to(device, non_blocking=True)
+            greedy = torch.tensor([state.sampling.greedy for state in states]).to(device, non_blocking=True)
+            groups: dict[tuple, list[int]] = {}  # sampled rows by warping: one warp per group and level
+            for r in sampled:
+                sp = states[r].sampling
+                groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(r)
+            groups_index = {key: torch.tensor(rows).to(device, non_blocking=True) for key, rows in groups.items()}
+            q_ids = torch.zeros(b, depth, support, dtype=torch.int64, device=device)
+            q_vals = torch.zeros(b, depth, support, dtype=torch.float64, device=device)
+        tokens = torch.zeros(b, depth, dtype=torch.int64, device=device)
+        probs = torch.zeros(b, depth, dtype=torch.float64, device=device)
         alive = torch.ones(b, dtype=torch.bool, device=device)
         count = torch.zeros(b, dtype=torch.int64, device=device)
         path_prob = torch.ones(b, dtype=torch.float64, device=device)
         fed = 0
-        for level in range(max(lengths)):
+        for level in range(depth):
             x = logits.argmax(dim=-1)  # [B]
             p = torch.softmax(logits.double(), dim=-1).gather(1, x[:, None])[:, 0]
+            if sampled:
+                q = torch.ones(b, vocab, dtype=torch.float64, device=device)  # greedy rows: any distribution
+                for (temperature, top_k, top_p), index in groups_index.items():
+                    q.index_copy_(0, index, warp_probs(logits.index_select(0, index), temperature, top_k, top_p))
+                token, q_x, ids, vals = pick_sampled(q, draws[:, level])
+                x, p = torch.where(greedy, x, token), torch.where(greedy, p, q_x)
+                q_ids[:, level], q_vals[:, level] = ids, vals
             tokens[:, level], probs[:, level] = x, p
             count += alive
             path_prob = path_prob * p
@@ -267,19 +331,28 @@ class DraftModelProposer(Proposer):
             expired = [budget.expired() for budget in budgets]  # the host's clock: no device read
             if any(expired):
                 alive = alive & ~torch.tensor(expired).to(device, non_blocking=True)
-            if level + 1 == max(lengths) or all(expired) or (CPU_STOPS_EARLY and device.type == "cpu"
-                                                             and not bool(alive.any())):
+            if level + 1 == depth or all(expired) or (CPU_STOPS_EARLY and device.type == "cpu"
+                                                      and not bool(alive.any())):
                 break
             logits = self.runner.forward_batch([dc.cache for dc in caches], x, [len(dc.cached) + fed for dc in caches],
                                                [1] * b, [None] * b)  # [B, vocab]
             fed += 1
-        host = torch.cat([count.double()[:, None], tokens.double(), probs], dim=1).cpu().numpy()  # the one copy
+        parts = [count.double()[:, None], tokens.double(), probs]
+        if sampled:
+            parts += [q_ids.flatten(1).double(), q_vals.flatten(1)]
+        host = torch.cat(parts, dim=1).cpu().numpy()  # the one copy
         trees = []
-        for dc, row in zip(caches, host, strict=True):
-            chain = row[1 : 1 + tokens.shape[1]].astype(np.int64)
+        for r, (dc, row) in enumerate(zip(caches, host, strict=True)):
+            chain = row[1 : 1 + depth].astype(np.int64)
             dc.cached.extend(chain[:fed].tolist())
             n = int(row[0])
-            trees.append(TokenTree.chain(chain[:n].tolist(), row[1 + tokens.shape[1] :][:n].tolist(), self.name))
+            dists = []
+            if not states[r].sampling.greedy:
+                at = 1 + 2 * depth
+                ids = row[at : at + depth * support].reshape(depth, support).astype(np.int64)
+                vals = row[at + depth * support :].reshape(depth, support)
+                dists = [(ids[j][vals[j] > 0], vals[j][vals[j] > 0]) for j in range(n)]
+            trees.append(chain_tree(chain[:n].tolist(), row[1 + depth : 1 + 2 * depth][:n].tolist(), dists, self.name))
         return trees
 
     def prepare(self, state: DraftSessionState) -> None:

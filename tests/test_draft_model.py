@@ -197,15 +197,35 @@ def test_batched_drafts_equal_one_session_at_a_time(model_sets, backend, sampled
     batched_equals_alone(model_sets("random").runner("near", backend), sampled, tree)
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("min_confidence", [0.0, 0.2])
-def test_device_chains_run_every_level_and_draft_the_same(model_sets, monkeypatch, min_confidence):
-    """Greedy chains on an accelerator (``_device_chains`` without the CPU's early stop: every level to the longest
-    budget, chains that stopped fed on unseen) ship the chains ``propose`` drafts one by one, and their draft
-    caches stay right for the next round."""
+def test_device_chains_run_every_level_and_draft_the_same(model_sets, monkeypatch, min_confidence, sampled):
+    """Chains on an accelerator (``_device_chains`` without the CPU's early stop: every level to the longest
+    budget, chains that stopped fed on unseen) ship the chains and q ``propose`` drafts one by one (a sampled
+    chain's draws are taken at its start, whatever its length), and their draft caches stay right for the next
+    round."""
     from drafter_service import draft_model
 
     monkeypatch.setattr(draft_model, "CPU_STOPS_EARLY", False)
-    batched_equals_alone(model_sets("random").runner("near", "fast"), False, False, min_confidence)
+    batched_equals_alone(model_sets("random").runner("near", "fast"), sampled, False, min_confidence)
+
+
+def test_a_wide_draft_distribution_ships_its_truncated_support_exactly(model_sets, monkeypatch):
+    """A sampled token is drawn from q's DRAFT_SUPPORT most likely tokens, renormalised, and exactly that q ships
+    (so rejection sampling stays lossless): at temperature 3 on the 128-token model, a support of 16."""
+    from drafter_service import draft_model
+
+    monkeypatch.setattr(draft_model, "DRAFT_SUPPORT", 16)
+    ms = model_sets("random")
+    prop = DraftModelProposer(ms.runner("near", "fast"), tree=False)
+    prompt = PROMPTS[0]
+    tree = prop.propose(_state(prompt, SamplingParams(temperature=3.0), seed=1), Budget(3, 3))
+    q = warp_probs(full_logits(ms.near, list(prompt)), 3.0)
+    ids, vals = tree.draft_dist(0)
+    top = torch.topk(q, 16)
+    assert sorted(ids.tolist()) == sorted(top.indices.tolist())
+    np.testing.assert_allclose(vals, (q[torch.as_tensor(ids)] / top.values.sum()).numpy(), rtol=1e-5)  # runners: fp32
+    assert int(tree.tokens[0]) in ids.tolist() and vals.sum() == pytest.approx(1.0)
 
 
 def batched_equals_alone(runner, sampled: bool, tree: bool, min_confidence: float = 0.0) -> None:

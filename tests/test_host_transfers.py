@@ -154,9 +154,10 @@ def test_a_mixed_step_with_prefills_and_verifies_reads_once(model_sets):
     assert len(verifier.take_first_logprobs("b")) == 1
 
 
-def test_a_batched_greedy_draft_step_reads_the_device_once(model_sets, monkeypatch):
-    """Item 2: a draft model's greedy chains for many sessions (catch-up forward, one forward per level, argmax and
-    stop rules on the device) copy the finished chains to the host once."""
+def test_a_batched_draft_step_reads_the_device_once(model_sets, monkeypatch):
+    """Item 2: a draft model's chains for many sessions, greedy and sampled (catch-up forward, one forward per
+    level, argmax, draws from q and stop rules on the device) copy the finished chains and their q to the host
+    once."""
     from drafter_service import draft_model
     from drafter_service.draft_model import DraftModelProposer
     from drafter_service.proposer import DraftSessionState
@@ -165,14 +166,17 @@ def test_a_batched_greedy_draft_step_reads_the_device_once(model_sets, monkeypat
     monkeypatch.setattr(draft_model, "CPU_STOPS_EARLY", False)
     proposer = DraftModelProposer(marked(model_sets), min_confidence=0.1)
     rng = random.Random(2)
-    states = [DraftSessionState(f"s{i}", [rng.randrange(100) for _ in range(rng.randint(2, 20))],
-                                SamplingParams(max_new_tokens=32)) for i in range(4)]
+    samplings = [SamplingParams(max_new_tokens=32), SESSIONS["sampled"], SESSIONS["sampled_seeded_logprobs"],
+                 SamplingParams(max_new_tokens=32, temperature=1.0)]
+    states = [DraftSessionState(f"s{i}", [rng.randrange(100) for _ in range(rng.randint(2, 20))], sampling)
+              for i, sampling in enumerate(samplings)]
     budgets = [Budget(6, 6), Budget(3, 3), Budget(8, 4, min_path_prob=0.01), Budget(1, 1)]
     for _ in range(3):
         with counting() as reads:
             trees = proposer.propose_batch(states, budgets)
         assert len(reads) == 1, reads
         assert all(0 < tree.num_nodes <= min(b.max_nodes, b.max_depth) for tree, b in zip(trees, budgets, strict=True))
+        assert [tree.has_draft_dists for tree in trees] == [False, True, True, True]
         for state, tree in zip(states, trees, strict=True):
             state.tokens += tree.tokens[:1].tolist() + [rng.randrange(100)]
 
