@@ -1,17 +1,17 @@
-"""One device-to-host transfer per verifier step (issue 32 item 1).
+"""One device-to-host transfer per verifier step and per batched draft step (issue 32 items 1-2).
 
 Every decision a step makes (greedy and sampled acceptance of chains and trees, MJSD, the top-k feedback, the
 lookahead window's outputs, log-probabilities, a finishing prefill's first token) is staged on the device and copied
-to the host once. On the CPU there is no device, so the test marks what the target's forward returns: its outputs
-are ``OnDevice`` tensors, whose subclass every result computed from them keeps, and every read of one on the host
-(``.cpu()``, ``.tolist()``, ``.item()``, ``.numpy()``, ``bool()``/``int()``/``float()``, ``np.asarray``) or operation
-that makes a device wait for its host (``nonzero``, ``unique``, boolean-mask indexing) is counted. On CUDA a step's decisions
+to the host once. On the CPU there is no device, so the test marks what the forward returns
+(``specmesh.host_reads``): its outputs are ``OnDevice`` tensors, whose subclass every result computed from them
+keeps, and every read of one on the host (``.cpu()``, ``.tolist()``, ``.item()``, ``.numpy()``,
+``bool()``/``int()``/``float()``, ``np.asarray``) or operation that makes a device wait for its host (``nonzero``,
+``unique``, boolean-mask indexing) is counted. On CUDA a step's decisions
 are staged under ``torch.cuda.set_sync_debug_mode`` (the forward's own metadata copies are issue 32 item 3's).
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import warnings
 
@@ -21,41 +21,12 @@ import torch
 
 from specmesh import warp
 from specmesh.fast_llama import FastLlamaRunner
+from specmesh.host_reads import counting, mark_outputs
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from verifier_service.decisions import Decisions, HostCopy, Item
 from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier
-
-READS = {"cpu", "tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__", "nonzero",
-         "unique", "unique_consecutive", "masked_select", "argwhere", "nonzero_static"}
-
-
-class OnDevice(torch.Tensor):
-    """A CPU tensor standing for one on an accelerator: host reads of it and its descendants are counted."""
-
-    reads: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in READS or name == "to" and _to_host(args, kwargs or {}) or name in ("__getitem__", "__setitem__") \
-                and _boolean_index(args[1]):
-            cls.reads.append(name)
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **(kwargs or {}))
-            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _to_host(args, kwargs) -> bool:
-    target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, str | torch.device)), None))
-    return target is not None and torch.device(target).type == "cpu"
-
-
-def _boolean_index(index) -> bool:
-    parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
 @pytest.fixture(autouse=True)
@@ -66,23 +37,7 @@ def device_paths(monkeypatch):
 
 def marked(model_sets):
     """A runner of the random target of its own, its forward's outputs (logits, features) marked ``OnDevice``."""
-    runner = FastLlamaRunner(model_sets("random").target)
-    forward = runner.forward_batch
-
-    def forward_batch(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if isinstance(out, tuple):
-            return tuple(t.as_subclass(OnDevice) for t in out)
-        return out.as_subclass(OnDevice)
-
-    runner.forward_batch = forward_batch
-    return runner
-
-
-@contextlib.contextmanager
-def counting():
-    OnDevice.reads = []
-    yield OnDevice.reads
+    return mark_outputs(FastLlamaRunner(model_sets("random").target))
 
 
 def tree_for(rng: random.Random, kind: str, vocab: int) -> TokenTree:
