@@ -113,7 +113,7 @@ class FastKVCache:
         """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending)."""
         offsets = list(keep_offsets)
         if offsets != list(range(len(offsets))):
-            src = prefix_len + torch.tensor(offsets, dtype=torch.long, device=self.device)
+            src = prefix_len + torch.tensor(offsets, dtype=torch.long).to(self.device, non_blocking=True)
             dst = slice(prefix_len, prefix_len + len(offsets))
             self.keys[:, :, dst] = self.keys.index_select(2, src)
             self.values[:, :, dst] = self.values.index_select(2, src)
@@ -208,11 +208,12 @@ class _SdpaAttention:
                 rows = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in chosen])
             parts = [layout.key_blocks, layout.unwritten, layout.query_rows, layout.out_rows, rows]
             index += [p for p in parts if p is not None]
-        pieces = list(torch.from_numpy(np.concatenate(index)).to(self.runner.device).split([len(p) for p in index]))
+        pieces = list(torch.from_numpy(np.concatenate(index)).to(self.runner.device, non_blocking=True)
+                      .split([len(p) for p in index]))
         self.write_slots = pieces.pop(0)
         if padded.any():
             key_blocks, unwritten, query_rows, out_rows, rows = (None if p is None else pieces.pop(0) for p in parts)
-            mask = None if layout.mask is None else torch.from_numpy(layout.mask).to(self.runner.device)
+            mask = None if layout.mask is None else torch.from_numpy(layout.mask).to(self.runner.device, non_blocking=True)
             self.padded = (layout, key_blocks, unwritten, query_rows, out_rows, mask, rows)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -301,7 +302,7 @@ class _KernelAttention:
         host = np.zeros(sum(spans), np.int32)
         for part, at in zip(parts, np.cumsum([0, *spans[:-1]]), strict=True):
             host[at : at + len(part)] = part
-        meta = torch.from_numpy(host).to(runner.device)  # one host->device copy
+        meta = torch.from_numpy(host).to(runner.device, non_blocking=True)  # one host->device copy, no wait
         pieces = [piece[: len(p)] for piece, p in zip(meta.split(spans), parts, strict=True)]
         self.cu_q, self.kv_len, self.tree_start = pieces[:3]
         self.tables = pieces[3].view(len(caches), num_blocks)
@@ -476,6 +477,13 @@ class FastLlamaRunner(ModelRunner):
         # stdlib target, where reading the transposed view row by row takes 7
         return self.lm_head.index_select(1, ids).t().contiguous()
 
+    def _to_device(self, values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """[n] long on the runner's device: host data crosses without waiting for the device; a tensor already
+        there (drafted tokens) is used as it is."""
+        if isinstance(values, torch.Tensor) and values.device.type == torch.device(self.device).type:
+            return values.long().reshape(-1)
+        return torch.as_tensor(values, dtype=torch.long).to(self.device, non_blocking=True).reshape(-1)
+
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # same op order as LlamaRMSNorm: normalise in float32, cast back, then scale
         xf = x.float()
@@ -519,8 +527,7 @@ class FastLlamaRunner(ModelRunner):
         None = causal). Appends each session's rows to its cache; returns the logits of ``logit_rows``,
         [R, vocab] float32. With ``hidden_rows``: (logits, features [len(hidden_rows), hidden] in the model's
         dtype), the features being the final norm's output (what the LM head reads; Falcon heads draft on them)."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
-        pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(-1)
+        ids, pos = self._to_device(input_ids), self._to_device(position_ids)
         total = ids.shape[0]
         assert sum(num_new) == total and len(caches) == len(num_new) == len(attends), (total, num_new)
         for cache, n in zip(caches, num_new, strict=True):

@@ -91,14 +91,14 @@ class PagedKVCache:
     def slots(self) -> torch.Tensor:
         """[capacity] long: the slot of each position, on the pool's device."""
         if self._slots is None:
-            self._slots = torch.from_numpy(self.host_slots).to(self.pool.device)
+            self._slots = torch.from_numpy(self.host_slots).to(self.pool.device, non_blocking=True)
         return self._slots
 
     @property
     def blocks(self) -> torch.Tensor:
         """[blocks] long: the table on the pool's device."""
         if self._blocks is None:
-            self._blocks = torch.as_tensor(self.table, dtype=torch.long).to(self.pool.device)
+            self._blocks = torch.as_tensor(self.table, dtype=torch.long).to(self.pool.device, non_blocking=True)
         return self._blocks
 
     # ------------------------------------------------------------ cache interface
@@ -190,7 +190,7 @@ def compact(caches: Sequence[PagedKVCache], prefix_lens: Sequence[int],
             dst.append(cache.host_slots[prefix_len : prefix_len + num_kept])
         cache.length = prefix_len + num_kept
     for pool, src, dst in moves.values():
-        index = torch.from_numpy(np.concatenate(src + dst)).to(pool.device)  # one host->device copy per pool
+        index = torch.from_numpy(np.concatenate(src + dst)).to(pool.device, non_blocking=True)  # one copy per pool
         src_slots, dst_slots = index.split(len(index) // 2)
         for store in (pool.keys, pool.values):  # [layers, kv_heads, slots, head_dim]
             store.index_copy_(2, dst_slots, store.index_select(2, src_slots))
