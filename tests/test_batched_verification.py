@@ -255,3 +255,28 @@ def test_batches_on_cuda_match_the_cpu_rule():
     assert results[0] == results[1]  # seeded CUDA generators: the same draws
     hot = one_hot(logits.argmax(dim=-1), vocab).double().cuda()
     assert verify_sample_batch(trees, hot, cu_rows, [None] * 4) == verify_greedy_batch(trees, logits, cu_rows)
+
+
+def test_decisions_warp_each_request_with_its_own_parameters():
+    """The step warps sampled requests per group of equal parameters: each one's rows are still its own warp."""
+    from specmesh.sampling import SamplingParams
+    from specmesh.warp import warp_probs
+    from verifier_service.decisions import SAMPLING_DTYPE, Decisions, HostCopy, Item
+
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=2.0)]
+    trees = [TokenTree.chain([1, 2]), TokenTree.empty(), TokenTree.chain([3]), TokenTree.chain([4, 5, 6]),
+             TokenTree.empty()]
+    items, first = [], 0
+    for sp, tree in zip(params, trees, strict=True):
+        items.append(Item(sp, None, tree, first))
+        first += tree.num_nodes + 1
+    logits = torch.randn(first, 50, generator=torch.Generator().manual_seed(0))
+    decisions = Decisions(items, logits, logits.argmax(dim=-1), HostCopy())
+    sampled = [i for i, sp in enumerate(params) if not sp.greedy]
+    firsts = np.cumsum([0] + [trees[i].num_nodes + 1 for i in sampled])[:-1]
+    got = decisions._warped(logits, firsts)
+    want = torch.cat([warp_probs(logits[items[i].first : items[i].first + trees[i].num_nodes + 1],
+                                 params[i].temperature, params[i].top_k, params[i].top_p, dtype=SAMPLING_DTYPE)
+                      for i in sampled])
+    torch.testing.assert_close(got, want)

@@ -110,15 +110,10 @@ class Decisions:
         probs = sampled = None
         self._plan = self._sampled_out = None
         if self.sampled:
-            parts = []
-            for i in self.sampled:
-                it, sp = items[i], items[i].sampling
-                rows = logits[it.first : it.first + it.tree.num_nodes + 1]
-                parts.append(warp_probs(rows, sp.temperature, sp.top_k, sp.top_p, dtype=SAMPLING_DTYPE))
-            probs = torch.cat(parts)  # [Rs, vocab]: the sampled trees' rows, packed in their order
             trees = [items[i].tree for i in self.sampled]
             firsts = np.zeros(len(trees), np.int64)
             np.cumsum([tree.num_nodes + 1 for tree in trees[:-1]], out=firsts[1:])
+            probs = self._warped(logits, firsts)  # [Rs, vocab]: the sampled trees' rows, packed in their order
             self._plan = plan_trees(trees, firsts, device, SAMPLING_DTYPE)
             uniforms, exponentials = draw_randoms(self._plan.sizes, probs.shape[1],
                                                   [items[i].generator for i in self.sampled], shared, device,
@@ -126,6 +121,29 @@ class Decisions:
             sampled = sample_trees(probs, self._plan, uniforms, exponentials)
             self._sampled_out = copy.add(sampled.host_columns())
         self._stage_logprobs(logits, probs, sampled)
+
+    def _warped(self, logits: torch.Tensor, firsts: np.ndarray) -> torch.Tensor:
+        """The sampled items' rows warped, packed in their order (item j's from ``firsts[j]``): one warp per group of
+        items with the same temperature, top-k and top-p (usually one for the whole batch)."""
+        groups: dict[tuple[float, int, float], list[int]] = {}
+        for j, i in enumerate(self.sampled):
+            sp = self.items[i].sampling
+            groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(j)
+        sizes = [self.items[i].tree.num_nodes + 1 for i in self.sampled]
+        if len(groups) == 1:  # the rows of one group, each item's in one run
+            (temperature, top_k, top_p), = groups
+            rows = packed_runs([(self.items[i].first, n) for i, n in zip(self.sampled, sizes, strict=True)])
+            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
+            return warp_probs(logits.index_select(0, index), temperature, top_k, top_p, dtype=SAMPLING_DTYPE)
+        probs = torch.empty(int(firsts[-1]) + sizes[-1], logits.shape[1], dtype=SAMPLING_DTYPE, device=logits.device)
+        for (temperature, top_k, top_p), members in groups.items():
+            src = packed_runs([(self.items[self.sampled[j]].first, sizes[j]) for j in members])
+            dst = packed_runs([(int(firsts[j]), sizes[j]) for j in members])
+            index = torch.from_numpy(np.concatenate([src, dst])).to(logits.device, non_blocking=True)
+            src_d, dst_d = index.split(len(src))
+            probs.index_copy_(0, dst_d, warp_probs(logits.index_select(0, src_d), temperature, top_k, top_p,
+                                                   dtype=SAMPLING_DTYPE))
+        return probs
 
     def _stage_logprobs(self, logits: torch.Tensor, probs: torch.Tensor | None, sampled: SampledTrees | None) -> None:
         """For the items asking: their rows' log-distributions (greedy and MJSD: the processed logits' log-softmax;
@@ -238,3 +256,12 @@ class Decisions:
                                    tuple(map(tuple, top_vals[rows, :n].tolist())))
         return out
 
+
+
+def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """[sum of lengths] int64: rows first, first + 1, ..., first + length - 1 of each run (first, length), in order."""
+    if len(runs) <= 1:
+        return np.arange(runs[0][0], runs[0][0] + runs[0][1], dtype=np.int64) if runs else np.zeros(0, np.int64)
+    firsts, lengths = np.asarray(runs, np.int64).T
+    cu = np.cumsum(lengths)
+    return np.repeat(firsts - (cu - lengths), lengths) + np.arange(cu[-1])

@@ -291,13 +291,18 @@ def plan_trees(trees: Sequence[TokenTree], firsts: Sequence[int], device: torch.
     q_vals[total] = 0.0  # the dummy node: an empty distribution, nothing subtracted
     q_token = np.where(q_real & (q_ids == tokens[:, None]), q_vals, 0.0).sum(axis=1)
 
-    def dev(a: np.ndarray, dt: torch.dtype | None = None) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt, non_blocking=True)
-
+    # two host-to-device copies: every integer table in one buffer, every probability in another
+    ints = [firsts, cu[:-1], kids, firsts[tree_of] + parent_slot, tokens, q_ids, q_real,
+            firsts[branch_tree] + branch_slot, kids[branch_tree, branch_slot]]
+    packed = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in ints]))
+    packed = packed.to(device, non_blocking=True).split([a.size for a in ints])
+    (firsts_d, cu_d, kids_d, parent_rows, tokens_d, q_ids_d, q_real_d, branch_rows, branch_kids) = (
+        t.view(a.shape) for t, a in zip(packed, ints, strict=True))
+    floats = torch.from_numpy(np.concatenate([q_token, q_vals.reshape(-1)])).to(device, dtype, non_blocking=True)
     return TreePlan(
-        tuple(sizes.tolist()), int(depth.max(initial=-1)) + 1, width, dev(firsts), dev(cu[:-1]), dev(kids),
-        dev(firsts[tree_of] + parent_slot), dev(tokens), dev(q_token, dtype), dev(q_ids), dev(q_vals, dtype),
-        dev(q_real), dev(firsts[branch_tree] + branch_slot), dev(kids[branch_tree, branch_slot]),
+        tuple(sizes.tolist()), int(depth.max(initial=-1)) + 1, width, firsts_d, cu_d, kids_d, parent_rows, tokens_d,
+        floats[: total + 1], q_ids_d, floats[total + 1 :].view(q_vals.shape), q_real_d.bool(), branch_rows,
+        branch_kids,
     )
 
 
@@ -354,6 +359,10 @@ def sample_trees(probs: torch.Tensor, plan: TreePlan, uniforms: torch.Tensor,
     race, from the last node's row after all its children were rejected (a leaf: its row as is)."""
     b, g = len(plan.sizes), plan.tokens.shape[0] - 1
     device = probs.device
+    if g == 0:  # empty trees only (plain decoding): the bonus alone, from each root's row
+        p = probs[plan.firsts]
+        return SampledTrees(torch.zeros(b, dtype=torch.int64, device=device), plan.kids.new_zeros(b, 0),
+                            (p / exponentials).argmax(dim=1), plan.firsts, p)
     arange = torch.arange(b, device=device)
     # p_c(x) of every node: its parent's row as is for a first child, the residual after the earlier siblings else
     p_x = torch.cat([probs[plan.parent_rows, plan.tokens[:g]], probs.new_zeros(1)])  # [G + 1], the dummy last

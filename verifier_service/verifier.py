@@ -60,7 +60,7 @@ from verifier_service.arguments import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_PREFILL_CHUNK,
 )
-from verifier_service.decisions import Decisions, HostCopy, Item
+from verifier_service.decisions import Decisions, HostCopy, Item, packed_runs
 from verifier_service.lookahead import (
     LookaheadConfig,
     Window,
@@ -154,15 +154,6 @@ def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
         keep.pop(int(np.argmin(coef)))
     values = dict.fromkeys(range(3), 0.0) | {k: max(0.0, float(c)) for k, c in zip(keep, coef, strict=True)}
     return VerifyCosts(values[0], values[1], values[2])
-
-
-def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
-    """[sum of lengths] int64: rows first, first + 1, ..., first + length - 1 of each run (first, length), in order."""
-    if len(runs) <= 1:
-        return np.arange(runs[0][0], runs[0][0] + runs[0][1], dtype=np.int64) if runs else np.zeros(0, np.int64)
-    firsts, lengths = np.asarray(runs, np.int64).T
-    cu = np.cumsum(lengths)
-    return np.repeat(firsts - (cu - lengths), lengths) + np.arange(cu[-1])
 
 
 log = logging.getLogger(__name__)
