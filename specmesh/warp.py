@@ -35,8 +35,9 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: 
 
 
 # On the CPU, top-p first looks among each row's TOP_P_CANDIDATES most likely tokens (a partial sort, ~7x
-# cheaper than sorting 8,192 columns) and sorts whole rows only when those do not reach top_p: the same tokens
-# kept, decided on the host, which on the CPU is where the tensor is. On an accelerator the full sort runs (no
+# cheaper than sorting 8,192 columns) and sorts whole only the rows whose candidates do not reach top_p (flat
+# ones, told apart first by their largest probability): the same tokens kept, decided on the host, which on
+# the CPU is where the tensor is. On an accelerator the full sort runs (no
 # host read). Tests turn the shortcut off to hold the device path to one transfer per step.
 CPU_SHORTCUT = True
 TOP_P_CANDIDATES = 256
@@ -52,12 +53,25 @@ def _top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _top_p_drop_cpu(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``_top_p_drop`` from the top TOP_P_CANDIDATES of each row when their mass reaches top_p (every row's)."""
+    """``_top_p_drop`` from the top TOP_P_CANDIDATES of each row whose mass reaches top_p there; a row whose
+    candidates cannot (its largest probability times their number is below top_p, or their mass is) is sorted
+    whole, as ``_top_p_drop`` does."""
     if probs.shape[-1] <= TOP_P_CANDIDATES:
         return _top_p_drop(probs, top_p)
-    top = torch.topk(probs, TOP_P_CANDIDATES, dim=-1)  # sorted, most likely first
-    cum = torch.cumsum(top.values, dim=-1)
-    if not bool((cum[..., -1] > top_p).all()):  # a flat row: its prefix goes past the candidates
-        return _top_p_drop(probs, top_p)
-    keep_sorted = cum - top.values < top_p
-    return ~torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top.indices, keep_sorted)
+    rows = probs.reshape(-1, probs.shape[-1])
+    drop = torch.empty(rows.shape, dtype=torch.bool)
+    peaked = rows.amax(dim=-1) * TOP_P_CANDIDATES >= top_p  # a flat row's candidates hold less than top_p
+    covered = torch.zeros(rows.shape[0], dtype=torch.bool)
+    if peaked.any():
+        index = peaked.nonzero()[:, 0]
+        top = torch.topk(rows[index], TOP_P_CANDIDATES, dim=-1)  # sorted, most likely first
+        cum = torch.cumsum(top.values, dim=-1)
+        done = cum[:, -1] > top_p
+        keep = torch.zeros((len(index), rows.shape[-1]), dtype=torch.bool).scatter(-1, top.indices,
+                                                                                   cum - top.values < top_p)
+        drop[index[done]] = ~keep[done]
+        covered[index[done]] = True
+    if not covered.all():
+        rest = (~covered).nonzero()[:, 0]
+        drop[rest] = _top_p_drop(rows[rest], top_p)
+    return drop.view(probs.shape)
