@@ -36,7 +36,7 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: 
 
 # On the CPU, top-p first looks among each row's TOP_P_CANDIDATES most likely tokens (a partial sort, ~7x
 # cheaper than sorting 8,192 columns) and sorts whole only the rows whose candidates do not reach top_p (flat
-# ones, told apart first by their largest probability): the same tokens kept, decided on the host, which on
+# ones, told apart first by a bound on their candidates' mass): the same tokens kept, decided on the host, which on
 # the CPU is where the tensor is. On an accelerator the full sort runs (no
 # host read). Tests turn the shortcut off to hold the device path to one transfer per step.
 CPU_SHORTCUT = True
@@ -54,13 +54,16 @@ def _top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _top_p_drop_cpu(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``_top_p_drop`` from the top TOP_P_CANDIDATES of each row whose mass reaches top_p there; a row whose
-    candidates cannot (its largest probability times their number is below top_p, or their mass is) is sorted
-    whole, as ``_top_p_drop`` does."""
+    candidates cannot (a bound from one pass says so, or their mass does) is sorted whole, as ``_top_p_drop``
+    does."""
     if probs.shape[-1] <= TOP_P_CANDIDATES:
         return _top_p_drop(probs, top_p)
     rows = probs.reshape(-1, probs.shape[-1])
     drop = torch.empty(rows.shape, dtype=torch.bool)
-    peaked = rows.amax(dim=-1) * TOP_P_CANDIDATES >= top_p  # a flat row's candidates hold less than top_p
+    # a row whose candidates cannot reach top_p goes straight to the sort: K candidates hold at most the mass of
+    # the tokens >= t plus K * t, for any t (here top_p / 4K, so a flat row's bound falls short)
+    t = top_p / (4 * TOP_P_CANDIDATES)
+    peaked = torch.where(rows >= t, rows, 0.0).sum(dim=-1) + TOP_P_CANDIDATES * t >= top_p
     covered = torch.zeros(rows.shape[0], dtype=torch.bool)
     if peaked.any():
         index = peaked.nonzero()[:, 0]
