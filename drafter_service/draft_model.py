@@ -40,7 +40,7 @@ from specmesh.grammar import GrammarState, GrammarTokenizer
 from specmesh.logits_process import processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.tree import TokenTree, ancestor_mask
-from specmesh.warp import warp_probs
+from specmesh.warp import warp_grouped, warp_groups, warp_probs
 
 # On the CPU, batched greedy chains stop drafting once no chain goes on (reading that costs nothing there); on an
 # accelerator every level up to the longest budget runs, so that nothing is read before the chains are done.
@@ -301,11 +301,9 @@ class DraftModelProposer(Proposer):
                 draws[r, : lengths[r]] = draft_draws(states[r].generator, lengths[r], vocab)
             draws = draws.to(device, non_blocking=True)
             greedy = torch.tensor([state.sampling.greedy for state in states]).to(device, non_blocking=True)
-            groups: dict[tuple, list[int]] = {}  # sampled rows by warping: one warp per group and level
-            for r in sampled:
-                sp = states[r].sampling
-                groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(r)
-            groups_index = {key: torch.tensor(rows).to(device, non_blocking=True) for key, rows in groups.items()}
+            groups = warp_groups([None if state.sampling.greedy else
+                                  (state.sampling.temperature, state.sampling.top_k, state.sampling.top_p)
+                                  for state in states], device)  # one warp per group and level
             q_ids = torch.zeros(b, depth, support, dtype=torch.int64, device=device)
             q_vals = torch.zeros(b, depth, support, dtype=torch.float64, device=device)
         tokens = torch.zeros(b, depth, dtype=torch.int64, device=device)
@@ -318,9 +316,7 @@ class DraftModelProposer(Proposer):
             x = logits.argmax(dim=-1)  # [B]
             p = torch.softmax(logits.double(), dim=-1).gather(1, x[:, None])[:, 0]
             if sampled:
-                q = torch.ones(b, vocab, dtype=torch.float64, device=device)  # greedy rows: any distribution
-                for (temperature, top_k, top_p), index in groups_index.items():
-                    q.index_copy_(0, index, warp_probs(logits.index_select(0, index), temperature, top_k, top_p))
+                q = warp_grouped(logits, groups, torch.float64)  # greedy rows: any distribution (ones)
                 token, q_x, ids, vals = pick_sampled(q, draws[:, level])
                 x, p = torch.where(greedy, x, token), torch.where(greedy, p, q_x)
                 q_ids[:, level], q_vals[:, level] = ids, vals

@@ -213,7 +213,9 @@ class _SdpaAttention:
         self.write_slots = pieces.pop(0)
         if padded.any():
             key_blocks, unwritten, query_rows, out_rows, rows = (None if p is None else pieces.pop(0) for p in parts)
-            mask = None if layout.mask is None else torch.from_numpy(layout.mask).to(self.runner.device, non_blocking=True)
+            mask = layout.mask
+            if mask is not None:
+                mask = torch.from_numpy(mask).to(self.runner.device, non_blocking=True)
             self.padded = (layout, key_blocks, unwritten, query_rows, out_rows, mask, rows)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

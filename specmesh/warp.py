@@ -6,6 +6,8 @@ Draft and target use the same warping (temperature, then top-k, then top-p), so 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -34,11 +36,37 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: 
     return probs
 
 
+WarpKey = tuple[float, int, float]  # (temperature, top_k, top_p)
+
+
+def warp_groups(keys: Sequence[WarpKey | None], device: torch.device | str) -> list[tuple[WarpKey, torch.Tensor]]:
+    """The rows of each distinct warping among ``keys`` (one per row; None: a row not warped), as index tensors on
+    ``device``, for ``warp_grouped``: built once, they serve every call over rows laid out the same way."""
+    groups: dict[WarpKey, list[int]] = {}
+    for row, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(row)
+    return [(key, torch.tensor(rows).to(device, non_blocking=True)) for key, rows in groups.items()]
+
+
+def warp_grouped(logits: torch.Tensor, groups: Sequence[tuple[WarpKey, torch.Tensor]], dtype: torch.dtype,
+                 fill: float = 1.0) -> torch.Tensor:
+    """Each row of logits [R, vocab] warped with its own parameters (``warp_groups``): one ``warp_probs`` per group;
+    rows of no group are ``fill``. A single group covering every row is warped as it is, without a copy."""
+    if len(groups) == 1 and len(groups[0][1]) == logits.shape[0]:
+        (temperature, top_k, top_p), _ = groups[0]
+        return warp_probs(logits, temperature, top_k, top_p, dtype=dtype)
+    probs = torch.full(logits.shape, fill, dtype=dtype, device=logits.device)
+    for (temperature, top_k, top_p), index in groups:
+        probs.index_copy_(0, index, warp_probs(logits.index_select(0, index), temperature, top_k, top_p, dtype=dtype))
+    return probs
+
+
 # On the CPU, top-p first looks among each row's TOP_P_CANDIDATES most likely tokens (a partial sort, ~7x
 # cheaper than sorting 8,192 columns) and sorts whole only the rows whose candidates do not reach top_p (flat
-# ones, told apart first by a bound on their candidates' mass): the same tokens kept, decided on the host, which on
-# the CPU is where the tensor is. On an accelerator the full sort runs (no
-# host read). Tests turn the shortcut off to hold the device path to one transfer per step.
+# ones, told apart first by a bound on their candidates' mass): the same tokens kept, decided on the host, which
+# on the CPU is where the tensor is. On an accelerator the full sort runs (no host read). Tests turn the shortcut
+# off to hold the device path to one transfer per step.
 CPU_SHORTCUT = True
 TOP_P_CANDIDATES = 256
 

@@ -274,8 +274,7 @@ def test_decisions_warp_each_request_with_its_own_parameters():
     logits = torch.randn(first, 50, generator=torch.Generator().manual_seed(0))
     decisions = Decisions(items, logits, logits.argmax(dim=-1), HostCopy())
     sampled = [i for i, sp in enumerate(params) if not sp.greedy]
-    firsts = np.cumsum([0] + [trees[i].num_nodes + 1 for i in sampled])[:-1]
-    got = decisions._warped(logits, firsts)
+    got = decisions._warped(logits)
     want = torch.cat([warp_probs(logits[items[i].first : items[i].first + trees[i].num_nodes + 1],
                                  params[i].temperature, params[i].top_k, params[i].top_p, dtype=SAMPLING_DTYPE)
                       for i in sampled])

@@ -28,14 +28,12 @@ import torch
 from specmesh.contract import TokenLogprobs
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
-from specmesh.warp import warp_probs
+from specmesh.warp import warp_grouped, warp_groups
 from verifier_service.verification import (
     Acceptance,
     SampledTrees,
-    draw_randoms,
     node_logprobs_device,
-    plan_trees,
-    sample_trees,
+    sample_packed,
     verify_greedy,
     verify_greedy_chains,
     verify_mjsd,
@@ -102,48 +100,32 @@ class Decisions:
         self._copy = copy
         self.mjsd = [i for i, it in enumerate(items) if it.sampling.acceptance == "mjsd"]
         self.sampled = [i for i, it in enumerate(items) if not it.sampling.greedy and it.sampling.acceptance != "mjsd"]
-        device = logits.device
         self._mjsd_lp = None
         if self.mjsd:
             self._mjsd_lp = copy.add(node_logprobs_device([items[i].tree for i in self.mjsd], logits,
                                                           [items[i].first for i in self.mjsd]))
+        # the sampled items' rows are packed in their order: item j's from sampled_first[j]
+        self._sampled_at = {i: j for j, i in enumerate(self.sampled)}
+        self._sampled_first = np.zeros(len(self.sampled) + 1, np.int64)
+        np.cumsum([items[i].tree.num_nodes + 1 for i in self.sampled], out=self._sampled_first[1:])
         probs = sampled = None
         self._plan = self._sampled_out = None
         if self.sampled:
-            trees = [items[i].tree for i in self.sampled]
-            firsts = np.zeros(len(trees), np.int64)
-            np.cumsum([tree.num_nodes + 1 for tree in trees[:-1]], out=firsts[1:])
-            probs = self._warped(logits, firsts)  # [Rs, vocab]: the sampled trees' rows, packed in their order
-            self._plan = plan_trees(trees, firsts, device, SAMPLING_DTYPE)
-            uniforms, exponentials = draw_randoms(self._plan.sizes, probs.shape[1],
-                                                  [items[i].generator for i in self.sampled], shared, device,
-                                                  SAMPLING_DTYPE)
-            sampled = sample_trees(probs, self._plan, uniforms, exponentials)
+            probs = self._warped(logits)  # [Rs, vocab]
+            self._plan, sampled = sample_packed([items[i].tree for i in self.sampled], probs, self._sampled_first[:-1],
+                                                [items[i].generator for i in self.sampled], shared)
             self._sampled_out = copy.add(sampled.host_columns())
         self._stage_logprobs(logits, probs, sampled)
 
-    def _warped(self, logits: torch.Tensor, firsts: np.ndarray) -> torch.Tensor:
-        """The sampled items' rows warped, packed in their order (item j's from ``firsts[j]``): one warp per group of
-        items with the same temperature, top-k and top-p (usually one for the whole batch)."""
-        groups: dict[tuple[float, int, float], list[int]] = {}
-        for j, i in enumerate(self.sampled):
-            sp = self.items[i].sampling
-            groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(j)
-        sizes = [self.items[i].tree.num_nodes + 1 for i in self.sampled]
-        if len(groups) == 1:  # the rows of one group, each item's in one run
-            (temperature, top_k, top_p), = groups
-            rows = packed_runs([(self.items[i].first, n) for i, n in zip(self.sampled, sizes, strict=True)])
-            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
-            return warp_probs(logits.index_select(0, index), temperature, top_k, top_p, dtype=SAMPLING_DTYPE)
-        probs = torch.empty(int(firsts[-1]) + sizes[-1], logits.shape[1], dtype=SAMPLING_DTYPE, device=logits.device)
-        for (temperature, top_k, top_p), members in groups.items():
-            src = packed_runs([(self.items[self.sampled[j]].first, sizes[j]) for j in members])
-            dst = packed_runs([(int(firsts[j]), sizes[j]) for j in members])
-            index = torch.from_numpy(np.concatenate([src, dst])).to(logits.device, non_blocking=True)
-            src_d, dst_d = index.split(len(src))
-            probs.index_copy_(0, dst_d, warp_probs(logits.index_select(0, src_d), temperature, top_k, top_p,
-                                                   dtype=SAMPLING_DTYPE))
-        return probs
+    def _warped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampled items' rows, packed in their order, each warped with its item's parameters (one warp per
+        group of equal temperature, top-k and top-p: usually one for the whole batch)."""
+        items = [self.items[i] for i in self.sampled]
+        rows = packed_runs([(it.first, it.tree.num_nodes + 1) for it in items])
+        keys = [(it.sampling.temperature, it.sampling.top_k, it.sampling.top_p)
+                for it in items for _ in range(it.tree.num_nodes + 1)]
+        packed = logits.index_select(0, torch.from_numpy(rows).to(logits.device, non_blocking=True))
+        return warp_grouped(packed, warp_groups(keys, logits.device), SAMPLING_DTYPE)
 
     def _stage_logprobs(self, logits: torch.Tensor, probs: torch.Tensor | None, sampled: SampledTrees | None) -> None:
         """For the items asking: their rows' log-distributions (greedy and MJSD: the processed logits' log-softmax;
@@ -153,9 +135,7 @@ class Decisions:
         if not self.asking:
             return
         device = logits.device
-        sampled_at = {i: j for j, i in enumerate(self.sampled)}
-        sampled_first = np.zeros(len(self.sampled) + 1, np.int64)
-        np.cumsum([items[i].tree.num_nodes + 1 for i in self.sampled], out=sampled_first[1:])
+        sampled_at, sampled_first = self._sampled_at, self._sampled_first
         greedy_rows, sampled_rows = [], []
         for i in self.asking:
             n = items[i].tree.num_nodes + 1
@@ -244,7 +224,7 @@ class Decisions:
         if not self.asking:
             return out
         node_lp, best, top_vals, top_ids, bonus_lp = (None if h is None else self._copy[h] for h in self._lp)
-        sampled_at = {i: j for j, i in enumerate(self.sampled)}
+        sampled_at = self._sampled_at
         for i in self.asking:
             it, acceptance = self.items[i], acceptances[i]
             n = it.sampling.logprobs
@@ -255,7 +235,6 @@ class Decisions:
                                    tuple(map(tuple, top_ids[rows, :n].astype(np.int64).tolist())),
                                    tuple(map(tuple, top_vals[rows, :n].tolist())))
         return out
-
 
 
 def packed_runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:

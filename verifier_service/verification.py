@@ -28,11 +28,12 @@ tree's num_nodes + 1 rows, laid out as above), on the model's device.
 - ``sample_trees``: the rule of ``verify_sample`` for every tree of the batch at once, on the
   probabilities' device and without a host sync (the verifier copies its decisions to the host
   together with everything else a step needs: ``verifier_service/decisions.py``). The host lays
-  the trees out once (``plan_trees``: children tables, sparse draft distributions); the walk goes
-  level by level, each live tree trying its current node's children in index order, with p kept
-  unnormalised and a rejection's residual written on q's support only (``residual_sparse``); the
-  bonus token is an exponential race over the final p. ``verify_sample_batch`` wraps it for
-  callers that want ``Acceptance``s. Every request draws from its own generator (seeded) or from
+  the trees out once (``plan_trees``: children tables, sparse draft distributions); every node's
+  test is decided at once (a child's p is its parent's row after the earlier siblings' rejections,
+  kept unnormalised, a residual written on q's support only: ``residual_sparse``), the walk is a
+  chase of "first accepted child" pointers, and the bonus token is an exponential race over the
+  last node's residual. ``sample_packed`` adds the layout and the draws; ``verify_sample_batch``
+  wraps it for callers that want ``Acceptance``s. Every request draws from its own generator (seeded) or from
   one shared draw (``draw_randoms``). ``verify_sample`` remains the host reference the tests hold
   ``sample_trees`` to, draw for draw.
 """
@@ -204,10 +205,18 @@ def verify_sample_batch(
     spans = _row_spans(trees, probs, cu_rows)
     if not trees:
         return []
-    plan = plan_trees(trees, [lo for lo, _ in spans], probs.device, probs.dtype)
-    uniforms, exponentials = draw_randoms(plan.sizes, probs.shape[1], generators, shared, probs.device, probs.dtype)
-    sampled = sample_trees(probs, plan, uniforms, exponentials)
+    plan, sampled = sample_packed(trees, probs, [lo for lo, _ in spans], generators, shared)
     return plan.acceptances(sampled.host_columns().cpu().numpy())  # host sync, the only one
+
+
+def sample_packed(trees: Sequence[TokenTree], probs: torch.Tensor, firsts: Sequence[int],
+                  generators: Sequence[torch.Generator | None],
+                  shared: torch.Generator | None) -> tuple[TreePlan, SampledTrees]:
+    """``sample_trees`` for trees whose roots are rows ``firsts`` of probs [R, vocab]: laid out, their draws taken
+    (``draw_randoms``) and decided, on the probabilities' device and in their dtype, with no host sync."""
+    plan = plan_trees(trees, firsts, probs.device, probs.dtype)
+    uniforms, exponentials = draw_randoms(plan.sizes, probs.shape[1], generators, shared, probs.device, probs.dtype)
+    return plan, sample_trees(probs, plan, uniforms, exponentials)
 
 
 @dataclass(frozen=True)

@@ -159,8 +159,6 @@ def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
 log = logging.getLogger(__name__)
 
 
-
-
 @dataclass
 class _Session:
     cache: KVCache | PagedKVCache
@@ -475,12 +473,14 @@ class LocalVerifier:
         asking = [r for r in rows if r.session.features and not (r.tree is None and r.session.pending >= 0)]
         if asking:
             spans = [(r.start, r.start + (r.num_new if r.tree is None else 1 + r.tree.num_nodes)) for r in asking]
-            hidden_index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans])).to(self.runner.device, non_blocking=True)
+            hidden_index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
+            hidden_index = hidden_index.to(self.runner.device, non_blocking=True)
             cu = np.cumsum([0] + [b - a for a, b in spans])
             span_start = {id(r): int(cu[i]) for i, r in enumerate(asking)}
         logits = self.runner.forward_batch(
             [row.session.cache for row in rows], np.concatenate(ids), np.concatenate(positions),
-            [row.num_new for row in rows], attends, logit_index.to(self.runner.device, non_blocking=True), hidden_index,
+            [row.num_new for row in rows], attends, logit_index.to(self.runner.device, non_blocking=True),
+            hidden_index,
         )  # [len(logit_index), vocab]
         features = None
         if hidden_index is not None:
@@ -539,7 +539,8 @@ class LocalVerifier:
                                                  len(rows), lp)
             if id(row) in span_start:  # the pending row and the accepted path's rows, at their positions
                 offset = span_start[id(row)]
-                keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes]).to(features.device, non_blocking=True)
+                keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes])
+                keep = keep.to(features.device, non_blocking=True)
                 results[index] = dataclasses.replace(
                     results[index], features=TargetFeatures(row.prefix_len, features[offset:][keep]))
         if self.prefix_caching:
