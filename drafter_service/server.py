@@ -407,7 +407,8 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
             raise SystemExit(f"specmesh {args.command}: {exc}") from None
         if draft_dir is not None:
             draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
-                                              args.runner, device, args.attention)
+                                              args.runner, device, args.attention,
+                                              compile_layers=args.compile_layers)
         if shares_target:
             tables = SharedTables.load(target_dir, device)
     elif target_dir is not None:

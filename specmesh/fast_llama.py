@@ -40,7 +40,7 @@ from specmesh import checkpoint
 from specmesh.contract import ModelInfo
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
 from specmesh.model_runner import ModelRunner, TreeMask
-from specmesh.models import ATTENTION_BACKENDS
+from specmesh.models import ATTENTION_BACKENDS, COMPILE_MODES
 from specmesh.padded_attention import PAD_LIMIT, PAD_MAX_NEW, padded_layout, padded_sdpa
 
 if TYPE_CHECKING:
@@ -53,6 +53,11 @@ ALIGN_INT32 = 4  # int32 elements per 16 bytes
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 ATTENTION_ENV = "SPECMESH_ATTENTION"  # what ``auto`` means when set (e.g. triton, to force the kernel in tests)
+COMPILE_ENV = "SPECMESH_COMPILE"  # what ``compile_layers="auto"`` means when set (on / off)
+# how close the compiled layer must come to the eager one on the start-up probe, relative to the eager output's
+# largest value (inductor fuses and reorders float32 arithmetic, and does not round intermediates as eager does:
+# the norms run in float32 in every dtype, as in transformers)
+COMPILE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 SUPPORTED_TYPES = set(checkpoint.SUPPORTED_TYPES)
 STATIC_ROPE = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -156,6 +161,41 @@ def _share(linears: Sequence[torch.nn.Module], weight_t: torch.Tensor, bias: tor
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight_t [in, out] (+ bias)."""
     return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in LlamaRMSNorm's op order: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, n, head_dim]; cos/sin: [n, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# One layer's dense work around attention, as two pure functions of the layer's weights: what ``--compile`` hands
+# to torch.compile (one compilation serves every layer of a model; the attention between them stays eager, with
+# its paged writes and kernel launch).
+def _pre_attention(x: torch.Tensor, ln1, qkv_w, qkv_b, cos, sin, eps: float, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hidden] -> q [heads, T, head_dim], k and v [kv_heads, T, head_dim]: norm, fused QKV, rotary on q, k."""
+    total, q_size, kv_size = x.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _linear(_rms(x, ln1, eps), qkv_w, qkv_b)
+    q = qkv[:, :q_size].view(total, num_heads, head_dim).transpose(0, 1)
+    k = qkv[:, q_size : q_size + kv_size].view(total, num_kv_heads, head_dim).transpose(0, 1)
+    v = qkv[:, q_size + kv_size :].view(total, num_kv_heads, head_dim).transpose(0, 1)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _post_attention(x: torch.Tensor, attn: torch.Tensor, o_w, o_b, ln2, gate_up, down, eps: float) -> torch.Tensor:
+    """The residual stream after the output projection (attn: [T, heads * head_dim]) and the gated MLP."""
+    x = x + _linear(attn, o_w, o_b)
+    gate, up = _linear(_rms(x, ln2, eps), gate_up).chunk(2, dim=-1)
+    return x + _linear(F.silu(gate) * up, down)
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -342,13 +382,32 @@ def attention_backend(choice: str, device: torch.device, dtype: torch.dtype) -> 
     return "triton"
 
 
+def compile_choice(choice: str, device: torch.device) -> bool:
+    """Resolve ``compile_layers`` (one of COMPILE_MODES): ``auto`` is $SPECMESH_COMPILE when set, else on for a CUDA
+    model when triton imports (a layer's ~30 eager launches become ~10, and on a GPU the host's launches bound the
+    step: benchmarks/results/gpu_h100.md) and off on the CPU (measured 0.86-0.97x there: hot_path.md)."""
+    if choice == "auto":
+        choice = os.environ.get(COMPILE_ENV) or "auto"
+    if choice not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {choice!r}; choose one of {COMPILE_MODES}")
+    if choice != "auto":
+        return choice == "on"
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 # ------------------------------------------------------------------------------------- runner
 class FastLlamaRunner(ModelRunner):
     """The fast forward over a Llama-family model: built on a loaded transformers module (``FastLlamaRunner(model)``,
     whose parameters become views of the runner's weights) or straight from a checkpoint directory
     (``from_checkpoint``: no transformers import, ``self.model`` is None)."""
 
-    def __init__(self, model: PreTrainedModel, attention: str = "auto") -> None:
+    def __init__(self, model: PreTrainedModel, attention: str = "auto", compile_layers: str = "auto") -> None:
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"the fast runner cannot run this model: {reason}")
@@ -390,11 +449,11 @@ class FastLlamaRunner(ModelRunner):
             cos, sin = inner.rotary_emb(probe, positions)  # [1, max_positions, head_dim]
         self._setup(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None),
                     getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, cfg.rms_norm_eps,
-                    cos[0], sin[0], attention)
+                    cos[0], sin[0], attention, compile_layers)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attention: str = "auto") -> FastLlamaRunner:
+                        attention: str = "auto", compile_layers: str = "auto") -> FastLlamaRunner:
         """The runner over the checkpoint in ``path`` read without transformers: config.json and safetensors,
         exactly the weights and rotary tables transformers would load (``checkpoint.fast_reason`` must be
         None, else ValueError with the reason). ``self.model`` is None: there is no transformers module."""
@@ -433,11 +492,11 @@ class FastLlamaRunner(ModelRunner):
         with torch.inference_mode():
             cos, sin = checkpoint.rope_tables(cfg, dtype, device)
         self._setup(cfg["num_attention_heads"], cfg.get("num_key_value_heads"), checkpoint.head_dim(cfg),
-                    cfg["rms_norm_eps"], cos, sin, attention)
+                    cfg["rms_norm_eps"], cos, sin, attention, compile_layers)
         return self
 
     def _setup(self, num_heads: int, num_kv_heads: int | None, head_dim: int, eps: float, cos: torch.Tensor,
-               sin: torch.Tensor, attention: str) -> None:
+               sin: torch.Tensor, attention: str, compile_layers: str = "auto") -> None:
         """What both constructors share, once the weights are in place; cos/sin: [max_positions, head_dim]."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -453,6 +512,46 @@ class FastLlamaRunner(ModelRunner):
             t0 = time.perf_counter()
             n = self._kernels.compile_variants(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device)
             log.info("tree-attention kernel: %d variants compiled in %.1f s", n, time.perf_counter() - t0)
+        self._dense = (_pre_attention, _post_attention)  # a layer's work before and after attention
+        if compile_choice(compile_layers, self.device):
+            self._dense = self._compiled_dense(required=compile_layers == "on")
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the layers run torch.compiled (``compile_layers``, after the start-up check)."""
+        return self._dense != (_pre_attention, _post_attention)
+
+    @torch.inference_mode()
+    def _compiled_dense(self, required: bool):
+        """``torch.compile``d ``_pre_attention`` and ``_post_attention``, compiled now on a probe through the first
+        layer (one row, its own specialisation, and three rows, the dynamic graph every other row count reuses), and
+        held to the eager functions there. A failure or a mismatch raises where compiling was asked for (``on``)
+        and otherwise leaves the layers eager, with a warning (``auto``)."""
+        t0 = time.perf_counter()
+        compiled = tuple(torch.compile(f, dynamic=True, fullgraph=True) for f in (_pre_attention, _post_attention))
+        ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down = self.layers[0]
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        generator = torch.Generator(self.device).manual_seed(0)
+        try:
+            for rows in (1, 3):
+                x = torch.randn(rows, qkv_w.shape[0], generator=generator, device=self.device).to(self.dtype)
+                attn = torch.randn(rows, self.q_size, generator=generator, device=self.device).to(self.dtype)
+                pre_args = (x, ln1, qkv_w, qkv_b, self.cos[:rows], self.sin[:rows], self.eps, *shape)
+                post_args = (x, attn, o_w, o_b, ln2, gate_up, down, self.eps)
+                for fn, eager, args in zip(compiled, (_pre_attention, _post_attention), (pre_args, post_args), strict=True):
+                    got, want = fn(*args), eager(*args)
+                    for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want)), strict=True):
+                        error = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+                        if a.shape != b.shape or not error <= COMPILE_TOLERANCE[self.dtype]:
+                            raise ValueError(f"{eager.__name__} compiled differs from eager at {rows} rows: "
+                                             f"{tuple(a.shape)} vs {tuple(b.shape)}, relative error {error:.2g}")
+        except Exception as exc:  # inductor's failures have many types; the eager layers stay right
+            if required:
+                raise
+            log.warning("torch.compile of the layers failed, they run eager: %s", exc)
+            return _pre_attention, _post_attention
+        log.info("layers compiled (torch.compile, dynamic rows) in %.1f s", time.perf_counter() - t0)
+        return compiled
 
     def _load_kernels(self):
         """kernels.tree_attention, imported only for the triton backend (a CPU install needs no triton)."""
@@ -487,17 +586,7 @@ class FastLlamaRunner(ModelRunner):
         return torch.as_tensor(values, dtype=torch.long).to(self.device, non_blocking=True).reshape(-1)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # same op order as LlamaRMSNorm: normalise in float32, cast back, then scale
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [heads, n, head_dim]; cos/sin: [n, head_dim]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return _rms(x, weight, self.eps)
 
     def forward(
         self,
@@ -540,19 +629,10 @@ class FastLlamaRunner(ModelRunner):
             attention = _SdpaAttention(self, caches, num_new, attends)
         cos, sin = self.cos[pos], self.sin[pos]
         x = self._embed(ids)  # [T, hidden]
+        pre, post = self._dense
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
-            h = self._rms(x, ln1)
-            qkv = _linear(h, qkv_w, qkv_b)
-            q = qkv[:, : self.q_size].view(total, self.num_heads, self.head_dim).transpose(0, 1)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(total, self.num_kv_heads, self.head_dim).transpose(0, 1)
-            v = qkv[:, self.q_size + self.kv_size :].view(total, self.num_kv_heads, self.head_dim).transpose(0, 1)
-            q = self._rope(q, cos, sin)  # [heads, T, head_dim]
-            k = self._rope(k, cos, sin)  # [kv_heads, T, head_dim]
-            x = x + _linear(attention(i, q, k, v), o_w, o_b)  # attention: [T, heads * head_dim]
-            h = self._rms(x, ln2)
-            gu = _linear(h, gate_up)
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, down)
+            q, k, v = pre(x, ln1, qkv_w, qkv_b, cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim)
+            x = post(x, attention(i, q, k, v), o_w, o_b, ln2, gate_up, down, self.eps)
         for cache, n in zip(caches, num_new, strict=True):
             cache.length += n
         features = None if hidden_rows is None else self._rms(x[hidden_rows], self.norm)
@@ -571,16 +651,19 @@ class FastLlamaRunner(ModelRunner):
         return KVPool.bytes_per_token(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
 
 
-def make_runner(model: PreTrainedModel, backend: str = "auto", attention: str = "auto") -> ModelRunner:
+def make_runner(model: PreTrainedModel, backend: str = "auto", attention: str = "auto",
+                compile_layers: str = "auto") -> ModelRunner:
     """``auto``: the fast runner where it applies, else Hugging Face; ``hf`` / ``fast`` force one.
-    ``attention``: the fast runner's attention backend (ATTENTION_BACKENDS)."""
+    ``attention``: the fast runner's attention backend (ATTENTION_BACKENDS); ``compile_layers``: whether it
+    torch.compiles its layers (COMPILE_MODES, ``compile_choice``)."""
     if backend == "hf":
         return ModelRunner(model)
     if backend == "fast" or (backend == "auto" and supports(model) is None):
-        return FastLlamaRunner(model, attention)
+        return FastLlamaRunner(model, attention, compile_layers)
     if backend != "auto":
         raise ValueError(f"unknown runner backend {backend!r}; choose auto, hf or fast")
     return ModelRunner(model)
 
 
-__all__ = ["ATTENTION_BACKENDS", "FastLlamaRunner", "FastKVCache", "attention_backend", "make_runner", "supports"]
+__all__ = ["ATTENTION_BACKENDS", "COMPILE_MODES", "FastLlamaRunner", "FastKVCache", "attention_backend", "compile_choice",
+           "make_runner", "supports"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -56,12 +56,20 @@ class GrammarTokenizer:
     their source (a request that repeats a schema does not compile it again)."""
 
     def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer_json, self.vocab_size = Path(tokenizer_json), vocab_size
+        self._eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]
+
+    @cached_property
+    def tokenizer(self):
+        """llguidance's view of the tokenizer, read on the first structured request (a server that never sees one
+        never pays for it)."""
         from llguidance import LLTokenizer
 
-        eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]
-        self.vocab_size = vocab_size
-        self.tokenizer = LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=eos or None)
-        self.eos_token_ids = tuple(self.tokenizer.eos_tokens)
+        return LLTokenizer(str(self.tokenizer_json), n_vocab=self.vocab_size, eos_token=self._eos or None)
+
+    @cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.eos_tokens)
 
     @staticmethod
     def for_model(model_dir: str | Path | None, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarTokenizer | None:

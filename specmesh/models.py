@@ -26,6 +26,7 @@ DEVICE_HELP = ("where the model runs: auto (the first CUDA GPU if there is one, 
                "(default: auto)")
 RUNNERS = ("auto", "fast", "hf")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # the fast runner's (specmesh.fast_llama.attention_backend)
+COMPILE_MODES = ("auto", "on", "off")  # the fast runner's torch.compile of its layers (fast_llama.compile_choice)
 
 
 def demo_model(kind: str) -> Path:
@@ -262,9 +263,11 @@ def load_tokenizer(path: str | Path):
 
 
 def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto",
-                device: str | torch.device = "cpu", attention: str = "auto", hf_module: bool = False) -> ModelRunner:
+                device: str | torch.device = "cpu", attention: str = "auto", hf_module: bool = False,
+                compile_layers: str = "auto") -> ModelRunner:
     """A model runner over the model in ``path`` on ``device``: ``backend`` auto (the fast Llama path where it
-    is exact, else transformers), fast or hf; ``attention``: the fast path's attention (auto, sdpa, triton).
+    is exact, else transformers), fast or hf; ``attention``: the fast path's attention (auto, sdpa, triton);
+    ``compile_layers``: whether the fast path torch.compiles its layers (auto, on, off).
     The fast path reads a Llama-family checkpoint without importing transformers' modelling code (seconds of a
     command's start, ``specmesh.checkpoint``) unless ``hf_module`` asks for the transformers module as well
     (``runner.model``: the HF peers of `bench`, training)."""
@@ -275,8 +278,8 @@ def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str
 
     directory = model_dir(path)
     if backend in ("auto", "fast") and not hf_module and fast_reason(directory) is None:
-        return FastLlamaRunner.from_checkpoint(directory, dtype or torch.float32, device, attention)
-    return make_runner(load_model(directory, dtype, device), backend, attention)
+        return FastLlamaRunner.from_checkpoint(directory, dtype or torch.float32, device, attention, compile_layers)
+    return make_runner(load_model(directory, dtype, device), backend, attention, compile_layers)
 
 
 # ------------------------------------------------------------ model options
@@ -290,6 +293,11 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fast runner's attention: 'triton' = the fused tree-attention kernel (CUDA), 'sdpa' = "
                         "PyTorch SDPA per session; 'auto' = $SPECMESH_ATTENTION when set, else triton on CUDA when "
                         "it imports, else sdpa (default: auto)")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="auto", dest="compile_layers",
+                   help="torch.compile the fast runner's layers (fused norm, rotary and MLP kernels: fewer launches "
+                        "per step), compiled and checked against eager at start-up; 'auto' = $SPECMESH_COMPILE when "
+                        "set, else on for CUDA (falling back to eager, with a warning, if compiling fails) and off on "
+                        "the CPU, where it is slower (default: auto)")
 
 
 def int_at_least(minimum: int):

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+from unittest.mock import patch
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specmesh.fast_llama import FastLlamaRunner, make_runner, supports
+from specmesh.fast_llama import (
+    COMPILE_ENV,
+    FastLlamaRunner,
+    _post_attention,
+    _pre_attention,
+    compile_choice,
+    make_runner,
+    supports,
+)
 from specmesh.model_runner import ModelRunner, tree_attend_mask
 
 
@@ -94,3 +105,42 @@ def test_the_runner_keeps_one_copy_of_the_weights_and_the_hf_module_still_runs(m
     torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-12)
     cache = fast.new_cache()
     torch.testing.assert_close(fast.forward(cache, ids[0], range(30)), before[0].float(), rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------ torch.compile of the layers (--compile)
+def test_compile_choice_is_cuda_only_by_default(monkeypatch) -> None:
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert not compile_choice("auto", torch.device("cpu"))  # slower on the CPU: never by default
+    assert compile_choice("on", torch.device("cpu")) and not compile_choice("off", torch.device("cuda"))
+    monkeypatch.setenv(COMPILE_ENV, "on")
+    assert compile_choice("auto", torch.device("cpu"))
+    with pytest.raises(ValueError, match="compile mode"):
+        compile_choice("fast", torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_compiled_layers_keep_the_eager_logits_and_greedy_output(caplog) -> None:
+    """``compile_layers="on"`` on the CPU (inductor's C++ backend; CUDA takes the same path with Triton kernels):
+    the logits of a prefill, a decode row and a tree step stay within float32 rounding of the eager runner's,
+    and speculative greedy decoding through the compiled runner equals its plain greedy decoding."""
+    from spec_helpers import engine_for, greedy, tiny_llama
+
+    eager, compiled = (FastLlamaRunner(tiny_llama(seed=3), compile_layers=mode) for mode in ("off", "on"))
+    assert compiled.compiled and not eager.compiled
+    prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    steps = [(prompt, list(range(30)), None), ([7], [30], None), ([1, 2, 3], [31, 32, 31], tree_attend_mask(31, ancestors))]
+    caches = [eager.new_cache(), compiled.new_cache()]
+    for ids, pos, attend in steps:
+        want, got = (runner.forward(cache, ids, pos, attend) for runner, cache in zip((eager, compiled), caches, strict=True))
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    sampling = greedy(40)
+    plain = engine_for(compiled).generate(prompt, sampling).token_ids
+    assert engine_for(compiled, "prompt_lookup_tree").generate(prompt, sampling).token_ids == plain
+    # a compiled layer that does not match eager is refused when asked for, and falls back to eager under auto
+    with patch.dict("specmesh.fast_llama.COMPILE_TOLERANCE", {torch.float64: 0.0}):
+        with pytest.raises(ValueError, match="differs from eager"):
+            compiled._compiled_dense(required=True)
+        with caplog.at_level(logging.WARNING, logger="specmesh.fast_llama"):
+            assert compiled._compiled_dense(required=False) == (_pre_attention, _post_attention)
+    assert "run eager" in caplog.text

@@ -177,7 +177,7 @@ def test_cuda_decisions_wait_for_the_device_once():
             copy.fetch()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]  # not the mode's notice
     assert len(syncs) <= 1, syncs
     acceptances, logprobs = decisions.resolve(copy[handle].astype(np.int64))
     assert len(acceptances) == len(items) and logprobs[2] is not None and logprobs[0] is None

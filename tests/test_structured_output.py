@@ -132,6 +132,18 @@ def test_bad_grammars_and_no_tokenizer_are_refused(grammar_tokenizer):
     with pytest.raises(ValueError, match="tokenizer"):
         LocalVerifier(runner).admit("s", [1, 2], SamplingParams(grammar=GRAMMARS["json_object"]))
 
+def test_a_server_without_structured_requests_never_loads_the_grammar_library(demo_stack, monkeypatch):
+    """Building the tokenizer is deferred to the first grammar: a verifier starts (and serves plain requests) where
+    llguidance cannot be imported, and the first structured request says what is missing."""
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # `import llguidance` raises ImportError
+    info = demo_stack.target_runner.info
+    tokenizer = GrammarTokenizer.for_model(TARGET, info.vocab_size, info.eos_token_ids)
+    verifier = LocalVerifier(demo_stack.target_runner, grammar_tokenizer=tokenizer)
+    verifier.admit("plain", [1, 2, 3], SamplingParams())
+    with pytest.raises(ImportError, match="llguidance"):
+        verifier.admit("structured", [1, 2, 3], SamplingParams(grammar=GRAMMARS["regex"]))
+    verifier.release("plain")
+
 
 # ---------------------------------------------------------------- greedy: every proposer
 @pytest.fixture(scope="module")

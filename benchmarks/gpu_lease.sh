@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU check sized for one lease of the `device` tool (15 minutes of device time, start included): the
+# steps of ../shared/gpu/check.sh, each under its own time limit and smaller where the full one would not fit,
+# so that a failure in one step leaves time for the next. Run from the project's root after
+# `bash ../shared/gpu/wheels.sh` (EXTRA_WHEELS for packages added since), with `.whl` carried:
+#
+#   bash benchmarks/gpu_lease.sh            # logs and JSON packed into $OUT/gpu.tgz after every step
+#   GPU_LEASE_DEVICE=cpu GPU_LEASE_SMALL=1 bash benchmarks/gpu_lease.sh   # a dry run of the script on a CPU
+#
+# Steps ($GPU_LEASE_STEPS, default all but `kernel`, whose tables are in benchmarks/results/gpu_h*.md):
+# `tests` (the tree-attention kernel, the batched verification, the one-read-per-step tests and the fast runner's,
+# with CUDA runs instead of skips; $GPU_LEASE_TESTS for other files), `kernel` (benchmarks/tree_attention.py),
+# `engine_single` (greedy equality with plain decoding and tokens/s on the demo pair), `engine_load` (1 and 16
+# concurrent requests, draft_model among them), `model1b_load` (a Llama-3.2-1B-shaped target with random weights,
+# built on the device while the tests run; the default --compile, i.e. on for CUDA) and `model1b_eager` (the same
+# with --compile off: what compiling the layers gives).
+# An engine step that fails within a minute is run again with `--attention sdpa`, so that a kernel failure
+# does not hide the engine's other results.
+set -uo pipefail
+STEPS=${GPU_LEASE_STEPS:-"tests engine_single engine_load model1b_load model1b_eager"}; TESTS=${GPU_LEASE_TESTS:-}
+DEV=${GPU_LEASE_DEVICE:-cuda}; SMALL=${GPU_LEASE_SMALL:-0}; PY=${GPU_LEASE_PYTHON:-python3}
+RESULT=${OUT:-/tmp/gpu-lease-out}; LOGS=/tmp/gpu-lease; mkdir -p "$RESULT" "$LOGS"
+if [ "$DEV" != cpu ] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+prompts=.whl/prompts.jsonl; [ -f "$prompts" ] || prompts=../shared/data/stdlib_functions.jsonl
+pack() { tar czf "$RESULT/gpu.tgz" -C "$LOGS" . 2>/dev/null; }
+summary=()
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+step() {  # step NAME SECONDS CMD...: run under a time limit, keep the log, print its tail, pack the results
+  local name=$1 limit=$2; shift 2; echo "== $name (${limit} s): $*"; local t0=$SECONDS
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1; local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s"; tail -n 20 "$LOGS/$name.log" | cut -c1-200
+  summary+=("$name rc=$rc $((SECONDS - t0))s"); pack; return $rc
+}
+engine() {  # engine NAME SECONDS ARGS...: specmesh bench, again with --attention sdpa if it fails at once
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  step "$name" "$limit" $PY -m specmesh bench --device "$DEV" --json "$LOGS/$name.json" "$@" && return 0
+  if [ $((SECONDS - t0)) -lt 60 ]; then
+    step "${name}_sdpa" "$limit" $PY -m specmesh bench --device "$DEV" --attention sdpa \
+      --json "$LOGS/${name}_sdpa.json" "$@"
+  fi
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
+  $PY -c "import triton; print('triton', triton.__version__)" 2>/dev/null; } | tee "$LOGS/host.txt"
+
+m=/tmp/llama1b-random  # built in the background while the tests run
+$PY - "$m" "$SMALL" "$DEV" >"$LOGS/model1b_build.log" 2>&1 <<'PY' &
+import os, shutil, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from specmesh.models import DEMO_DIR
+out, small, dev = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+demo = str(DEMO_DIR / "target")
+shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8) if not small else dict(hidden_size=128, intermediate_size=256,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=8192, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=0, **shape)
+with torch.device(dev):  # random initialisation of 1.2B parameters: seconds on the device, minutes on a CPU
+    model = LlamaForCausalLM(cfg)
+model.to(torch.bfloat16).cpu().save_pretrained(out)
+for f in os.listdir(demo):
+    if f.startswith(("tokenizer", "special_tokens")):
+        shutil.copy(os.path.join(demo, f), out)
+print("built", out)
+PY
+build=$!
+
+if [ "$SMALL" = 1 ]; then lim=4; new=16; conc="1 4"; t=(300 60 120 120 120 120); kernel=(--smoke)
+else lim=16; new=128; conc="1 16"; t=(120 80 100 100 90 60); kernel=(); fi
+has tests && step tests "${t[0]}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_tree_attention.py \
+  tests/test_batched_verification.py tests/test_host_transfers.py tests/test_fast_llama.py}
+has kernel && step kernel "${t[1]}" $PY benchmarks/tree_attention.py "${kernel[@]}" --json "$LOGS/tree_attention.json"
+has engine_single && engine engine_single "${t[2]}" --prompts "$prompts" --limit $((lim / 4)) --max-new-tokens "$new" \
+  --methods ar fused prompt_lookup_tree draft_model hf_ar
+has engine_load && engine engine_load "${t[3]}" --prompts "$prompts" --limit "$lim" --max-new-tokens "$new" \
+  --methods ar fused draft_model --concurrency $conc
+wait "$build"; tail -n 3 "$LOGS/model1b_build.log"
+has model1b_load && engine model1b_load "${t[4]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
+  --target "$m" --methods ar prompt_lookup_tree --concurrency $conc
+has model1b_eager && engine model1b_eager "${t[5]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
+  --target "$m" --methods ar --concurrency $conc --compile off
+echo "== summary"; printf '%s\n' "${summary[@]}" | tee "$LOGS/summary.txt"; pack
