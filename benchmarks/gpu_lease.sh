@@ -7,17 +7,17 @@
 #   bash benchmarks/gpu_lease.sh            # logs and JSON packed into $OUT/gpu.tgz after every step
 #   GPU_LEASE_DEVICE=cpu GPU_LEASE_SMALL=1 bash benchmarks/gpu_lease.sh   # a dry run of the script on a CPU
 #
-# Steps ($GPU_LEASE_STEPS, default all but `kernel`, whose tables are in benchmarks/results/gpu_h*.md):
+# Steps ($GPU_LEASE_STEPS, default all but `engine_single`; together about 9 minutes):
 # `tests` (the tree-attention kernel, the batched verification, the one-read-per-step tests and the fast runner's,
-# with CUDA runs instead of skips; $GPU_LEASE_TESTS for other files), `kernel` (benchmarks/tree_attention.py),
+# with CUDA runs instead of skips; $GPU_LEASE_TESTS for other files), `kernel` (benchmarks/tree_attention.py, split-KV beside the whole-key launch),
 # `engine_single` (greedy equality with plain decoding and tokens/s on the demo pair), `engine_load` (1 and 16
 # concurrent requests, draft_model among them), `model1b_load` (a Llama-3.2-1B-shaped target with random weights,
-# built on the device while the tests run; the default --compile, i.e. on for CUDA) and `model1b_eager` (the same
-# with --compile off: what compiling the layers gives).
+# built on the device while the tests run; the defaults: --compile and --cuda-graphs on for CUDA), `model1b_nographs`
+# (--cuda-graphs off: what the graphs give) and `model1b_eager` (--compile off too: what compiling gives).
 # An engine step that fails within a minute is run again with `--attention sdpa`, so that a kernel failure
 # does not hide the engine's other results.
 set -uo pipefail
-STEPS=${GPU_LEASE_STEPS:-"tests engine_single engine_load model1b_load model1b_eager"}; TESTS=${GPU_LEASE_TESTS:-}
+STEPS=${GPU_LEASE_STEPS:-"tests kernel engine_load model1b_load model1b_nographs model1b_eager"}; TESTS=${GPU_LEASE_TESTS:-}
 DEV=${GPU_LEASE_DEVICE:-cuda}; SMALL=${GPU_LEASE_SMALL:-0}; PY=${GPU_LEASE_PYTHON:-python3}
 RESULT=${OUT:-/tmp/gpu-lease-out}; LOGS=/tmp/gpu-lease; mkdir -p "$RESULT" "$LOGS"
 if [ "$DEV" != cpu ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -74,10 +74,10 @@ print("built", out)
 PY
 build=$!
 
-if [ "$SMALL" = 1 ]; then lim=4; new=16; conc="1 4"; t=(300 60 120 120 120 120); kernel=(--smoke)
-else lim=16; new=128; conc="1 16"; t=(120 80 100 100 90 60); kernel=(); fi
+if [ "$SMALL" = 1 ]; then lim=4; new=16; conc="1 4"; t=(300 60 120 120 120 120 120); kernel=(--smoke)
+else lim=16; new=128; conc="1 16"; t=(150 80 90 90 80 60 60); kernel=(); fi
 has tests && step tests "${t[0]}" $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_tree_attention.py \
-  tests/test_batched_verification.py tests/test_host_transfers.py tests/test_fast_llama.py}
+  tests/test_batched_verification.py tests/test_host_transfers.py tests/test_fast_llama.py tests/test_cuda_graphs.py}
 has kernel && step kernel "${t[1]}" $PY benchmarks/tree_attention.py "${kernel[@]}" --json "$LOGS/tree_attention.json"
 has engine_single && engine engine_single "${t[2]}" --prompts "$prompts" --limit $((lim / 4)) --max-new-tokens "$new" \
   --methods ar fused prompt_lookup_tree draft_model hf_ar
@@ -86,6 +86,8 @@ has engine_load && engine engine_load "${t[3]}" --prompts "$prompts" --limit "$l
 wait "$build"; tail -n 3 "$LOGS/model1b_build.log"
 has model1b_load && engine model1b_load "${t[4]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
   --target "$m" --methods ar prompt_lookup_tree --concurrency $conc
-has model1b_eager && engine model1b_eager "${t[5]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
-  --target "$m" --methods ar --concurrency $conc --compile off
+has model1b_nographs && engine model1b_nographs "${t[5]}" --prompts "$prompts" --limit "$lim" \
+  --max-new-tokens $((new / 2)) --target "$m" --methods ar --concurrency $conc --cuda-graphs off
+has model1b_eager && engine model1b_eager "${t[6]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
+  --target "$m" --methods ar --concurrency $conc --compile off --cuda-graphs off
 echo "== summary"; printf '%s\n' "${summary[@]}" | tee "$LOGS/summary.txt"; pack

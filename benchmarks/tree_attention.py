@@ -15,6 +15,9 @@ request's table is scattered. Default grid: batch {1, 8, 32} x prefix {1024, 409
   best case: a scattered table would add a gather, not timed here).
 * sdpa_batched: one SDPA call over [B, kv_heads, prefix + nodes, head_dim] keys/values (gathered
   beforehand, not timed) with a [B, 1, nodes, prefix + nodes] mask: what a padded batch could do.
+* kernel split: the same launch with its keys shared among K programs (split-KV; K as the runner picks it
+  for this GPU, ``kernels.tree_attention.kv_splits``; K = 1: the kernel's time again), checked against
+  sdpa_loop too.
 * bound: bytes of K and V the step must read (B x kv_heads x (prefix + nodes) x head_dim x 2 x
   element size) / the device's copy bandwidth, measured with a large device-to-device copy
   (2 x bytes / time: each byte is read once and written once).
@@ -119,14 +122,20 @@ def copy_bandwidth(device: torch.device, num_bytes: int, args) -> float:
 # ------------------------------------------------------------------------------------------ run
 def run_point(batch: int, prefix: int, nodes: int, args, rng: random.Random, device: torch.device,
               bandwidth: float) -> dict:
-    from kernels.tree_attention import tree_attention
+    from kernels.tree_attention import kv_splits, num_programs, tree_attention
 
     point = make_point(batch, prefix, nodes, args, rng, device)
+    # split-KV as the runner picks it (this GPU's SMs; the smoke run on a CPU takes an H100's 132)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    splits = kv_splits(num_programs(args.heads, args.kv_heads, nodes, args.head_dim, batch), prefix + nodes, sms)
     kernel_args, q, keys, values, mask = (point[k] for k in ("kernel", "q", "keys", "values", "mask"))
     group = args.heads > args.kv_heads
 
     def kernel():
         return tree_attention(**kernel_args)
+
+    def kernel_split():
+        return tree_attention(**kernel_args, kv_splits=splits)
 
     def sdpa_loop():
         return [F.scaled_dot_product_attention(q[r], keys[r], values[r], attn_mask=mask[r], enable_gqa=group)
@@ -135,20 +144,25 @@ def run_point(batch: int, prefix: int, nodes: int, args, rng: random.Random, dev
     def sdpa_batched():
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=group)
 
-    got = kernel().view(batch, nodes, args.heads, args.head_dim).transpose(1, 2).float()
     want = torch.stack(sdpa_loop()).float()
-    err = (got - want).abs()
     tol = 2e-2 if DTYPES[args.dtype] != torch.float32 else 1e-4
-    if not bool((err <= tol + tol * want.abs()).all()):
-        raise SystemExit(f"kernel != SDPA at batch={batch} prefix={prefix} nodes={nodes}: max error {err.max():.3g}")
+    errors = []
+    for name, fn in (("kernel", kernel), (f"kernel with {splits} key shares", kernel_split)):
+        err = (fn().view(batch, nodes, args.heads, args.head_dim).transpose(1, 2).float() - want).abs()
+        if not bool((err <= tol + tol * want.abs()).all()):
+            raise SystemExit(f"{name} != SDPA at batch={batch} prefix={prefix} nodes={nodes}: max error {err.max():.3g}")
+        errors.append(float(err.max()))
     row = {"batch": batch, "prefix": prefix, "nodes": nodes, "kv_bytes": point["kv_bytes"],
-           "max_abs_err": float(err.max())}
-    for name, fn in (("kernel", kernel), ("sdpa_loop", sdpa_loop), ("sdpa_batched", sdpa_batched)):
+           "max_abs_err": max(errors), "kv_splits": splits}
+    timed = [("kernel", kernel), ("sdpa_loop", sdpa_loop), ("sdpa_batched", sdpa_batched)]
+    for name, fn in timed + ([("kernel_split", kernel_split)] if splits > 1 else []):
         row[f"{name}_ms"] = time_ms(fn, device, args)
+    row.setdefault("kernel_split_ms", row["kernel_ms"])  # K = 1: the same launch
     row["bound_ms"] = point["kv_bytes"] / bandwidth * 1e3
     row["sdpa_loop_over_kernel"] = row["sdpa_loop_ms"] / row["kernel_ms"]
     row["sdpa_batched_over_kernel"] = row["sdpa_batched_ms"] / row["kernel_ms"]
     row["kernel_over_bound"] = row["kernel_ms"] / row["bound_ms"]
+    row["split_over_bound"] = row["kernel_split_ms"] / row["bound_ms"]
     return row
 
 
@@ -159,13 +173,14 @@ def markdown(result: dict) -> str:
         f"{cfg['dtype']}, block size {cfg['block_size']}; copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s",
         "",
         "| batch | prefix | nodes | kernel ms | SDPA loop ms | SDPA batched ms | bound ms "
-        "| SDPA loop / kernel | SDPA batched / kernel | kernel / bound |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| SDPA loop / kernel | SDPA batched / kernel | kernel / bound | K | split ms | split / bound |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["points"]:
         lines.append(f"| {r['batch']} | {r['prefix']} | {r['nodes']} | {r['kernel_ms']:.4f} | {r['sdpa_loop_ms']:.4f} "
                      f"| {r['sdpa_batched_ms']:.4f} | {r['bound_ms']:.4f} | {r['sdpa_loop_over_kernel']:.2f} "
-                     f"| {r['sdpa_batched_over_kernel']:.2f} | {r['kernel_over_bound']:.2f} |")
+                     f"| {r['sdpa_batched_over_kernel']:.2f} | {r['kernel_over_bound']:.2f} | {r['kv_splits']} "
+                     f"| {r['kernel_split_ms']:.4f} | {r['split_over_bound']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,7 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the trees, tables and tensors")
     args = p.parse_args(argv)
     if args.smoke:
-        args.batch, args.prefix, args.nodes = [1, 3], [40], [1, 5]
+        args.batch, args.prefix, args.nodes = [1, 3], [40, 1100], [1, 5]  # 1100: split-KV (K > 1)
         args.heads, args.kv_heads, args.head_dim, args.dtype, args.copy_mib = 4, 2, 32, "float32", 16
     return args
 

@@ -408,7 +408,7 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
         if draft_dir is not None:
             draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
                                               args.runner, device, args.attention,
-                                              compile_layers=args.compile_layers)
+                                              compile_layers=args.compile_layers, cuda_graphs=args.cuda_graphs)
         if shares_target:
             tables = SharedTables.load(target_dir, device)
     elif target_dir is not None:

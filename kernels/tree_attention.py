@@ -40,9 +40,17 @@ prefill tile stops at its own diagonal). Keys and values past ``kv_len`` are nev
 are masked), so unused slots of the cache may hold anything, NaN included. Softmax is online, base
 2, with fp32 statistics and an fp32 accumulator; P is cast to the input dtype for the PV product (as
 in flash attention). Programs of a query tile past a short request's rows exit at once (the grid is
-sized by the longest request: ``max_num_new``). Not done: splitting the keys of one program
-(flash-decoding); a small batch at a long prefix runs only B x num_kv_heads x tiles programs, fewer
-than a large GPU has SMs.
+sized by the longest request: ``max_num_new``).
+
+Split-KV (flash-decoding, ``kv_splits=K``). A small batch at a long prefix runs only B x num_kv_heads x
+tiles programs, fewer than a large GPU has SMs (on an H100 at batch 1 and 4k keys: 8 programs on 132 SMs,
+23-48x the KV-read bound). With K > 1 the grid's last axis is B x K: program k of a tile walks the k-th of K
+equal runs of the tile's key tiles (a run may be empty) and writes its unnormalised state (accumulator,
+running max, sum; fp32) to a workspace [K, T, heads, BLOCK_D + 2]; a second kernel combines the K states of
+each (row, head) with the usual rescaling (a state that saw no key has max -inf and weighs 0). The split count
+is an argument, not a compile-time constant (one variant serves every K; the combining kernel has one per
+power of two); ``kv_splits(programs, longest, SMs)`` picks it: enough shares to give each SM a program, each
+of at least ``SPLIT_MIN_KEYS`` keys, rounded down to a power of two, 1 when the launch already fills the GPU.
 
 Dtypes: fp16 / bf16 / fp32 in, same dtype out. fp32 dots use IEEE precision (no TF32). Under the
 Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) bf16 dots are not implemented (the
@@ -72,22 +80,23 @@ WORD_BITS = 32
 # The launcher's callers keep the metadata pointers 16-byte aligned for the same reason; the strides
 # that the K/V and output addressing depends on stay specialized (their divisibility lets the loads
 # vectorize) and are fixed for a cache.
-@triton.jit(do_not_specialize=["stride_qh", "stride_table", "stride_mask", "block_size"])
+@triton.jit(do_not_specialize=["stride_qh", "stride_table", "stride_mask", "block_size", "splits", "stride_ps"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
-    cu_q_ptr, kv_len_ptr, tree_start_ptr, block_tables_ptr, mask_ptr,
+    cu_q_ptr, kv_len_ptr, tree_start_ptr, block_tables_ptr, mask_ptr, partial_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kh, stride_ks, stride_kd,
     stride_vh, stride_vs, stride_vd,
     stride_ot, stride_oh,
     stride_table, stride_mask,
-    block_size, qk_scale,
+    block_size, qk_scale, splits, stride_ps, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // GROUP  # query rows per tile
-    tile, kv_head, req = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    req, split = tl.program_id(2) // splits, tl.program_id(2) % splits
     q_start = tl.load(cu_q_ptr + req)
     num_rows = tl.load(cu_q_ptr + req + 1) - q_start
     first_row = tile * ROWS
@@ -116,11 +125,17 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # phase 1: columns every row of the tile sees (prefix, and a causal tile's columns below its first row)
+    # this program's key tiles: all of them, or (split-KV) its share of the tiles up to the tile's last row
     last_row = tl.minimum(first_row + ROWS, num_rows) - 1
+    end = kv_len - num_rows + last_row + 1
+    per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), splits) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, end)
+
+    # phase 1: columns every row of the tile sees (prefix, and a causal tile's columns below its first row)
     shared_end = tl.minimum(tree_start, kv_len - num_rows + first_row + 1)
     full_end = (shared_end // BLOCK_N) * BLOCK_N
-    for start in range(0, full_end, BLOCK_N):
+    for start in range(lo, tl.minimum(full_end, hi), BLOCK_N):
         cols = start + offs_n
         slots = (tl.load(table + cols // block_size).to(tl.int64) * block_size + cols % block_size)
         k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None] * stride_kd,
@@ -136,8 +151,7 @@ def _tree_attention_kernel(
         m_i = m_new
 
     # phase 2: the rest up to the tile's last row, under the causal and ancestor masks
-    end = kv_len - num_rows + last_row + 1
-    for start in range(full_end, end, BLOCK_N):
+    for start in range(tl.maximum(full_end, lo), hi, BLOCK_N):
         cols = start + offs_n
         col_ok = cols < kv_len
         slots = (tl.load(table + cols // block_size, mask=col_ok, other=0).to(tl.int64) * block_size
@@ -164,9 +178,37 @@ def _tree_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + packed_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # the share's unnormalised state, [splits, T, heads, BLOCK_D + 2] fp32: acc, then m and l
+        row_base = (partial_ptr + split.to(tl.int64) * stride_ps
+                    + (packed_row.to(tl.int64) * num_heads + head) * (BLOCK_D + 2))
+        tl.store(row_base[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(row_base + BLOCK_D, m_i, mask=row_ok)
+        tl.store(row_base + BLOCK_D + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + packed_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["splits", "stride_ps"])
+def _combine_splits_kernel(partial_ptr, out_ptr, splits, stride_ps, stride_ot, stride_oh, num_heads,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits' states (M = max_s m_s; a
+    split that saw no key has m = -inf and weighs 0)."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < splits
+    row = partial_ptr + offs_s.to(tl.int64) * stride_ps + (t.to(tl.int64) * num_heads + h) * (BLOCK_D + 2)
+    m = tl.load(row + BLOCK_D, mask=s_ok, other=float("-inf"))
+    sums = tl.load(row + BLOCK_D + 1, mask=s_ok, other=0.0)
+    acc = tl.load(row[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    top = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(top == float("-inf"), 0.0, top)))
+    total = tl.sum(w * sums, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 INTERPRETED = not isinstance(_tree_attention_kernel, triton.runtime.JITFunction)
@@ -187,6 +229,7 @@ def tree_attention(
     *,
     max_num_new: int | None = None,  # >= the rows of every request (sizes the grid); None = from cu_q: a host sync
     scale: float | None = None,  # softmax scale; None = head_dim ** -0.5
+    kv_splits: int = 1,  # programs sharing each tile's keys (split-KV, ``kv_splits``), their states combined after
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -211,23 +254,56 @@ def tree_attention(
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     num_stages = num_stages or auto_stages
     rows_per_tile = block_m // group
-    grid = (triton.cdiv(max_num_new, rows_per_tile), num_kv_heads, num_requests)
+    if kv_splits < 1:
+        raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    grid = (triton.cdiv(max_num_new, rows_per_tile), num_kv_heads, num_requests * kv_splits)
     dot_dtype = tl.float32 if INTERPRETED and q.dtype == torch.bfloat16 else _TL_DTYPES[q.dtype]
+    partial = None
+    if kv_splits > 1:  # [splits, T, heads, BLOCK_D + 2] fp32: each share's accumulator, max and sum
+        partial = torch.empty((kv_splits, total, num_heads, block_d + 2), dtype=torch.float32, device=q.device)
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, out,
         cu_q, kv_len, tree_start, block_tables, mask if mask is not None else cu_q,
+        partial if partial is not None else out,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0), mask.stride(0) if mask is not None else 0,
         block_size, (head_dim**-0.5 if scale is None else scale) * math.log2(math.e),
+        kv_splits, partial.stride(0) if partial is not None else 0, num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_MASK=mask is not None, DOT_DTYPE=dot_dtype,
+        HAS_MASK=mask is not None, SPLIT=partial is not None, DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
+    if partial is not None:
+        _combine_splits_kernel[(total, num_heads)](
+            partial, out, kv_splits, partial.stride(0), out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(kv_splits)),
+        )
     return out
+
+
+SPLIT_MIN_KEYS = 512  # keys per share at least: below that a share's fixed cost outweighs the parallelism
+MAX_SPLITS = 16
+
+
+def kv_splits(num_programs: int, longest: int, num_sms: int | None) -> int:
+    """How many programs should share each tile's keys (flash-decoding): 1 when the launch already has a program
+    per SM (``num_sms``; None = not a GPU) or the longest request is short; else enough shares to fill the SMs,
+    each of at least SPLIT_MIN_KEYS keys, rounded down to a power of two (CUDA graphs bucket on it)."""
+    if num_sms is None or num_programs >= num_sms or longest < 2 * SPLIT_MIN_KEYS:
+        return 1
+    want = min(-(-num_sms // num_programs), longest // SPLIT_MIN_KEYS, MAX_SPLITS)
+    return 1 << (want.bit_length() - 1)
+
+
+def num_programs(num_heads: int, num_kv_heads: int, max_num_new: int, head_dim: int, num_requests: int) -> int:
+    """Programs of an unsplit launch: query tiles x KV heads x requests."""
+    group = num_heads // num_kv_heads
+    block_m = max(launch_config(group, max_num_new, head_dim)[0], triton.next_power_of_2(group))
+    return triton.cdiv(max_num_new, block_m // group) * num_kv_heads * num_requests
 
 
 def launch_config(group: int, max_num_new: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -258,9 +334,16 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
         meta[1], meta[4] = rows, rows
         cu_q, kv_len, tree_start = meta[0:2], meta[4:5], meta[8:9]
         tree = torch.full((rows, 1), -1, dtype=torch.int32, device=device)  # every row sees all earlier nodes
-        tree_attention(q, cache, cache, cu_q, kv_len, kv_len, tables, block_size, None, max_num_new=rows)
-        tree_attention(q, cache, cache, cu_q, kv_len, tree_start, tables, block_size, tree, max_num_new=rows)
-        launched += 2
+        for splits in (1, 2):  # unsplit, and split-KV (one variant for every share count)
+            tree_attention(q, cache, cache, cu_q, kv_len, kv_len, tables, block_size, None, max_num_new=rows,
+                           kv_splits=splits)
+            tree_attention(q, cache, cache, cu_q, kv_len, tree_start, tables, block_size, tree, max_num_new=rows,
+                           kv_splits=splits)
+            launched += 2
+    for splits in _powers_of_two(MAX_SPLITS)[2:]:  # the combining kernel's other share counts (2 ran above)
+        tree_attention(q, cache, cache, cu_q, kv_len, kv_len, tables, block_size, None, max_num_new=rows,
+                       kv_splits=splits)
+        launched += 1
     return launched
 
 
@@ -378,4 +461,4 @@ def tree_attention_reference(
     return out.to(q.dtype)
 
 
-__all__ = ["compile_variants", "launch_config", "pack_tree_mask", "tree_attention", "tree_attention_reference", "unpack_tree_mask"]
+__all__ = ["compile_variants", "kv_splits", "launch_config", "num_programs", "pack_tree_mask", "tree_attention", "tree_attention_reference", "unpack_tree_mask"]

@@ -81,9 +81,11 @@ class EmbeddedStack:
         hf_modules: bool = False,
         prefix_caching: bool = True,
         compile_layers: str = "auto",
+        cuda_graphs: str = "auto",
     ) -> EmbeddedStack:
         """Load the target (and draft) from local directories; ``runner``: auto | fast | hf; ``attention``: the
-        fast runner's attention backend (auto | sdpa | triton), ``compile_layers`` its torch.compile (auto | on | off);
+        fast runner's attention backend (auto | sdpa | triton), ``compile_layers`` its torch.compile and
+        ``cuda_graphs`` its CUDA graphs (auto | on | off);
         ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window;
         ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool (``prefix_caching``: with
         a prefix cache, LocalVerifier's); ``hf_modules``: keep
@@ -92,10 +94,11 @@ class EmbeddedStack:
         if draft is not None:  # from the configs, before any weights load
             check_vocab_sizes(config_vocab_size(target), config_vocab_size(draft))
         tokenizer = model_tokenizer(target, "target", hf_modules)
-        target_runner = load_runner(target, dtype, runner, device, attention, hf_modules, compile_layers)
+        target_runner = load_runner(target, dtype, runner, device, attention, hf_modules, compile_layers, cuda_graphs)
         draft_runner = None
         if draft is not None:
-            draft_runner = load_runner(draft, draft_dtype or dtype, runner, device, attention, hf_modules, compile_layers)
+            draft_runner = load_runner(draft, draft_dtype or dtype, runner, device, attention, hf_modules,
+                                       compile_layers, cuda_graphs)
             check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft", hf_modules))
         return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target),
                    prefix_caching)
@@ -305,6 +308,7 @@ def load_stack(args: argparse.Namespace, hf_modules: bool = False) -> EmbeddedSt
             store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None), device=device,
             kv_cache_gb=getattr(args, "kv_cache_gb", None), hf_modules=hf_modules,
             prefix_caching=getattr(args, "prefix_caching", True), compile_layers=args.compile_layers,
+            cuda_graphs=args.cuda_graphs,
         )
     except IncompatibleModels as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None

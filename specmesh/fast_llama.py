@@ -27,7 +27,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specmesh import checkpoint
 from specmesh.contract import ModelInfo
+from specmesh.cuda_graphs import PoolGraphs, graph_choice
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.models import ATTENTION_BACKENDS, COMPILE_MODES
@@ -295,6 +298,59 @@ class _SdpaAttention:
         return out
 
 
+@dataclass
+class KernelMetadata:
+    """A step's tree-attention metadata on the host (``kernels.tree_attention``'s arguments), for B sessions and
+    T packed rows: where the keys live and which rows see which columns."""
+
+    keys: torch.Tensor  # the storage read: a pool's or one FastKVCache's [layers, kv_heads, slots, head_dim]
+    values: torch.Tensor
+    block_size: int
+    cu_q: np.ndarray  # [B + 1] row offsets
+    kv_len: np.ndarray  # [B] positions after the step
+    tree_start: np.ndarray  # [B] first tree column (kv_len: causal)
+    tables: np.ndarray  # [B, blocks] block tables, each cut to its blocks in use (zeros after)
+    slots: np.ndarray  # [T] the slot each new row writes
+    words: np.ndarray  # [T, W] ancestor bits of the tree rows (zeros elsewhere; W = 0 without a tree)
+    has_tree: bool
+
+
+def kernel_metadata(runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> KernelMetadata:
+    """The step's metadata for sessions ``caches`` (one pool's PagedKVCaches, or one FastKVCache read as one block)
+    appending ``num_new`` rows under ``attends`` (TreeMask or None = causal); ValueError for a node that attends to
+    a later node."""
+    if isinstance(caches[0], PagedKVCache):
+        keys, values, block_size = caches[0].pool.keys, caches[0].pool.values, caches[0].pool.block_size
+        tables = [np.asarray(c.table, np.int64) for c in caches]
+    else:  # one contiguous session: one block spanning its capacity
+        keys, values, block_size = caches[0].keys, caches[0].values, caches[0].keys.shape[2]
+        tables = [np.zeros(1, np.int64)]
+    ends = [c.length + n for c, n in zip(caches, num_new, strict=True)]
+    num_blocks = max(-(-end // block_size) for end in ends)
+    table_rows = np.zeros((len(caches), num_blocks), np.int64)
+    slots, tree_start, masks = [], [], []
+    for r, (cache, n, attend, end) in enumerate(zip(caches, num_new, attends, ends, strict=True)):
+        used = tables[r][: -(-end // block_size)]
+        table_rows[r, : len(used)] = used
+        positions = np.arange(cache.length, end)
+        slots.append(tables[r][positions // block_size] * block_size + positions % block_size)
+        if attend is None:
+            tree_start.append(end)  # causal: no tree columns
+            continue
+        assert attend.shape == (n, end), (attend.shape, cache.length, n)
+        ancestors = attend.ancestors.cpu()  # host sync only if a caller built its tree on the device
+        if torch.triu(ancestors[:, ancestors.shape[1] - n :], diagonal=1).any():
+            raise ValueError("a tree node attends to a later node: nodes must come after their ancestors")
+        tree_start.append(attend.prefix_len)
+        masks.append((r, runner._kernels.pack_tree_mask(ancestors).numpy()))
+    cu_q = np.cumsum([0, *num_new])
+    words = np.zeros((int(cu_q[-1]), max((m.shape[1] for _, m in masks), default=0)), np.int64)
+    for r, bits in masks:
+        words[cu_q[r] : cu_q[r + 1], : bits.shape[1]] = bits
+    return KernelMetadata(keys, values, block_size, cu_q, np.asarray(ends), np.asarray(tree_start), table_rows,
+                          np.concatenate(slots), words, bool(masks))
+
+
 class _KernelAttention:
     """Every session in one tree-attention launch per layer: the new keys/values of all sessions written with
     one scatter, then read back with the prefix through the block tables. The step's metadata (row offsets,
@@ -310,47 +366,33 @@ class _KernelAttention:
 
     def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
         self.runner, self.total = runner, sum(num_new)
-        if isinstance(caches[0], PagedKVCache):
-            self.keys, self.values, self.block_size = caches[0].pool.keys, caches[0].pool.values, caches[0].pool.block_size
-            tables = [np.asarray(c.table, np.int64) for c in caches]
-        else:  # one contiguous session: one block spanning its capacity
-            self.keys, self.values, self.block_size = caches[0].keys, caches[0].values, caches[0].keys.shape[2]
-            tables = [np.zeros(1, np.int64)]
-        ends = [c.length + n for c, n in zip(caches, num_new, strict=True)]
-        num_blocks = max(-(-end // self.block_size) for end in ends)
-        table_rows = np.zeros((len(caches), num_blocks), np.int64)
-        slots, tree_start, masks = [], [], []
-        for r, (cache, n, attend, end) in enumerate(zip(caches, num_new, attends, ends, strict=True)):
-            used = tables[r][: -(-end // self.block_size)]
-            table_rows[r, : len(used)] = used
-            positions = np.arange(cache.length, end)
-            slots.append(tables[r][positions // self.block_size] * self.block_size + positions % self.block_size)
-            if attend is None:
-                tree_start.append(end)  # causal: no tree columns
-                continue
-            assert attend.shape == (n, end), (attend.shape, cache.length, n)
-            ancestors = attend.ancestors.cpu()  # host sync only if a caller built its tree on the device
-            if torch.triu(ancestors[:, ancestors.shape[1] - n :], diagonal=1).any():
-                raise ValueError("a tree node attends to a later node: nodes must come after their ancestors")
-            tree_start.append(attend.prefix_len)
-            masks.append((r, runner._kernels.pack_tree_mask(ancestors).numpy()))
-        cu_q = np.cumsum([0, *num_new])
-        words = np.zeros((self.total, max((m.shape[1] for _, m in masks), default=0)), np.int64)
-        for r, bits in masks:
-            words[cu_q[r] : cu_q[r + 1], : bits.shape[1]] = bits
-        parts = [cu_q, ends, tree_start, table_rows.reshape(-1), np.concatenate(slots), words.reshape(-1)]
+        meta = kernel_metadata(runner, caches, num_new, attends)
+        self.keys, self.values, self.block_size = meta.keys, meta.values, meta.block_size
+        parts = [meta.cu_q, meta.kv_len, meta.tree_start, meta.tables.reshape(-1), meta.slots, meta.words.reshape(-1)]
         # each part starts on a 16-byte boundary: the kernel is compiled per pointer alignment (kernels/)
         spans = [-(-len(p) // ALIGN_INT32) * ALIGN_INT32 for p in parts]
         host = np.zeros(sum(spans), np.int32)
         for part, at in zip(parts, np.cumsum([0, *spans[:-1]]), strict=True):
             host[at : at + len(part)] = part
-        meta = torch.from_numpy(host).to(runner.device, non_blocking=True)  # one host->device copy, no wait
-        pieces = [piece[: len(p)] for piece, p in zip(meta.split(spans), parts, strict=True)]
+        device = torch.from_numpy(host).to(runner.device, non_blocking=True)  # one host->device copy, no wait
+        pieces = [piece[: len(p)] for piece, p in zip(device.split(spans), parts, strict=True)]
         self.cu_q, self.kv_len, self.tree_start = pieces[:3]
-        self.tables = pieces[3].view(len(caches), num_blocks)
+        self.tables = pieces[3].view(meta.tables.shape)
         self.slots = pieces[4].long()
-        self.mask = pieces[5].view(words.shape) if masks else None
+        self.mask = pieces[5].view(meta.words.shape) if meta.has_tree else None
         self.max_num_new = max(num_new)
+        self.splits = runner._kv_splits(self.max_num_new, len(num_new), int(meta.kv_len.max()))
+
+    @classmethod
+    def of(cls, runner: FastLlamaRunner, keys, values, block_size: int, cu_q, kv_len, tree_start, tables, slots, mask,
+           max_num_new: int, splits: int = 1) -> _KernelAttention:
+        """An attention over metadata already on the device (a CUDA graph's static buffers: cuda_graphs.py)."""
+        self = cls.__new__(cls)
+        self.runner, self.total = runner, slots.shape[0]
+        self.keys, self.values, self.block_size = keys, values, block_size
+        self.cu_q, self.kv_len, self.tree_start, self.tables = cu_q, kv_len, tree_start, tables
+        self.slots, self.mask, self.max_num_new, self.splits = slots, mask, max_num_new, splits
+        return self
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [heads, T, head_dim]; k/v: [kv_heads, T, head_dim] -> [T, heads * head_dim]."""
@@ -359,7 +401,7 @@ class _KernelAttention:
         values.index_copy_(1, self.slots, v)
         out = self.runner._kernels.tree_attention(
             q.transpose(0, 1), keys, values, self.cu_q, self.kv_len, self.tree_start, self.tables, self.block_size,
-            self.mask, max_num_new=self.max_num_new, scale=self.runner.scale,
+            self.mask, max_num_new=self.max_num_new, scale=self.runner.scale, kv_splits=self.splits,
         )  # [T, heads, head_dim], contiguous
         return out.view(self.total, self.runner.q_size)
 
@@ -407,7 +449,8 @@ class FastLlamaRunner(ModelRunner):
     whose parameters become views of the runner's weights) or straight from a checkpoint directory
     (``from_checkpoint``: no transformers import, ``self.model`` is None)."""
 
-    def __init__(self, model: PreTrainedModel, attention: str = "auto", compile_layers: str = "auto") -> None:
+    def __init__(self, model: PreTrainedModel, attention: str = "auto", compile_layers: str = "auto",
+                 cuda_graphs: str = "auto") -> None:
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"the fast runner cannot run this model: {reason}")
@@ -449,11 +492,12 @@ class FastLlamaRunner(ModelRunner):
             cos, sin = inner.rotary_emb(probe, positions)  # [1, max_positions, head_dim]
         self._setup(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None),
                     getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, cfg.rms_norm_eps,
-                    cos[0], sin[0], attention, compile_layers)
+                    cos[0], sin[0], attention, compile_layers, cuda_graphs)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attention: str = "auto", compile_layers: str = "auto") -> FastLlamaRunner:
+                        attention: str = "auto", compile_layers: str = "auto",
+                        cuda_graphs: str = "auto") -> FastLlamaRunner:
         """The runner over the checkpoint in ``path`` read without transformers: config.json and safetensors,
         exactly the weights and rotary tables transformers would load (``checkpoint.fast_reason`` must be
         None, else ValueError with the reason). ``self.model`` is None: there is no transformers module."""
@@ -492,11 +536,11 @@ class FastLlamaRunner(ModelRunner):
         with torch.inference_mode():
             cos, sin = checkpoint.rope_tables(cfg, dtype, device)
         self._setup(cfg["num_attention_heads"], cfg.get("num_key_value_heads"), checkpoint.head_dim(cfg),
-                    cfg["rms_norm_eps"], cos, sin, attention, compile_layers)
+                    cfg["rms_norm_eps"], cos, sin, attention, compile_layers, cuda_graphs)
         return self
 
     def _setup(self, num_heads: int, num_kv_heads: int | None, head_dim: int, eps: float, cos: torch.Tensor,
-               sin: torch.Tensor, attention: str, compile_layers: str = "auto") -> None:
+               sin: torch.Tensor, attention: str, compile_layers: str = "auto", cuda_graphs: str = "auto") -> None:
         """What both constructors share, once the weights are in place; cos/sin: [max_positions, head_dim]."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -512,9 +556,24 @@ class FastLlamaRunner(ModelRunner):
             t0 = time.perf_counter()
             n = self._kernels.compile_variants(self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device)
             log.info("tree-attention kernel: %d variants compiled in %.1f s", n, time.perf_counter() - t0)
+        # split-KV when a launch has fewer programs than the GPU has SMs (kernels.tree_attention.kv_splits)
+        self._num_sms = None
+        if self._kernels is not None and self.device.type == "cuda":
+            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._dense = (_pre_attention, _post_attention)  # a layer's work before and after attention
         if compile_choice(compile_layers, self.device):
             self._dense = self._compiled_dense(required=compile_layers == "on")
+        # CUDA graphs of the kernel path's steps, per paged pool (cuda_graphs.py): "on", "auto" or None (off)
+        self._graph_mode = graph_choice(cuda_graphs, self.device, self.attention)
+        self._pool_graphs = weakref.WeakKeyDictionary()  # KVPool -> PoolGraphs
+
+    def _kv_splits(self, max_num_new: int, num_requests: int, longest: int) -> int:
+        """Programs sharing each tile's keys in this step's kernel launches (1 off CUDA)."""
+        if self._num_sms is None:
+            return 1
+        kernels = self._kernels
+        programs = kernels.num_programs(self.num_heads, self.num_kv_heads, max_num_new, self.head_dim, num_requests)
+        return kernels.kv_splits(programs, longest, self._num_sms)
 
     @property
     def compiled(self) -> bool:
@@ -612,6 +671,8 @@ class FastLlamaRunner(ModelRunner):
         attends: Sequence[torch.Tensor | TreeMask | None],  # [B]: [num_new[r], caches[r].length + num_new[r]]
         logit_rows: torch.Tensor | slice | None = None,  # packed rows whose logits are wanted (None = all)
         hidden_rows: torch.Tensor | None = None,  # packed rows whose final-layer features are wanted (None = none)
+        *,
+        eager: bool = False,  # never replay a CUDA graph (the graphs' own start-up check)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward over the new tokens of B sessions: the projections and the MLP run on all T rows at
         once, attention per session on its own keys (its prefix in its cache + its new rows, under its mask:
@@ -623,23 +684,72 @@ class FastLlamaRunner(ModelRunner):
         assert sum(num_new) == total and len(caches) == len(num_new) == len(attends), (total, num_new)
         for cache, n in zip(caches, num_new, strict=True):
             cache.reserve(cache.length + n)
+        graphs = self._graphs_for(caches, attends) if hidden_rows is None and not eager else None
+        if graphs is not None and (logits := graphs.forward(caches, ids, pos, num_new, attends)) is not None:
+            for cache, n in zip(caches, num_new, strict=True):
+                cache.length += n
+            return logits if logit_rows is None else logits[logit_rows]
         if self._kernels is not None and _KernelAttention.applies(caches, attends):
             attention = _KernelAttention(self, caches, num_new, attends)
         else:
             attention = _SdpaAttention(self, caches, num_new, attends)
+        logits, features = self._layers(ids, pos, attention, logit_rows, hidden_rows)
+        for cache, n in zip(caches, num_new, strict=True):
+            cache.length += n
+        return logits if features is None else (logits, features)
+
+    def forward_eager(self, cache, input_ids: Sequence[int], position_ids: Sequence[int]) -> torch.Tensor:
+        """``forward`` without CUDA graphs: [num_new, vocab] float32."""
+        return self.forward_batch([cache], input_ids, position_ids, [len(input_ids)], [None], eager=True)
+
+    @property
+    def cuda_graphs(self) -> str:
+        """``on``, ``auto`` or ``off``: the CUDA-graph mode in force (``auto`` turns ``off`` if a check fails)."""
+        return self._graph_mode or "off"
+
+    @property
+    def graph_replays(self) -> int:
+        """Steps served by CUDA graphs (or their static-buffer path off CUDA) so far, over every pool."""
+        return sum(graphs.replays for graphs in self._pool_graphs.values())
+
+    def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention, logit_rows=None, hidden_rows=None):
+        """The stack over packed rows ids/pos [T] with ``attention`` (its caches already hold the step's blocks):
+        (logits of ``logit_rows`` [R, vocab] float32, final-norm features of ``hidden_rows`` or None). Pure device
+        work: what a CUDA graph captures (cuda_graphs.py)."""
         cos, sin = self.cos[pos], self.sin[pos]
         x = self._embed(ids)  # [T, hidden]
         pre, post = self._dense
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
             q, k, v = pre(x, ln1, qkv_w, qkv_b, cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim)
             x = post(x, attention(i, q, k, v), o_w, o_b, ln2, gate_up, down, self.eps)
-        for cache, n in zip(caches, num_new, strict=True):
-            cache.length += n
         features = None if hidden_rows is None else self._rms(x[hidden_rows], self.norm)
         if logit_rows is not None:
             x = x[logit_rows]
-        logits = _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias).float()
-        return logits if features is None else (logits, features)
+        return _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias).float(), features
+
+    def _graphs_for(self, caches, attends) -> PoolGraphs | None:
+        """The pool's CUDA graphs when this step can replay one (``cuda_graphs``: the kernel path over one paged
+        pool), created on the pool's first step, with its start-up check; None otherwise."""
+        if not self._graph_mode or self._kernels is None or not isinstance(caches[0], PagedKVCache):
+            return None
+        if not _KernelAttention.applies(caches, attends):
+            return None
+        return self.pool_graphs(caches[0].pool)
+
+    def pool_graphs(self, pool: KVPool) -> PoolGraphs | None:
+        """The pool's CUDA graphs, created (and checked against eager on a probe session) on first call: a verifier
+        calls it when it builds its pool, so the check runs at start-up. None with graphs off or when the check
+        failed under ``auto`` (every step then runs eager)."""
+        if not self._graph_mode or self._kernels is None:
+            return None
+        graphs = self._pool_graphs.get(pool)
+        if graphs is None:
+            graphs = PoolGraphs(self, pool, capture=self.device.type == "cuda", required=self._graph_mode == "on")
+            if not graphs.check(required=self._graph_mode == "on"):
+                self._graph_mode = None  # the check failed under auto: eager from now on (it said why)
+                return None
+            self._pool_graphs[pool] = graphs
+        return graphs
 
     def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPool:
         """A paged KV pool for this model's sessions (``PagedKVCache``s from ``pool.open``)."""
@@ -652,14 +762,15 @@ class FastLlamaRunner(ModelRunner):
 
 
 def make_runner(model: PreTrainedModel, backend: str = "auto", attention: str = "auto",
-                compile_layers: str = "auto") -> ModelRunner:
+                compile_layers: str = "auto", cuda_graphs: str = "auto") -> ModelRunner:
     """``auto``: the fast runner where it applies, else Hugging Face; ``hf`` / ``fast`` force one.
     ``attention``: the fast runner's attention backend (ATTENTION_BACKENDS); ``compile_layers``: whether it
-    torch.compiles its layers (COMPILE_MODES, ``compile_choice``)."""
+    torch.compiles its layers (COMPILE_MODES, ``compile_choice``); ``cuda_graphs``: whether it replays its kernel
+    steps as CUDA graphs (GRAPH_MODES, ``cuda_graphs.graph_choice``)."""
     if backend == "hf":
         return ModelRunner(model)
     if backend == "fast" or (backend == "auto" and supports(model) is None):
-        return FastLlamaRunner(model, attention, compile_layers)
+        return FastLlamaRunner(model, attention, compile_layers, cuda_graphs)
     if backend != "auto":
         raise ValueError(f"unknown runner backend {backend!r}; choose auto, hf or fast")
     return ModelRunner(model)

@@ -29,14 +29,16 @@ from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
 
 
 class KVPool:
-    """The pool's tensors: keys/values [num_layers, num_kv_heads, num_blocks * block_size, head_dim]."""
+    """The pool's tensors: keys/values [num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim]. The
+    last block is scratch, in no table: a CUDA graph's padding rows write there (``scratch_slot``)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        shape = (num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim)
+        self.scratch_slot = num_blocks * block_size  # the first slot of the scratch block
         # empty, not zeros: a slot is always written before it is read (attention reads positions [0, length)
         # only), and on the CPU untouched pages of an empty tensor take no memory, so a generous budget costs
         # only what the sessions use

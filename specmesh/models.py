@@ -27,6 +27,7 @@ DEVICE_HELP = ("where the model runs: auto (the first CUDA GPU if there is one, 
 RUNNERS = ("auto", "fast", "hf")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # the fast runner's (specmesh.fast_llama.attention_backend)
 COMPILE_MODES = ("auto", "on", "off")  # the fast runner's torch.compile of its layers (fast_llama.compile_choice)
+GRAPH_MODES = ("auto", "on", "off")  # the fast runner's CUDA graphs (cuda_graphs.graph_choice)
 
 
 def demo_model(kind: str) -> Path:
@@ -264,10 +265,11 @@ def load_tokenizer(path: str | Path):
 
 def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto",
                 device: str | torch.device = "cpu", attention: str = "auto", hf_module: bool = False,
-                compile_layers: str = "auto") -> ModelRunner:
+                compile_layers: str = "auto", cuda_graphs: str = "auto") -> ModelRunner:
     """A model runner over the model in ``path`` on ``device``: ``backend`` auto (the fast Llama path where it
     is exact, else transformers), fast or hf; ``attention``: the fast path's attention (auto, sdpa, triton);
-    ``compile_layers``: whether the fast path torch.compiles its layers (auto, on, off).
+    ``compile_layers``: whether the fast path torch.compiles its layers (auto, on, off); ``cuda_graphs``: whether
+    it replays its steps as CUDA graphs (auto, on, off).
     The fast path reads a Llama-family checkpoint without importing transformers' modelling code (seconds of a
     command's start, ``specmesh.checkpoint``) unless ``hf_module`` asks for the transformers module as well
     (``runner.model``: the HF peers of `bench`, training)."""
@@ -278,8 +280,9 @@ def load_runner(path: str | Path, dtype: torch.dtype | None = None, backend: str
 
     directory = model_dir(path)
     if backend in ("auto", "fast") and not hf_module and fast_reason(directory) is None:
-        return FastLlamaRunner.from_checkpoint(directory, dtype or torch.float32, device, attention, compile_layers)
-    return make_runner(load_model(directory, dtype, device), backend, attention, compile_layers)
+        return FastLlamaRunner.from_checkpoint(directory, dtype or torch.float32, device, attention, compile_layers,
+                                               cuda_graphs)
+    return make_runner(load_model(directory, dtype, device), backend, attention, compile_layers, cuda_graphs)
 
 
 # ------------------------------------------------------------ model options
@@ -298,6 +301,11 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                         "per step), compiled and checked against eager at start-up; 'auto' = $SPECMESH_COMPILE when "
                         "set, else on for CUDA (falling back to eager, with a warning, if compiling fails) and off on "
                         "the CPU, where it is slower (default: auto)")
+    p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="auto", dest="cuda_graphs",
+                   help="replay the fast runner's steps over its KV pool as CUDA graphs (padded to row/session "
+                        "buckets, captured on first use), checked against eager at start-up; needs the triton "
+                        "attention; 'auto' = on for CUDA (eager, with a warning, if the check fails), 'on' "
+                        "fails instead (default: auto)")
 
 
 def int_at_least(minimum: int):

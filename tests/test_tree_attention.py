@@ -139,9 +139,9 @@ def build(config: Config, seed: int) -> dict:
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def check_against_reference(config: Config, seed: int) -> None:
+def check_against_reference(config: Config, seed: int, kv_splits: int = 1) -> None:
     args = build(config, seed)
-    out = ta.tree_attention(**args)
+    out = ta.tree_attention(**args, kv_splits=kv_splits)
     as64 = {k: v.double() if k in ("q", "k_cache", "v_cache") else v for k, v in args.items()}
     ref = ta.tree_attention_reference(**as64)
     assert out.shape == args["q"].shape and out.dtype == config.dtype and out.is_contiguous()
@@ -207,6 +207,27 @@ def test_kernel_on_random_launches():
                         rng.choice([16, 32, 64]), rng.choice([1, 8, 16, 32]),
                         rng.choice([torch.float32, torch.float16, torch.bfloat16]))
         check_against_reference(config, seed)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 16])
+@pytest.mark.parametrize("name", ["trees-gqa2-d64-bs16-fp32", "cached-tree-gqa4-d32-bs8-fp32", "mixed-mqa-d128-bs1-bf16",
+                                  "prefill-mha-d16-bs32-fp16"])
+def test_split_kv_matches_float64_reference(name, splits):
+    """Split-KV (flash-decoding): each tile's keys shared among ``splits`` programs, their states combined; shares
+    that get no key (more shares than key tiles) weigh nothing. Same reference, same tolerance."""
+    check_against_reference(CASES[name], seed=len(name), kv_splits=splits)
+
+
+def test_split_kv_on_long_prefixes():
+    """Decode rows and a tree over prefixes of hundreds to thousands of keys, where the splits have work each."""
+    rng = random.Random(3)
+    config = Config((Request(2000, 1), Request(700, 16, "random", 16), Request(1300, 1), Request(90, 5, "star", 5)),
+                    num_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
+    for splits in (1, 4, 8):
+        check_against_reference(config, seed=rng.randrange(100), kv_splits=splits)
+    assert [ta.kv_splits(programs, longest, 132) for programs, longest in
+            ((8, 4096), (8, 1000), (200, 8192), (40, 8192), (8, 100_000))] == [8, 1, 1, 4, 16]
+    assert ta.kv_splits(8, 4096, None) == 1  # not a GPU: never split
 
 
 def test_a_row_that_sees_nothing_gets_zeros():
@@ -281,7 +302,8 @@ def runners():
     from specmesh.fast_llama import FastLlamaRunner
 
     model = tiny_llama(seed=11).float().to(DEVICE)
-    return FastLlamaRunner(model, attention="sdpa"), FastLlamaRunner(model, attention="triton")
+    # graphs off: these tests count and inspect the eager launches (tests/test_cuda_graphs.py replays them)
+    return FastLlamaRunner(model, attention="sdpa"), FastLlamaRunner(model, attention="triton", cuda_graphs="off")
 
 
 def test_runner_backends(runners, monkeypatch):
@@ -377,8 +399,8 @@ def test_compile_variants_launches_every_tile_size():
     a tree mask (under the interpreter here: it runs, it compiles nothing)."""
     for group, max_rows in ((2, 64), (3, 300), (1, 1024)):
         tiles = {ta.launch_config(group, n, 16)[0] for n in range(1, max_rows + 1)}
-        if max_rows <= 64:
-            assert ta.compile_variants(2 * group, 2, 16, torch.float32, torch.device(DEVICE), max_rows) == 2 * len(tiles)
+        if max_rows <= 64:  # per tile: unsplit and split, with and without a mask; the combine's other share counts
+            assert ta.compile_variants(2 * group, 2, 16, torch.float32, torch.device(DEVICE), max_rows) == 4 * len(tiles) + 3
         rows_for = {}
         for n in (1 << i for i in range(max_rows.bit_length())):
             rows_for.setdefault(ta.launch_config(group, n, 16)[0], n)
@@ -478,7 +500,8 @@ def test_benchmark_smoke(tmp_path):
 
     assert bench.main(["--smoke", "--cpu-repeats", "1", "--json", str(tmp_path / "smoke.json")]) == 0
     result = json.loads((tmp_path / "smoke.json").read_text())
-    assert len(result["points"]) == 4 and result["copy_bandwidth_gbps"] > 0
+    assert len(result["points"]) == 8 and result["copy_bandwidth_gbps"] > 0
     assert all(p["max_abs_err"] < 1e-4 and p["kernel_ms"] > 0 for p in result["points"])
+    assert {p["prefix"]: p["kv_splits"] for p in result["points"]} == {40: 1, 1100: 2}  # split-KV ran and checked
     rows = [line for line in (tmp_path / "smoke.md").read_text().splitlines() if line[:3] in ("| 1", "| 3")]
-    assert len(rows) == 4
+    assert len(rows) == 8

@@ -341,7 +341,7 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
     if args.feedback_topk < 0:
         raise SystemExit(f"specmesh {args.command}: --feedback-topk must be >= 0")
     runner = models.load_runner(path, models.torch_dtype(args.dtype, device), args.runner, device, args.attention,
-                                compile_layers=args.compile_layers)
+                                compile_layers=args.compile_layers, cuda_graphs=args.cuda_graphs)
     from verifier_service.step_loop import StepLoop
     from verifier_service.verifier import LocalVerifier
 

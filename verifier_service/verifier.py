@@ -263,6 +263,8 @@ class LocalVerifier:
         self.features = features
         num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size, kv_cache_memory, profile_rows)
         self.pool = runner.new_pool(num_blocks, block_size)  # None on the generic HF path
+        if self.pool is not None and hasattr(runner, "pool_graphs"):
+            runner.pool_graphs(self.pool)  # CUDA graphs for its steps, checked against eager now (cuda_graphs.py)
         self.allocator = self.pool.allocator if self.pool is not None else BlockAllocator(num_blocks, block_size)
         self.prefix_caching = prefix_caching and self.pool is not None
         # admission leaves this many blocks free, so the running sessions' next steps rarely preempt (vLLM's 1 %)

@@ -437,7 +437,8 @@ def _grpc_client(args, specs, target_dir, draft_dir, resources: contextlib.ExitS
         if not args.spawn_mesh:
             raise SystemExit("specmesh bench: grpc: methods need --server HOST:PORT or --spawn-mesh")
         threads = ["--threads", str(args.threads)] if args.threads else []
-        device = ["--device", args.device, "--attention", args.attention, "--compile", args.compile_layers]
+        device = ["--device", args.device, "--attention", args.attention, "--compile", args.compile_layers,
+                  "--cuda-graphs", args.cuda_graphs]
         verifier = ["--target", str(target_dir), "--dtype", args.dtype, "--runner", args.runner, *threads, *device]
         drafter = ["--draft", str(draft_dir) if draft_dir else "none", "--draft-dtype", args.draft_dtype,
                    "--runner", args.runner, *threads, *device]
@@ -534,6 +535,7 @@ def _config(args, specs, stack, target_dir, draft_dir, base, prompts, client) ->
         # the fast runner's resolved attention backend and whether its layers are torch.compiled
         "attention": getattr(stack.target_runner, "attention", None),
         "compiled": getattr(stack.target_runner, "compiled", False),
+        "cuda_graphs": getattr(stack.target_runner, "cuda_graphs", "off"),
         "device": str(stack.target_runner.device),
         "dtype": str(stack.target_runner.dtype),
         "draft_dtype": str(stack.draft_runner.dtype) if stack.draft_runner else None,
