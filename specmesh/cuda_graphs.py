@@ -117,14 +117,12 @@ class PoolGraphs:
         s, n = min(s, t), min(n, t)
         return t, s, n, self.runner._kv_splits(n, s, int(meta.kv_len.max()))
 
-    def forward(self, caches, ids: torch.Tensor, pos: torch.Tensor, num_new: Sequence[int], attends):
+    def forward(self, meta: KernelMetadata, ids: torch.Tensor, pos: torch.Tensor, num_new: Sequence[int]):
         """The step's logits [T, vocab] float32 (a fresh tensor) from the bucket's graph, or None when the step
-        does not fit one. The caches already hold the step's blocks; their lengths are the caller's to advance."""
-        from specmesh.fast_llama import kernel_metadata
-
+        does not fit one. ``meta``: the step's kernel metadata (its caches already hold the step's blocks; their
+        lengths are the caller's to advance)."""
         if self.failed:
             return None
-        meta = kernel_metadata(self.runner, caches, num_new, attends)
         key = self.key(meta, num_new)
         if key is None:
             return None
@@ -208,9 +206,11 @@ class PoolGraphs:
 
     # ------------------------------------------------------------ the start-up check
     @torch.inference_mode()
-    def check(self, required: bool) -> bool:
+    def check(self) -> bool:
         """Hold a graphed decode step to the eager one on a probe session of this pool: True when they agree. A
-        failure or mismatch raises if ``required``, else logs a warning and returns False."""
+        failure or mismatch raises if graphs are ``required``, else logs a warning and returns False."""
+        from specmesh.fast_llama import kernel_metadata, relative_error
+
         runner = self.runner
         try:
             cache = self.pool.open(8)
@@ -221,12 +221,12 @@ class PoolGraphs:
             want = runner.forward_eager(cache, [8], [7])
             cache.truncate(7)
             ids, pos = runner._to_device([8]), runner._to_device([7])
-            got = self.forward([cache], ids, pos, [1], [None])
-            error = float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
+            got = self.forward(kernel_metadata(runner, [cache], [1], [None]), ids, pos, [1])
+            error = relative_error(got, want)
             if not error <= CHECK_TOLERANCE.get(runner.dtype, 3e-2):
                 raise ValueError(f"a replayed step differs from the eager one: relative error {error:.2g}")
         except Exception as exc:
-            if required:
+            if self.required:
                 raise
             log.warning("CUDA graphs are off, the steps run eager: %s", exc)
             return False

@@ -166,6 +166,12 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
     return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, in float64 (the start-up checks of compiled layers and CUDA graphs)."""
+    want = want.double()
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in LlamaRMSNorm's op order: normalise in float32, cast back, then scale."""
     xf = x.float()
@@ -364,9 +370,8 @@ class _KernelAttention:
             return len({id(c.pool) for c in caches}) == 1
         return len(caches) == 1 and isinstance(caches[0], FastKVCache)
 
-    def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
+    def __init__(self, runner: FastLlamaRunner, meta: KernelMetadata, num_new: Sequence[int]) -> None:
         self.runner, self.total = runner, sum(num_new)
-        meta = kernel_metadata(runner, caches, num_new, attends)
         self.keys, self.values, self.block_size = meta.keys, meta.values, meta.block_size
         parts = [meta.cu_q, meta.kv_len, meta.tree_start, meta.tables.reshape(-1), meta.slots, meta.words.reshape(-1)]
         # each part starts on a 16-byte boundary: the kernel is compiled per pointer alignment (kernels/)
@@ -415,13 +420,20 @@ def attention_backend(choice: str, device: torch.device, dtype: torch.dtype) -> 
         raise ValueError(f"unknown attention backend {choice!r}; choose one of {ATTENTION_BACKENDS}")
     if choice != "auto":
         return choice
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or not _cuda_with_triton(device):
         return "sdpa"
+    return "triton"
+
+
+def _cuda_with_triton(device: torch.device) -> bool:
+    """A CUDA device, and triton imports (the kernel's and inductor's GPU code generator)."""
+    if device.type != "cuda":
+        return False
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "sdpa"
-    return "triton"
+        return False
+    return True
 
 
 def compile_choice(choice: str, device: torch.device) -> bool:
@@ -434,13 +446,7 @@ def compile_choice(choice: str, device: torch.device) -> bool:
         raise ValueError(f"unknown compile mode {choice!r}; choose one of {COMPILE_MODES}")
     if choice != "auto":
         return choice == "on"
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _cuda_with_triton(device)
 
 
 # ------------------------------------------------------------------------------------- runner
@@ -600,8 +606,8 @@ class FastLlamaRunner(ModelRunner):
                 for fn, eager, args in zip(compiled, (_pre_attention, _post_attention), (pre_args, post_args), strict=True):
                     got, want = fn(*args), eager(*args)
                     for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want)), strict=True):
-                        error = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-                        if a.shape != b.shape or not error <= COMPILE_TOLERANCE[self.dtype]:
+                        error = relative_error(a, b) if a.shape == b.shape else float("inf")
+                        if not error <= COMPILE_TOLERANCE[self.dtype]:
                             raise ValueError(f"{eager.__name__} compiled differs from eager at {rows} rows: "
                                              f"{tuple(a.shape)} vs {tuple(b.shape)}, relative error {error:.2g}")
         except Exception as exc:  # inductor's failures have many types; the eager layers stay right
@@ -684,13 +690,18 @@ class FastLlamaRunner(ModelRunner):
         assert sum(num_new) == total and len(caches) == len(num_new) == len(attends), (total, num_new)
         for cache, n in zip(caches, num_new, strict=True):
             cache.reserve(cache.length + n)
-        graphs = self._graphs_for(caches, attends) if hidden_rows is None and not eager else None
-        if graphs is not None and (logits := graphs.forward(caches, ids, pos, num_new, attends)) is not None:
+        meta = None  # the kernel path's metadata, built once for a graph replay or the eager launches
+        if self._kernels is not None and _KernelAttention.applies(caches, attends):
+            meta = kernel_metadata(self, caches, num_new, attends)
+        graphs = None
+        if meta is not None and hidden_rows is None and not eager and isinstance(caches[0], PagedKVCache):
+            graphs = self.pool_graphs(caches[0].pool)
+        if graphs is not None and (logits := graphs.forward(meta, ids, pos, num_new)) is not None:
             for cache, n in zip(caches, num_new, strict=True):
                 cache.length += n
             return logits if logit_rows is None else logits[logit_rows]
-        if self._kernels is not None and _KernelAttention.applies(caches, attends):
-            attention = _KernelAttention(self, caches, num_new, attends)
+        if meta is not None:
+            attention = _KernelAttention(self, meta, num_new)
         else:
             attention = _SdpaAttention(self, caches, num_new, attends)
         logits, features = self._layers(ids, pos, attention, logit_rows, hidden_rows)
@@ -727,15 +738,6 @@ class FastLlamaRunner(ModelRunner):
             x = x[logit_rows]
         return _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias).float(), features
 
-    def _graphs_for(self, caches, attends) -> PoolGraphs | None:
-        """The pool's CUDA graphs when this step can replay one (``cuda_graphs``: the kernel path over one paged
-        pool), created on the pool's first step, with its start-up check; None otherwise."""
-        if not self._graph_mode or self._kernels is None or not isinstance(caches[0], PagedKVCache):
-            return None
-        if not _KernelAttention.applies(caches, attends):
-            return None
-        return self.pool_graphs(caches[0].pool)
-
     def pool_graphs(self, pool: KVPool) -> PoolGraphs | None:
         """The pool's CUDA graphs, created (and checked against eager on a probe session) on first call: a verifier
         calls it when it builds its pool, so the check runs at start-up. None with graphs off or when the check
@@ -745,7 +747,7 @@ class FastLlamaRunner(ModelRunner):
         graphs = self._pool_graphs.get(pool)
         if graphs is None:
             graphs = PoolGraphs(self, pool, capture=self.device.type == "cuda", required=self._graph_mode == "on")
-            if not graphs.check(required=self._graph_mode == "on"):
+            if not graphs.check():
                 self._graph_mode = None  # the check failed under auto: eager from now on (it said why)
                 return None
             self._pool_graphs[pool] = graphs

@@ -21,6 +21,7 @@ from spec_helpers import batched_events, engine_for, greedy, tiny_llama
 from test_tree_attention import ancestors_of, tree_parents
 
 from specmesh.cuda_graphs import NEW_BUCKETS, ROW_BUCKETS, PoolGraphs, bucket, graph_choice
+from specmesh.fast_llama import kernel_metadata
 from specmesh.model_runner import TreeMask
 
 pytest.importorskip("triton")
@@ -128,7 +129,7 @@ def test_the_start_up_check_refuses_a_replay_that_differs(pair, caplog):
             runner.forward(runner.new_pool(num_blocks=16, block_size=4).open(8), [1, 2], [0, 1])
         graphs = PoolGraphs(eager, eager.new_pool(num_blocks=16, block_size=4), capture=False)
         with caplog.at_level(logging.WARNING, logger="specmesh.cuda_graphs"):
-            assert not graphs.check(required=False)
+            assert not graphs.check()
     assert "CUDA graphs are off" in caplog.text
 
 
@@ -145,12 +146,12 @@ def test_a_bucket_that_cannot_be_captured_runs_eager(pair, monkeypatch, caplog):
 
     monkeypatch.setattr(broken, "_record", fail)
     ids, pos = graphed._to_device([1, 2]), graphed._to_device([0, 1])
-    cache = broken.pool.open(4)
+    meta = kernel_metadata(graphed, [broken.pool.open(4)], [2], [None])
     with caplog.at_level(logging.WARNING, logger="specmesh.cuda_graphs"):
-        assert broken.forward([cache], ids, pos, [2], [None]) is None and broken.failed
+        assert broken.forward(meta, ids, pos, [2]) is None and broken.failed
     assert "run eager" in caplog.text
     broken.required = True
     broken.failed = False
     with pytest.raises(RuntimeError, match="capturing"):
-        broken.forward([cache], ids, pos, [2], [None])
+        broken.forward(meta, ids, pos, [2])
     assert engine_for(graphed).generate(prompt, greedy(8)).token_ids == truth  # other pools unaffected
