@@ -60,6 +60,13 @@ def parse_args() -> argparse.Namespace:
                         "1 for the engine and this client; e.g. '0-1' gives the model both")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (vLLM's eager mode)")
     p.add_argument("--prefix-caching", action="store_true", help="enable vLLM's prefix caching")
+    p.add_argument("--ngram", type=int, default=0, metavar="K",
+                   help="vLLM's n-gram speculative decoding (prompt lookup) with K speculative tokens per step, "
+                        "matching 1 to --ngram-max tokens of the context; 0 = plain decoding")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched with --ngram")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message in the model's chat template (assistant turn opened), "
+                        "as specmesh bench --chat does")
     p.add_argument("--json", metavar="OUT", default=None, help="write summary and per-request records here")
     return p.parse_args()
 
@@ -126,10 +133,13 @@ async def bench(args: argparse.Namespace, prompts: list[dict]) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     max_len = max(len(p["ids"]) + p["max_new_tokens"] for p in prompts)
+    speculative = None if not args.ngram else {
+        "method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_min": 1,
+        "prompt_lookup_max": args.ngram_max}
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=args.model, dtype=args.dtype, max_model_len=max(max_len, args.warmup_tokens + 1),
         max_num_seqs=max(args.concurrency), enable_prefix_caching=args.prefix_caching,
-        enforce_eager=args.enforce_eager, disable_log_stats=True, seed=0))
+        enforce_eager=args.enforce_eager, disable_log_stats=True, seed=0, speculative_config=speculative))
     try:
         warm = [dict(p, max_new_tokens=args.warmup_tokens) for p in prompts[:max(args.concurrency)]]
         await run_level(engine, warm, max(args.concurrency), "warmup")
@@ -173,8 +183,13 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     with open(args.prompts) as f:
         prompts = [json.loads(line) for line in f if line.strip()][: args.limit]
-    for p in prompts:  # tokenized here, like specmesh: no special tokens added
-        p["ids"] = tok(p["prompt"], add_special_tokens=False).input_ids
+    for p in prompts:  # tokenized here, like specmesh bench
+        if args.chat:  # the rendered template holds its special tokens
+            text = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
+                                           add_generation_prompt=True)
+            p["ids"] = tok(text, add_special_tokens=False).input_ids
+        else:
+            p["ids"] = tok(p["prompt"]).input_ids
         if args.max_new_tokens is not None:
             p["max_new_tokens"] = args.max_new_tokens
     result = asyncio.run(bench(args, prompts))
@@ -182,7 +197,8 @@ def main() -> None:
     settings.update(vllm=vllm.__version__, torch=torch.__version__, cpus=os.cpu_count(),
                     date=datetime.datetime.now().isoformat(timespec="seconds"))
     print(f"\nvllm-cpu {vllm.__version__}, torch {torch.__version__}, dtype {args.dtype}, "
-          f"{len(prompts)} prompts, omp-bind {args.omp_bind}")
+          f"{len(prompts)} prompts, omp-bind {args.omp_bind}"
+          + (f", n-gram speculation k={args.ngram}" if args.ngram else "") + (", chat" if args.chat else ""))
     print(table(result["levels"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

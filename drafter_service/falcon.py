@@ -343,6 +343,8 @@ class _TreeBuilder:
         self.tree_rows = 0
         self.min_score = math.log(budget.min_path_prob) if budget.min_path_prob > 0 else -math.inf
         self.static = proposer.tree == "static"
+        ids = self.head.vocab_ids  # a reduced draft vocabulary: index -> target id (None: the identity)
+        self.vocab = None if ids is None else ids.cpu().numpy()
 
     def build(self, root_out: torch.Tensor) -> TokenTree:
         budget = self.budget
@@ -370,8 +372,9 @@ class _TreeBuilder:
 
     # -------------------------------------------------------------------- pieces
     def _dists(self, out: torch.Tensor) -> torch.Tensor:
-        """[rows, H] outputs -> [rows, vocab] draft distributions: greedy, log q (float32: only the top few are
-        read); sampling, q (float64, warped like the target's)."""
+        """[rows, H] outputs -> [rows, V] draft distributions over the head's vocabulary (a reduced head's index i
+        is target id ``vocab[i]``): greedy, log q (float32: only the top few are read); sampling, q (float64,
+        warped like the target's)."""
         logits = self.head.logits(out).cpu()
         if self.sp.greedy:
             return torch.log_softmax(logits, dim=-1)
@@ -392,8 +395,9 @@ class _TreeBuilder:
                 if not self.static:  # confident slots get fewer children (one slot distribution per block)
                     covered = torch.cumsum(top.values.double().exp(), 0) >= self.p.cover
                     logs = logs[: int(torch.argmax(covered.int())) + 1 if bool(covered.any()) else len(logs)]
+                tokens = top.indices.numpy() if self.vocab is None else self.vocab[top.indices.numpy()]
                 for parent, pscore in parents:
-                    for lq, tok in zip(logs, top.indices.tolist(), strict=False):
+                    for lq, tok in zip(logs, tokens.tolist(), strict=False):
                         if lq == -math.inf:
                             break
                         made.append(_Cand(tok, parent, depth + slot, pscore + lq, math.exp(lq), src, slot))
@@ -417,17 +421,19 @@ class _TreeBuilder:
         return [i for i, _ in parents] if slots == self.k else []
 
     def _sample(self, q: torch.Tensor, count: int):
-        """``count`` tokens drawn from q without replacement; each with the distribution it was drawn from."""
+        """``count`` tokens drawn from q [V] without replacement; each as a target id with the distribution it was
+        drawn from (target ids, sparse: a reduced head's q is 0 outside its vocabulary, exactly)."""
         q = q.clone()
         for _ in range(count):
             total = float(q.sum())
             if total <= 0:
                 return
             q = q / total
-            tok = int(torch.multinomial(q, 1, generator=self.state.generator))
-            nz = torch.nonzero(q).flatten()
-            yield (nz.numpy(), q[nz].numpy()), tok
-            q[tok] = 0.0
+            index = int(torch.multinomial(q, 1, generator=self.state.generator))
+            nz = torch.nonzero(q).flatten().numpy()
+            ids, tok = (nz, index) if self.vocab is None else (self.vocab[nz], int(self.vocab[index]))
+            yield (ids, q[nz].numpy()), tok
+            q[index] = 0.0
 
     def _chain(self, leaf: int) -> list[int]:
         """The k candidates of the block ending at ``leaf``, first slot first."""
@@ -510,22 +516,24 @@ class _TreeBuilder:
 # ---------------------------------------------------------------------------------------------------- factory
 def falcon_proposer(target_runner=None, draft_runner=None, **given: object) -> FalconProposer:
     """Options: ``head`` (a trained head's directory; without one, an untrained head for the target, which
-    drafts valid but rarely accepted trees), ``k`` (untrained head only), ``branching``, ``expand``, ``samples``.
+    drafts valid but rarely accepted trees), ``k`` and ``draft_vocab`` (untrained head only), ``branching``,
+    ``expand``, ``samples``.
     The head shares the target's embedding and LM head (``target_runner``; ``draft_runner`` stands in where a
     host offers no target, e.g. the registry-wide tests, whose draft shares the target's vocabulary)."""
-    opts = proposer_options(given, ("head", "k", "branching", "expand", "samples", "tree", "shape", "cover"),
-                            "falcon")
+    opts = proposer_options(given, ("head", "k", "draft_vocab", "branching", "expand", "samples", "tree", "shape",
+                                     "cover"), "falcon")
     runner = target_runner if target_runner is not None else draft_runner
     if runner is None:
         raise ValueError("the falcon proposer needs the target model (its embedding and LM head)")
     tables: TargetTables = target_tables(runner)
     if opts.get("head"):
-        if "k" in opts:
-            raise ValueError("falcon: k comes from the trained head (its config.json)")
+        if "k" in opts or "draft_vocab" in opts:
+            raise ValueError("falcon: k and draft_vocab come from the trained head (its config.json)")
         head = load_head(str(opts["head"]), tables.to(torch.float32), device=tables.embed.device)
         measured = head_tree(str(opts["head"]))  # the tree measured best for this head
     else:
-        head, measured = random_head(tables.to(torch.float32), k=int(opts.get("k", 2))), {}
+        head = random_head(tables.to(torch.float32), k=int(opts.get("k", 2)), draft_vocab=int(opts.get("draft_vocab", 0)))
+        measured = {}
     chosen = {**measured, **opts}  # options override it; what neither sets keeps FalconProposer's default
     settings = {key: cast(chosen[key]) for key, cast in _SETTINGS.items() if key in chosen}
     return FalconProposer(head, shape=parse_shape(str(chosen.get("shape", DEFAULT_SHAPE))), **settings)

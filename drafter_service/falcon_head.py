@@ -9,7 +9,11 @@ embedding table and LM head shared and frozen (never saved with the head).
     (one Llama-style layer: RoPE, GQA) + residual -> RMSNorm -> SiLU MLP + residual = out [H]
 
 Row j's output predicts the feature f[j - 1 + k], so ``lm_head(out[j])`` is the head's distribution of
-x[j + k] (no norm in between: the output stands where a final-norm feature stands). With the relaxed causal
+x[j + k] (no norm in between: the output stands where a final-norm feature stands). A head may draft from a
+reduced vocabulary (``draft_vocab`` = N, as EAGLE-3): its LM head is the N rows of the target's for the N most
+frequent tokens of its training corpus (``vocab_ids``, draft index -> target id, saved with the head), so its
+distributions cost N / vocab of the full LM head and give every other token q = 0 (exact: the verifier's
+rejection sampling only needs q of what is drafted, and q = 0 elsewhere). With the relaxed causal
 mask, the k rows of a block see the whole block and everything before it, so one forward over the last k
 positions of a context (rows n-k..n-1, seeing everything up to n-1) drafts the next k tokens x[n..n+k-1], and
 its k outputs are the stand-in features of those positions' inputs when a later forward extends them.
@@ -26,6 +30,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,11 +103,15 @@ class FalconConfig:
     lstm_layers: int = 2
     target_fingerprint: str = ""
     glancing: bool = True  # trained with CSGD (False: a plain SAR head); informational
+    draft_vocab: int = 0  # tokens the head drafts from (its LM head's rows); 0 = the target's whole vocabulary
     kind: str = HEAD_KIND
 
     def __post_init__(self) -> None:
         if self.k not in SUPPORTED_K:
             raise ValueError(f"k must be one of {SUPPORTED_K}, got {self.k}")
+        if not 0 <= self.draft_vocab <= self.vocab_size:
+            raise ValueError(f"draft_vocab must be in [0, {self.vocab_size}] (0: the whole vocabulary), "
+                             f"got {self.draft_vocab}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide into num_heads, num_heads into num_kv_heads")
 
@@ -160,6 +169,11 @@ class FalconHead(nn.Module):
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
         self.tables: TargetTables | None = None  # attached with ``attach``; never part of the state dict
+        if config.draft_vocab:  # draft index -> target id (set by ``set_vocab`` or loaded with the weights)
+            self.register_buffer("vocab_ids", torch.arange(config.draft_vocab, dtype=torch.int64))
+        else:
+            self.vocab_ids = None
+        self._draft_head: tuple = ()  # (tables, ids' version, LM head rows drafted from, their bias), on first use
 
     # ------------------------------------------------------------------ the target
     def attach(self, tables: TargetTables, check: bool = True) -> FalconHead:
@@ -171,12 +185,48 @@ class FalconHead(nn.Module):
         self.tables = tables.to(p.dtype, p.device)
         return self
 
+    def set_vocab(self, ids: torch.Tensor | np.ndarray | list[int]) -> FalconHead:
+        """The target ids of a reduced head's draft vocabulary, [draft_vocab], distinct (training picks them)."""
+        ids = torch.as_tensor(np.asarray(ids), dtype=torch.int64)
+        if self.vocab_ids is None or ids.shape != self.vocab_ids.shape:
+            raise ValueError(f"this head drafts from {self.config.draft_vocab or 'the whole'} vocabulary; "
+                             f"got {ids.numel()} ids")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size or len(set(ids.tolist())) != ids.numel():
+            raise ValueError(f"draft vocabulary ids must be distinct and in [0, {self.config.vocab_size})")
+        self.vocab_ids.copy_(ids.to(self.vocab_ids.device))
+        return self
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.tables.embed)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] head outputs -> [..., vocab] logits through the target's LM head (float32)."""
-        return F.linear(out, self.tables.lm_head, self.tables.lm_bias).float()
+        """[..., hidden] head outputs -> [..., V] logits over the head's draft vocabulary (float32): V = the
+        target's vocabulary, or ``draft_vocab`` (index i is target id ``vocab_ids[i]``: ``to_target``)."""
+        tables = self.tables
+        if self.vocab_ids is None:
+            return F.linear(out, tables.lm_head, tables.lm_bias).float()
+        version = self.vocab_ids._version  # rebuilt when attached again or the ids are set or loaded
+        if not self._draft_head or self._draft_head[0] is not tables or self._draft_head[1] != version:
+            ids = self.vocab_ids.to(tables.lm_head.device)
+            bias = None if tables.lm_bias is None else tables.lm_bias[ids]
+            self._draft_head = (tables, version, tables.lm_head[ids], bias)
+        return F.linear(out, self._draft_head[2], self._draft_head[3]).float()
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] target features -> [..., vocab] the target's own logits (float32; training reads them)."""
+        return F.linear(features, self.tables.lm_head, self.tables.lm_bias).float()
+
+    def to_target(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target token ids (the identity for a full-vocabulary head)."""
+        return index if self.vocab_ids is None else self.vocab_ids.to(index.device)[index]
+
+    def to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> draft-vocabulary indices, -1 for a token outside a reduced head's vocabulary."""
+        if self.vocab_ids is None:
+            return ids
+        table = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=ids.device)
+        table[self.vocab_ids.to(ids.device)] = torch.arange(self.config.draft_vocab, device=ids.device)
+        return table[ids]
 
     # --------------------------------------------------------------- pieces (shared by training and drafting)
     def inputs(self, prev_features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -285,7 +335,7 @@ def save_head(head: FalconHead, out_dir: str | Path, dtype: torch.dtype | None =
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {name: (t.detach().to(dtype) if dtype is not None else t.detach()).contiguous().cpu()
+    state = {name: (t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()).contiguous().cpu()
              for name, t in head.state_dict().items()}
     save_file(state, str(out / WEIGHTS_FILE))
     meta = asdict(head.config) | {"num_parameters": head.num_parameters()} | (extra or {})
@@ -313,7 +363,8 @@ def load_head(path: str | Path, tables: TargetTables | None = None, dtype: torch
     fields = FalconConfig.__dataclass_fields__
     config = FalconConfig(**{k: v for k, v in meta.items() if k in fields})
     head = FalconHead(config)
-    head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(path / WEIGHTS_FILE)).items()})
+    head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                          for k, v in load_file(str(path / WEIGHTS_FILE)).items()})
     head = head.to(device=device, dtype=dtype).eval()
     if tables is not None:
         head.attach(tables)
@@ -327,8 +378,11 @@ def head_tree(path: str | Path) -> dict:
 
 
 def random_head(tables: TargetTables, k: int = 2, seed: int = 0, **sizes) -> FalconHead:
-    """An untrained head for ``tables`` (tests and the registry-wide checks: drafts are valid, rarely right)."""
+    """An untrained head for ``tables`` (tests and the registry-wide checks: drafts are valid, rarely right); with
+    ``draft_vocab`` = N, its draft vocabulary is N random ids of the target's."""
     torch.manual_seed(seed)
     sizes.setdefault("intermediate_size", 2 * tables.hidden_size)
     head = FalconHead(FalconConfig.for_target(tables, k, **sizes)).to(device=tables.embed.device, dtype=tables.embed.dtype)
+    if head.config.draft_vocab:
+        head.set_vocab(torch.randperm(tables.vocab_size)[: head.config.draft_vocab].sort().values)
     return head.eval().attach(tables)

@@ -200,6 +200,33 @@ def test_bench_refuses_lossy_misuse(pair, tmp_path, methods, extra, message):
         _bench(pair, tmp_path / "out.json", "--methods", *methods, *extra)
 
 
+def test_bench_chat_wraps_prompts_in_the_targets_template(pair, tmp_path):
+    """--chat: each prompt is the user message of the target's chat template (assistant turn opened), encoded
+    without adding special tokens again; a target without a template is a one-line error."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    chat = tmp_path / "chat-target"
+    shutil.copytree(pair / "target", chat)
+    (chat / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ bos_token }}user: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    args = ["--methods", "prompt_lookup_tree", "--limit", "2", "--max-new-tokens", "6", "--target", str(chat)]
+    report = _bench(pair, tmp_path / "chat.json", *args, "--chat", draft=None)
+    assert report["config"]["chat"] is True
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    for row, rec in zip(PROMPTS, [r for r in report["records"] if r["method"] == "ar"], strict=False):
+        text = f"{EOS_TOKEN}user: {row['prompt']}\nassistant:"
+        assert rec["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+    assert report["methods"]["prompt_lookup_tree"]["greedy_match_ar"] == 1.0
+    raw = _bench(pair, tmp_path / "raw.json", *args, draft=None)
+    assert raw["config"]["chat"] is False
+    assert [r["prompt_tokens"] for r in raw["records"]] != [r["prompt_tokens"] for r in report["records"]]
+    with pytest.raises(SystemExit, match="has no chat template"):
+        _bench(pair, tmp_path / "none.json", "--methods", "prompt_lookup", "--limit", "1", "--chat", draft=None)
+
+
 def test_bench_default_methods_without_draft(pair, tmp_path):
     report = _bench(pair, tmp_path / "out.json", "--limit", "1", "--max-new-tokens", "4", draft=None)
     methods = list(report["methods"])

@@ -5,10 +5,12 @@ and `specmesh train-falcon` on a tiny model."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from spec_helpers import make_prompts, make_runner, naive_greedy, tiny_llama
 from test_sampling_distribution import E2E_PROMPT, E2E_SAMPLES, P_PASS, WARPS, chisquare_p, exact_pair_law
 
@@ -64,8 +66,56 @@ def test_head_save_load_and_target_check(tmp_path, runners):
         load_head(tmp_path / "h-falcon", smaller)
     with pytest.raises(ValueError, match="not a Falcon head"):
         load_head(tmp_path, tables)
-    with pytest.raises(ValueError, match="k comes from"):
+    with pytest.raises(ValueError, match="k and draft_vocab come from"):
         falcon_proposer(target_runner=runners["fast"], head=str(tmp_path / "h-falcon"), k=2)
+
+
+def test_reduced_vocabulary_head_saves_drafts_and_ships_exact_q(tmp_path, runners):
+    """A head with a draft vocabulary of N tokens: its ids travel with the weights (int64, not cast to the
+    head's dtype), its logits cover N tokens, every drafted token and every shipped q id is one of them, and
+    the shipped q is a distribution (the verifier treats the rest as q = 0)."""
+    tables = target_tables(runners["fast"]).to(torch.float32)
+    head = random_head(tables, k=2, draft_vocab=20, seed=4)
+    ids = head.vocab_ids.tolist()
+    assert len(set(ids)) == 20 and head.logits(torch.randn(3, tables.hidden_size)).shape == (3, 20)
+    assert head.to_target(torch.tensor([0, 19])).tolist() == [ids[0], ids[19]]
+    outside = next(t for t in range(128) if t not in ids)
+    assert head.to_draft(torch.tensor([ids[5], outside])).tolist() == [5, -1]
+    save_head(head, tmp_path / "v-falcon")  # bf16 weights: the ids stay exact
+    loaded = load_head(tmp_path / "v-falcon", tables)
+    assert loaded.config.draft_vocab == 20 and loaded.vocab_ids.dtype == torch.int64
+    assert loaded.vocab_ids.tolist() == ids
+    torch.testing.assert_close(loaded.logits(torch.ones(1, tables.hidden_size)),
+                               F.linear(torch.ones(1, tables.hidden_size), tables.lm_head[loaded.vocab_ids].to(
+                                   torch.bfloat16).float()), rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="distinct"):
+        random_head(tables, k=2, draft_vocab=3).set_vocab([1, 1, 2])
+    with pytest.raises(ValueError, match="draft_vocab must be"):
+        random_head(tables, k=2, draft_vocab=129)
+    with pytest.raises(ValueError, match="draft_vocab come from"):
+        falcon_proposer(target_runner=runners["fast"], head=str(tmp_path / "v-falcon"), draft_vocab=8)
+    drafter = LocalDrafter(FalconProposer(loaded))
+    for sp in (greedy(8), SamplingParams(temperature=1.5, top_p=0.99, max_new_tokens=8, seed=2)):
+        for prompt in PROMPTS[:3]:
+            drafter.open("s", prompt, sp)
+            tree = drafter.propose("s", [], Budget(24, 6)).validate(128, 24, 6)
+            assert tree.num_nodes > 1 and set(tree.tokens.tolist()) <= set(ids)
+            if not sp.greedy:
+                assert set(tree.q_ids.tolist()) <= set(ids)
+                sums = np.add.reduceat(tree.q_probs, tree.q_cu[:-1])
+                np.testing.assert_allclose(sums, 1.0, rtol=1e-9)
+            drafter.close("s")
+
+
+def test_draft_vocabulary_takes_the_most_frequent_tokens():
+    from specmesh.app.train_falcon import draft_vocabulary
+
+    ids = torch.tensor([[5, 5, 5, 2, 2, 9], [9, 9, 9, 9, 1, 7]])
+    assert draft_vocabulary(ids, 12, 2).tolist() == [5, 9]  # 9 (5 times), 5 (3 times)
+    assert draft_vocabulary(ids, 12, 3).tolist() == [2, 5, 9]
+    assert draft_vocabulary(ids, 12, 4).tolist() == [1, 2, 5, 9]  # 1 and 7 tie (once each): the lower id
+    filled = draft_vocabulary(ids, 12, 7).tolist()
+    assert filled == [0, 1, 2, 3, 5, 7, 9]  # never-seen tokens fill up from the lowest id
 
 
 # ----------------------------------------------------------------------------------------- target features
@@ -203,19 +253,20 @@ def trained_heads(tmp_path_factory, target, runners):
         ids = prompt + ar.generate(prompt, greedy(64)).token_ids
         (corpus / f"s{i}.txt").write_text("".join(chr(256 + t) for t in ids))  # _CharTokenizer: ord % 128
     heads = {}
-    for k in (1, 2, 4):
-        out = tmp_path_factory.mktemp("heads") / f"tiny-falcon-k{k}"
+    for k, vocab in ((1, 0), (2, 0), (4, 0), (2, 48)):
+        name = k if not vocab else f"{k}-v{vocab}"  # "2-v48": k=2 drafting from 48 of the 128 tokens
+        out = tmp_path_factory.mktemp("heads") / f"tiny-falcon-k{name}"
         cfg = FalconTrainConfig(out, out, (corpus,), k=k, seq_len=24, num_seqs=60, heldout_seqs=4, epochs=4,
-                                batch_size=4, lr=3e-3, intermediate=64, checkpoint_every=0)
+                                batch_size=4, lr=3e-3, intermediate=64, checkpoint_every=0, draft_vocab=vocab)
         train_falcon(cfg, runner, _CharTokenizer(), progress=False)
-        heads[k] = out
+        heads[name] = out
     return heads
 
 
 @pytest.mark.parametrize("overlap,restart_depth", [(False, None), (True, None), (True, 1)],
                          ids=["sequential", "pearl", "pearl-preverify"])
 @pytest.mark.parametrize("budget", [(1, 1), (6, 4), (16, 6)], ids=lambda b: f"{b[0]}x{b[1]}")
-@pytest.mark.parametrize("backend,k", [("fast", 1), ("fast", 2), ("fast", 4), ("hf", 2)])
+@pytest.mark.parametrize("backend,k", [("fast", 1), ("fast", 2), ("fast", 4), ("hf", 2), ("fast", "2-v48")])
 def test_falcon_greedy_equals_ar(target, runners, trained_heads, backend, k, budget, overlap, restart_depth):
     runner = runners[backend]
     proposer = falcon_proposer(target_runner=runner, head=str(trained_heads[k]))
@@ -327,6 +378,23 @@ def test_falcon_sampling_matches_target_distribution(e2e, warp, overlap):
     assert accepted > (0.005 if overlap else 0.05) * E2E_SAMPLES
 
 
+def test_reduced_vocabulary_falcon_sampling_matches_target_distribution(e2e):
+    """Drafting from 5 of the 8 tokens: three tokens always have q = 0, and the output law is still the target's."""
+    model, runner = e2e
+    head = random_head(target_tables(runner).to(torch.float32), k=2, seed=1, draft_vocab=5)
+    engine = _engine(runner, FalconProposer(head, samples=2), (6, 4), False)
+    counts, accepted = {}, 0
+    for i in range(E2E_SAMPLES):
+        res = engine.generate(E2E_PROMPT, SamplingParams(temperature=1.0, seed=i, max_new_tokens=4, ignore_eos=True))
+        key = tuple(res.token_ids[1:3])
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(s.num_accepted for s in res.stats.steps)
+    assert chisquare_p(Counter(counts), exact_pair_law(model, E2E_PROMPT, WARPS["plain"])) > P_PASS
+    assert accepted > 0.05 * E2E_SAMPLES
+    outside = set(range(8)) - set(head.vocab_ids.tolist())
+    assert any(t in outside for key in counts for t in key)  # tokens the head cannot draft still come out
+
+
 # ---------------------------------------------------------------------------------------------- training
 class _CharTokenizer:
     """Text -> ids mod the tiny vocabulary (the trainer only needs ``tokenizer(text)["input_ids"]``)."""
@@ -361,6 +429,18 @@ def test_train_falcon_tiny_head_loss_falls_and_loads(tmp_path, target, runners):
     # a rerun resumes from the finished checkpoint: no more steps
     again = train_falcon(cfg, runner, _CharTokenizer(), progress=False)
     assert again["steps"] == report["steps"]
+    # a reduced draft vocabulary: the corpus's most frequent tokens, agreement still with the target's argmax
+    out = tmp_path / "head-falcon-v16"
+    cfg = FalconTrainConfig(tmp_path / "target", out, (corpus,), k=2, seq_len=32, num_seqs=24, heldout_seqs=4,
+                            epochs=3, batch_size=4, lr=3e-3, intermediate=64, checkpoint_every=0, draft_vocab=16)
+    report = train_falcon(cfg, runner, _CharTokenizer(), progress=False)
+    after = report["after"]
+    assert report["draft_vocab"] == 16 and after["heldout_loss"] < report["before"]["heldout_loss"], report
+    assert 0 < after["vocab_coverage"] <= 1 and max(after["agree_per_slot"]) <= after["vocab_coverage"] + 1e-9
+    head = load_head(out, target_tables(runner).to(torch.float32))
+    text = "".join((corpus / f"f{i}.py").read_text() for i in range(8))
+    common = Counter(ord(ch) % 128 for ch in text).most_common(4)
+    assert {t for t, _ in common} <= set(head.vocab_ids.tolist())
 
 
 def test_glancing_schedule_and_rows():

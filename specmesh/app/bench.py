@@ -458,9 +458,14 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
 
     eos = stack.target_runner.info.eos_token_ids
 
+    template = _chat_template(args, target_dir)
     prompts = []
     for row in rows:
-        ids = stack.tokenizer.encode(row["prompt"])
+        if template is None:
+            ids = stack.tokenizer.encode(row["prompt"])
+        else:  # the rendered template holds its special tokens
+            text = template.render([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True)
+            ids = stack.tokenizer.encode(text, add_special_tokens=False)
         max_new = args.max_new_tokens or int(row.get("max_new_tokens", 128))
         if len(ids) + max_new + 1 > stack.target_runner.info.max_positions:
             print(f"skipping {row['id']}: {len(ids)} prompt tokens + {max_new} do not fit the context", file=sys.stderr)
@@ -525,6 +530,21 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
     }
 
 
+def _chat_template(args, target_dir):
+    """``--chat``: the target's chat template (SystemExit when it has none), else None."""
+    if not getattr(args, "chat", False):
+        return None
+    from specmesh.chat import ChatTemplate, ChatTemplateError
+
+    try:
+        template = ChatTemplate.load(target_dir)
+    except ChatTemplateError as exc:
+        raise SystemExit(f"specmesh bench: --chat: {exc}") from None
+    if template is None:
+        raise SystemExit(f"specmesh bench: --chat: {target_dir} has no chat template")
+    return template
+
+
 def _config(args, specs, stack, target_dir, draft_dir, base, prompts, client) -> dict:
     """The report's record of what ran."""
     return {
@@ -548,6 +568,7 @@ def _config(args, specs, stack, target_dir, draft_dir, base, prompts, client) ->
         "ngram_store": args.ngram_store,
         "lookahead": None if args.lookahead is None else dataclasses.asdict(args.lookahead),
         "num_prompts": len(prompts),
+        "chat": bool(getattr(args, "chat", False)),
         "server": client.address if client is not None else None,
         "concurrency": args.concurrency,
     }
@@ -663,6 +684,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                         help="with --concurrency: the KV pool of the shared in-process verifier, as `specmesh "
                              "verifier --kv-cache-gb` (default: the verifier's)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send every prompt as a user message in the target's chat template (with the "
+                             "assistant's turn opened), as the OpenAI chat endpoint does; default: raw text")
     parser.add_argument("--perplexity", action="store_true",
                         help="score every method's outputs with the target's perplexity (one target forward per "
                              "output, outside the timed runs); without it only ar and the lossy methods (mjsd) are "

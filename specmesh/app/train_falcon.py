@@ -18,6 +18,9 @@ Coupled Sequential Glancing Distillation (CSGD), per batch at epoch e of E (``cs
        N rows per sequence in all; glanced rows are left out of the loss (they see their answer);
     4. the second pass gives L = SmoothL1(out, f) + 0.1 · (0.9 · KL(p_target ‖ p_draft) + 0.1 · CE(p_draft, Y)).
 ``--no-glancing`` trains the plain SAR head (one pass, N = 0); ``--k 1`` the EAGLE-like head.
+``--draft-vocab N``: the head drafts from the N most frequent tokens of the training windows (``draft_vocabulary``);
+its KL is to the target's distribution restricted to them (renormalised) and its CE counts the rows whose Y is
+among them; agreement is always with the target's own argmax (a Y outside the vocabulary is a miss).
 
 A checkpoint (head, optimizer, epoch, step, RNG) is written every ``--checkpoint-every`` steps and at every
 epoch's end in WORK/checkpoint.pt; rerunning the command resumes from it (the features are reused).
@@ -76,6 +79,7 @@ class FalconTrainConfig:
     seed: int = 0
     threads: int = 1
     work_dir: Path | None = None  # features cache and checkpoint (default: OUT's sibling OUT-work)
+    draft_vocab: int = 0  # the head drafts from the N most frequent tokens of the training windows (0: all)
 
     @property
     def glances(self) -> bool:
@@ -91,6 +95,8 @@ class FalconTrainConfig:
             raise ValueError(f"k must be one of {SUPPORTED_K}, got {self.k}")
         if self.seq_len < 2 * self.k + 2 or self.num_seqs < 1 or self.epochs < 1 or self.batch_size < 1:
             raise ValueError("seq_len >= 2k + 2, num_seqs >= 1, epochs >= 1 and batch_size >= 1")
+        if self.draft_vocab < 0:
+            raise ValueError("draft_vocab must be 0 (the whole vocabulary) or a number of tokens")
 
 
 # ------------------------------------------------------------------------------------------- the data
@@ -165,16 +171,19 @@ def csgd_loss(head: FalconHead, feats: torch.Tensor, ids: torch.Tensor, lam: flo
     rows = length - k  # rows j = 0..T-k-1 have a target (f[j-1+k], x[j+k]); f[-1] is never a target
     target_f = feats[:, k - 1 : k - 1 + rows]  # [B, rows, H]
     with torch.no_grad():
-        target_logits = head.logits(target_f)
-        target_p = torch.softmax(target_logits, dim=-1)
+        target_logits = head.target_logits(target_f)
         target_y = target_logits.argmax(-1)  # Y: the target's tokens
+        if head.vocab_ids is not None:  # a reduced head: the target's distribution over the head's vocabulary
+            target_logits = target_logits[..., head.vocab_ids]
+        target_p = torch.softmax(target_logits, dim=-1)
+        draft_y = head.to_draft(target_y)  # Y's index in the head's vocabulary (-1: outside it)
     valid = torch.ones(batch, length, dtype=torch.bool)
     valid[:, rows:] = False
     n_glanced = 0
     if glancing and lam > 0 and k > 1:
         with torch.no_grad():
             first = head(prev, ids)[:, :rows]
-            hamming = (head.logits(first).argmax(-1) != target_y).sum(dim=1).tolist()
+            hamming = (head.to_target(head.logits(first).argmax(-1)) != target_y).sum(dim=1).tolist()
         prev, ids = prev.clone(), ids.clone()
         for b, glanced in enumerate(glanced_rows(hamming, rows, k, lam, gen)):
             if glanced:
@@ -189,12 +198,13 @@ def csgd_loss(head: FalconHead, feats: torch.Tensor, ids: torch.Tensor, lam: flo
     logq = torch.log_softmax(logits, dim=-1)
     feat_loss = F.smooth_l1_loss(out, target_f, reduction="none").mean(-1)
     kl = (target_p * (torch.log(target_p.clamp_min(1e-12)) - logq)).sum(-1)
-    ce = F.cross_entropy(logq.reshape(-1, logq.shape[-1]), target_y.reshape(-1), reduction="none").view_as(kl)
+    ce = F.cross_entropy(logq.reshape(-1, logq.shape[-1]), draft_y.reshape(-1), reduction="none",
+                         ignore_index=-1).view_as(kl)
     per_row = feat_loss + 0.1 * (0.9 * kl + 0.1 * ce)
     denom = mask.sum().clamp_min(1)
     loss = (per_row * mask).sum() / denom
     with torch.no_grad():
-        agree = ((logits.argmax(-1) == target_y) & mask).sum().item() / float(denom)
+        agree = ((head.to_target(logits.argmax(-1)) == target_y) & mask).sum().item() / float(denom)
     with torch.no_grad():
         stats = {"loss": loss.item(), "feature": float((feat_loss * mask).sum() / denom),
                  "kl": float((kl * mask).sum() / denom), "agree": agree, "glanced": n_glanced}
@@ -210,9 +220,19 @@ def evaluate(head: FalconHead, feats: torch.Tensor, ids: torch.Tensor) -> dict:
     k = head.config.k
     rows = feats.shape[1] - k
     out = head(torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1).float(), ids)[:, :rows]
-    agree = head.logits(out).argmax(-1) == head.logits(feats[:, k - 1 : k - 1 + rows].float()).argmax(-1)
+    target_y = head.target_logits(feats[:, k - 1 : k - 1 + rows].float()).argmax(-1)
+    agree = head.to_target(head.logits(out).argmax(-1)) == target_y
     slots = [float(agree[:, s::k].float().mean()) for s in range(k)]
-    return {"heldout_loss": float(loss), "agree": stats["agree"], "agree_per_slot": slots}
+    coverage = float((head.to_draft(target_y) >= 0).float().mean())  # the target's argmax within the vocabulary
+    return {"heldout_loss": float(loss), "agree": stats["agree"], "agree_per_slot": slots, "vocab_coverage": coverage}
+
+
+def draft_vocabulary(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids of ``ids`` (any shape), ascending ids; ties (and tokens never seen, to
+    fill up) go to the lower id."""
+    counts = torch.bincount(ids.flatten().long(), minlength=vocab_size).double()
+    order = torch.argsort(-counts + torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size), stable=True)
+    return order[:size].sort().values
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -264,9 +284,15 @@ def train_falcon(cfg: FalconTrainConfig, runner=None, tokenizer=None, progress: 
     tables: TargetTables = target_tables(runner).to(torch.float32)
     data = _features(cfg, runner, tokenizer)
     torch.manual_seed(cfg.seed)
-    head_cfg = FalconConfig.for_target(tables, cfg.k, glancing=cfg.glances,
+    if cfg.draft_vocab > tables.vocab_size:
+        raise ValueError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's vocabulary ({tables.vocab_size})")
+    draft_vocab = 0 if cfg.draft_vocab == tables.vocab_size else cfg.draft_vocab
+    head_cfg = FalconConfig.for_target(tables, cfg.k, glancing=cfg.glances, draft_vocab=draft_vocab,
                                        intermediate_size=cfg.intermediate or _intermediate(runner))
-    head = FalconHead(head_cfg).attach(tables)
+    head = FalconHead(head_cfg)
+    if draft_vocab:
+        head.set_vocab(draft_vocabulary(data["train_ids"], tables.vocab_size, draft_vocab))
+    head.attach(tables)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     n = len(data["train_ids"])
     steps_per_epoch = math.ceil(n / cfg.batch_size)
@@ -322,6 +348,7 @@ def train_falcon(cfg: FalconTrainConfig, runner=None, tokenizer=None, progress: 
     report = {"steps": state["step"], "epochs_done": state["epoch"], "stopped_by_time": stopped,
               "train_minutes": round(state["seconds"] / 60, 2), "dump_seconds": round(data.get("dump_seconds", 0.0), 1),
               "windows": n, "seq_len": cfg.seq_len, "lr": cfg.lr, "batch_size": cfg.batch_size,
+              "draft_vocab": draft_vocab or tables.vocab_size,
               "before": before, "after": after, "first_losses": state["losses"][:5],
               "last_losses": state["losses"][-5:], "target": str(cfg.target)}
     save_head(head, cfg.out_dir, extra={"training": report})
@@ -364,6 +391,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"windows per step (default: {d.batch_size})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"AdamW peak learning rate (default: {d.lr})")
     p.add_argument("--intermediate", type=int, default=None, help="the head's MLP width (default: the target's)")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, metavar="N",
+                   help="draft from the N most frequent tokens of the training windows only (EAGLE-3's reduced "
+                        "vocabulary: the head's LM head is N rows of the target's, every other token gets draft "
+                        "probability 0, still lossless); default 0: the target's whole vocabulary")
     p.add_argument("--minutes", type=float, default=None, help="stop and save after this long (default: no limit)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help=f"steps between resumable checkpoints in WORK/{CHECKPOINT_FILE} (default: {d.checkpoint_every})")
@@ -381,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = FalconTrainConfig(args.target, args.out, tuple(args.corpus), args.jsonl_field, tuple(exclude), args.k,
                                 not args.no_glancing, args.seq_len, args.num_seqs, args.heldout_seqs, args.epochs,
                                 args.batch_size, args.lr, args.intermediate, args.minutes, args.checkpoint_every,
-                                args.seed, args.threads, args.work)
+                                args.seed, args.threads, args.work, args.draft_vocab)
         report = train_falcon(cfg)
     except (ValueError, FileNotFoundError, OSError, KeyError) as exc:
         raise SystemExit(f"specmesh train-falcon: {exc}") from None
@@ -389,5 +420,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"Falcon head (k={cfg.k}, {'CSGD' if cfg.glances else 'plain SAR'}) for {cfg.target} -> {cfg.out_dir} "
           f"({report['steps']} steps, {report['train_minutes']} min)")
     print(f"held-out loss {b['heldout_loss']:.3f} -> {a['heldout_loss']:.3f}; agreement with the target's argmax "
-          f"per slot {[round(x, 3) for x in a['agree_per_slot']]}")
+          f"per slot {[round(x, 3) for x in a['agree_per_slot']]}"
+          + (f"; draft vocabulary {report['draft_vocab']} tokens holds {a['vocab_coverage']:.3f} of the target's "
+             "argmax tokens" if cfg.draft_vocab else ""))
     return 0 if math.isfinite(a["heldout_loss"]) else 1
