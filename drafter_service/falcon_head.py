@@ -173,7 +173,8 @@ class FalconHead(nn.Module):
             self.register_buffer("vocab_ids", torch.arange(config.draft_vocab, dtype=torch.int64))
         else:
             self.vocab_ids = None
-        self._draft_head: tuple = ()  # (tables, ids' version, LM head rows drafted from, their bias), on first use
+        self._draft_head: tuple | None = None  # (LM head rows drafted from, their bias), built on first use
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._forget_draft_head())
 
     # ------------------------------------------------------------------ the target
     def attach(self, tables: TargetTables, check: bool = True) -> FalconHead:
@@ -183,7 +184,12 @@ class FalconHead(nn.Module):
             check_target(self.config, tables)
         p = next(self.parameters())
         self.tables = tables.to(p.dtype, p.device)
+        self._forget_draft_head()
         return self
+
+    def _forget_draft_head(self) -> None:
+        """The draft vocabulary's LM-head rows are gathered again on next use (new tables, ids set or loaded)."""
+        self._draft_head = None
 
     def set_vocab(self, ids: torch.Tensor | np.ndarray | list[int]) -> FalconHead:
         """The target ids of a reduced head's draft vocabulary, [draft_vocab], distinct (training picks them)."""
@@ -194,6 +200,7 @@ class FalconHead(nn.Module):
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size or len(set(ids.tolist())) != ids.numel():
             raise ValueError(f"draft vocabulary ids must be distinct and in [0, {self.config.vocab_size})")
         self.vocab_ids.copy_(ids.to(self.vocab_ids.device))
+        self._forget_draft_head()
         return self
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -205,12 +212,10 @@ class FalconHead(nn.Module):
         tables = self.tables
         if self.vocab_ids is None:
             return F.linear(out, tables.lm_head, tables.lm_bias).float()
-        version = self.vocab_ids._version  # rebuilt when attached again or the ids are set or loaded
-        if not self._draft_head or self._draft_head[0] is not tables or self._draft_head[1] != version:
+        if self._draft_head is None:
             ids = self.vocab_ids.to(tables.lm_head.device)
-            bias = None if tables.lm_bias is None else tables.lm_bias[ids]
-            self._draft_head = (tables, version, tables.lm_head[ids], bias)
-        return F.linear(out, self._draft_head[2], self._draft_head[3]).float()
+            self._draft_head = (tables.lm_head[ids], None if tables.lm_bias is None else tables.lm_bias[ids])
+        return F.linear(out, *self._draft_head).float()
 
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., hidden] target features -> [..., vocab] the target's own logits (float32; training reads them)."""

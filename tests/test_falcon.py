@@ -88,6 +88,13 @@ def test_reduced_vocabulary_head_saves_drafts_and_ships_exact_q(tmp_path, runner
     torch.testing.assert_close(loaded.logits(torch.ones(1, tables.hidden_size)),
                                F.linear(torch.ones(1, tables.hidden_size), tables.lm_head[loaded.vocab_ids].to(
                                    torch.bfloat16).float()), rtol=0.05, atol=0.05)
+    other = random_head(tables, k=2, draft_vocab=20, seed=5)
+    x = torch.randn(2, tables.hidden_size)
+    with torch.inference_mode():  # a drafter may load a head there: the rows gathered follow the ids loaded
+        before = other.logits(x)
+        other.load_state_dict(head.state_dict())
+        torch.testing.assert_close(other.logits(x), head.logits(x))
+        assert not torch.equal(before, other.logits(x))
     with pytest.raises(ValueError, match="distinct"):
         random_head(tables, k=2, draft_vocab=3).set_vocab([1, 1, 2])
     with pytest.raises(ValueError, match="draft_vocab must be"):
