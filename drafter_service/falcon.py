@@ -343,8 +343,7 @@ class _TreeBuilder:
         self.tree_rows = 0
         self.min_score = math.log(budget.min_path_prob) if budget.min_path_prob > 0 else -math.inf
         self.static = proposer.tree == "static"
-        ids = self.head.vocab_ids  # a reduced draft vocabulary: index -> target id (None: the identity)
-        self.vocab = None if ids is None else ids.cpu().numpy()
+        self.vocab = self.head.draft_ids()  # a reduced draft vocabulary: index -> target id (None: the identity)
 
     def build(self, root_out: torch.Tensor) -> TokenTree:
         budget = self.budget

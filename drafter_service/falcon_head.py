@@ -174,6 +174,7 @@ class FalconHead(nn.Module):
         else:
             self.vocab_ids = None
         self._draft_head: tuple | None = None  # (LM head rows drafted from, their bias), built on first use
+        self._host_ids: np.ndarray | None = None  # vocab_ids on the host, read on first use
         self.register_load_state_dict_post_hook(lambda module, _keys: module._forget_draft_head())
 
     # ------------------------------------------------------------------ the target
@@ -188,8 +189,10 @@ class FalconHead(nn.Module):
         return self
 
     def _forget_draft_head(self) -> None:
-        """The draft vocabulary's LM-head rows are gathered again on next use (new tables, ids set or loaded)."""
+        """The draft vocabulary's LM-head rows (and host ids) are read again on next use (new tables, ids set or
+        loaded)."""
         self._draft_head = None
+        self._host_ids = None
 
     def set_vocab(self, ids: torch.Tensor | np.ndarray | list[int]) -> FalconHead:
         """The target ids of a reduced head's draft vocabulary, [draft_vocab], distinct (training picks them)."""
@@ -220,6 +223,15 @@ class FalconHead(nn.Module):
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., hidden] target features -> [..., vocab] the target's own logits (float32; training reads them)."""
         return F.linear(features, self.tables.lm_head, self.tables.lm_bias).float()
+
+    def draft_ids(self) -> np.ndarray | None:
+        """A reduced head's ``vocab_ids`` on the host (index -> target id; drafting maps its picks with it), read
+        once per vocabulary like the LM-head rows; None for a full-vocabulary head."""
+        if self.vocab_ids is None:
+            return None
+        if self._host_ids is None:
+            self._host_ids = self.vocab_ids.cpu().numpy()
+        return self._host_ids
 
     def to_target(self, index: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target token ids (the identity for a full-vocabulary head)."""

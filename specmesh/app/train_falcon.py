@@ -230,9 +230,8 @@ def evaluate(head: FalconHead, feats: torch.Tensor, ids: torch.Tensor) -> dict:
 def draft_vocabulary(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
     """The ``size`` most frequent token ids of ``ids`` (any shape), ascending ids; ties (and tokens never seen, to
     fill up) go to the lower id."""
-    counts = torch.bincount(ids.flatten().long(), minlength=vocab_size).double()
-    order = torch.argsort(-counts + torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size), stable=True)
-    return order[:size].sort().values
+    counts = torch.bincount(ids.flatten().long(), minlength=vocab_size)
+    return torch.argsort(-counts, stable=True)[:size].sort().values  # stable: equal counts keep id order
 
 
 # ------------------------------------------------------------------------------------------- training
