@@ -34,7 +34,7 @@ from specmesh.contract import Budget
 from specmesh.sampling import SamplingParams
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
     fn()  # warm
     times = []
     for _ in range(repeats):
@@ -63,15 +63,15 @@ def measure(runner, tokenizer, head_dir: Path, prompts: list[str], context: int,
             runner.forward_batch([cache], [last] * rows_new, list(range(n, n + rows_new)), [rows_new], [None])
             cache.truncate(n)
 
-        rows["target_1"].append(_median_ms(lambda: target(1), repeats))
-        rows[f"target_{tree_rows}"].append(_median_ms(lambda: target(tree_rows), repeats))
+        rows["target_1"].append(median_ms(lambda: target(1), repeats))
+        rows[f"target_{tree_rows}"].append(median_ms(lambda: target(tree_rows), repeats))
         session = f"s{i}"
         drafter.open(session, ids, SamplingParams(temperature=0.0, max_new_tokens=16))
-        rows["head_pass"].append(_median_ms(lambda s=session: drafter.propose(s, [], Budget(k, k)), repeats))
+        rows["head_pass"].append(median_ms(lambda s=session: drafter.propose(s, [], Budget(k, k)), repeats))
         drafter.close(session)
         out = torch.randn(k, head.config.hidden_size, dtype=full.dtype)
-        rows["head_lm"].append(_median_ms(lambda o=out: head.logits(o), repeats))
-        rows["full_lm"].append(_median_ms(lambda o=out: F.linear(o, full).float(), repeats))
+        rows["head_lm"].append(median_ms(lambda o=out: head.logits(o), repeats))
+        rows["full_lm"].append(median_ms(lambda o=out: F.linear(o, full).float(), repeats))
     ms = {name: statistics.median(values) for name, values in rows.items()}
     base = ms["target_1"]
     return {"head": str(head_dir), "k": k, "draft_vocab": head.config.draft_vocab or head.config.vocab_size,

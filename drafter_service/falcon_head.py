@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh.fast_llama import in_out_layout
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HEAD_KIND = "specmesh-falcon-head"
@@ -173,7 +175,7 @@ class FalconHead(nn.Module):
             self.register_buffer("vocab_ids", torch.arange(config.draft_vocab, dtype=torch.int64))
         else:
             self.vocab_ids = None
-        self._draft_head: tuple | None = None  # (LM head rows drafted from, their bias), built on first use
+        self._draft_head: tuple | None = None  # (LM head rows drafted from [hidden, V], their bias), on first use
         self._host_ids: np.ndarray | None = None  # vocab_ids on the host, read on first use
         self.register_load_state_dict_post_hook(lambda module, _keys: module._forget_draft_head())
 
@@ -215,10 +217,12 @@ class FalconHead(nn.Module):
         tables = self.tables
         if self.vocab_ids is None:
             return F.linear(out, tables.lm_head, tables.lm_bias).float()
-        if self._draft_head is None:
+        if self._draft_head is None:  # the rows in the layout a product of a few rows runs fastest in
             ids = self.vocab_ids.to(tables.lm_head.device)
-            self._draft_head = (tables.lm_head[ids], None if tables.lm_bias is None else tables.lm_bias[ids])
-        return F.linear(out, *self._draft_head).float()
+            self._draft_head = (in_out_layout(tables.lm_head[ids]), None if tables.lm_bias is None else tables.lm_bias[ids])
+        head_t, bias = self._draft_head  # [hidden, V]
+        logits = out @ head_t
+        return (logits if bias is None else logits + bias).float()
 
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., hidden] target features -> [..., vocab] the target's own logits (float32; training reads them)."""

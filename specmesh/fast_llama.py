@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ COMPILE_ENV = "SPECMESH_COMPILE"  # what ``compile_layers="auto"`` means when se
 COMPILE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 SUPPORTED_TYPES = set(checkpoint.SUPPORTED_TYPES)
 STATIC_ROPE = {"default", "linear", "llama3", "yarn", "longrope"}
+HEAD_BLOCK = 4096  # columns per block of the output layer's blocked copy (``head_blocks``; 2,048-8,192 measure alike)
 
 
 def supports(model: PreTrainedModel) -> str | None:
@@ -141,12 +143,41 @@ class FastKVCache:
         return self.kv(layer, self.length)
 
 
-def _t(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> contiguous [in, out]. With the weight stored this way, ``x @ w`` for the few rows of a
-    decode or verify step (1-16 tokens) takes MKL's fast path: measured on this project's CPUs, the
-    output layer at 2-3 rows ran 2.5-3x faster than ``F.linear`` (which picks a slow kernel there), and
-    large prefills run at the same speed."""
-    return weight.detach().t().contiguous()
+def in_out_layout(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [in, out], in the layout whose ``x @ w`` runs fastest for a step's few rows (1-16), which
+    depends on the dtype. float32/64: a contiguous [in, out] copy, where MKL's small-M path runs the output layer
+    at 1-3 rows 2-3x faster than ``F.linear`` on [out, in] and large prefills at the same speed. bfloat16 and
+    float16 on a CPU: the transposed view of [out, in] (no copy), i.e. ``F.linear``'s own kernel; on a CPU
+    without native bf16 (no AVX-512-BF16/AMX), ``x @ w`` on a contiguous [in, out] bf16 matrix takes a
+    reference path, 2.5-6x slower in the layers and 30x in a 49,152-token output layer
+    (benchmarks/results/cpu_forward.md)."""
+    weight = weight.detach()
+    if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+        return weight.t()
+    return weight.t().contiguous()
+
+
+def head_blocks(lm_head: torch.Tensor, block: int = HEAD_BLOCK) -> torch.Tensor | None:
+    """The output layer lm_head [hidden, vocab] as ``ceil(vocab / block)`` contiguous column blocks
+    [num_blocks, hidden, block] (the last one zero-padded), or None where the vocabulary is under two blocks.
+    A copy, kept beside ``lm_head`` (which the embedding, Falcon heads and the HF module read)."""
+    hidden, vocab = lm_head.shape
+    num_blocks = -(-vocab // block)
+    if num_blocks < 2:
+        return None
+    padded = lm_head.new_zeros(hidden, num_blocks * block)
+    padded[:, :vocab] = lm_head
+    return padded.reshape(hidden, num_blocks, block).permute(1, 0, 2).contiguous()
+
+
+def blocked_product(x: torch.Tensor, blocks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """x [n, hidden] @ the output layer held as ``head_blocks`` [num_blocks, hidden, block] -> [n, vocab]: one
+    batched product, each block's columns read contiguously. On a CPU in float32 this is 1.2-1.5x faster than
+    either whole-matrix layout from 2 to 128 rows (MKL picks a poor kernel for a few rows against a 49,152-wide
+    matrix; benchmarks/results/cpu_forward.md)."""
+    out = torch.matmul(x, blocks)  # [num_blocks, n, block]
+    out = out.transpose(0, 1).reshape(x.shape[0], -1)  # [n, num_blocks * block]
+    return out if out.shape[1] == vocab else out[:, :vocab]
 
 
 def _share(linears: Sequence[torch.nn.Module], weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -436,17 +467,77 @@ def _cuda_with_triton(device: torch.device) -> bool:
     return True
 
 
-def compile_choice(choice: str, device: torch.device) -> bool:
-    """Resolve ``compile_layers`` (one of COMPILE_MODES): ``auto`` is $SPECMESH_COMPILE when set, else on for a CUDA
-    model when triton imports (a layer's ~30 eager launches become ~10, and on a GPU the host's launches bound the
-    step: benchmarks/results/gpu_h100.md) and off on the CPU (measured 0.86-0.97x there: hot_path.md)."""
+def compile_choice(choice: str, device: torch.device) -> str:
+    """Resolve ``compile_layers`` (one of COMPILE_MODES) to ``off``, ``on`` or ``frozen``. ``auto`` is
+    $SPECMESH_COMPILE when set, else ``on`` for a CUDA model when triton imports (a layer's ~30 eager launches become
+    ~10, and on a GPU the host's launches bound the step: benchmarks/results/gpu_h100.md) and ``off`` on the CPU
+    (``on`` measured 0.86-0.97x there: hot_path.md; ``frozen`` pays there but compiles for minutes at start-up).
+    ``frozen`` (the whole stack as one graph, weights as constants: ``_FrozenStack``) is the CPU's mode."""
     if choice == "auto":
         choice = os.environ.get(COMPILE_ENV) or "auto"
     if choice not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode {choice!r}; choose one of {COMPILE_MODES}")
+    if choice == "frozen" and device.type != "cpu":
+        raise ValueError("compile mode 'frozen' is for a CPU model (inductor's C++ GEMM templates); on CUDA use 'on'")
     if choice != "auto":
-        return choice == "on"
-    return _cuda_with_triton(device)
+        return choice
+    return "on" if _cuda_with_triton(device) else "off"
+
+
+# ------------------------------------------------------------------------------ the frozen stack (--compile frozen)
+# On a CPU the step's few rows go through MKL's small-M GEMM, which runs near one row's speed per row (2 rows ~1.5x
+# one, 4 rows ~2.3x): a verify step's tree costs almost a forward per few nodes. Inductor's C++ GEMM templates
+# (max-autotune) run 2-16 rows at 1.3-1.6x that speed, but only on weights frozen into the graph as constants
+# (they are packed at compile time): so the whole stack is one compiled module that owns its weights, and each
+# layer's attention (paged writes, the step's masks: state the compiler must not see) is an opaque custom op
+# that calls the forward's attention object, handed over per thread.
+_FROZEN = threading.local()  # .attention: the attention of the frozen-stack forward running on this thread
+_LAYER_FIELDS = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up", "down")  # a layer tuple's order
+FROZEN_OPTIONS = {  # inductor options of the frozen stack
+    "freezing": True,  # weights become constants, packed for the GEMM templates
+    "max_autotune": True,  # benchmark the C++ templates against ATen's GEMM per shape, at compile time
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,  # no autotuning tables on stderr
+    "max_autotune_report_choices_stats": False,
+}
+
+
+@torch.library.custom_op("specmesh::layer_attention", mutates_args=())
+def _layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """q [heads, T, head_dim], k/v [kv_heads, T, head_dim] -> [T, heads * head_dim]: layer ``layer``'s attention by
+    the forward's own attention object (``_FROZEN.attention``), which also writes k and v into the caches."""
+    return _FROZEN.attention(layer, q, k, v)
+
+
+@_layer_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
+
+
+class _LayerWeights(torch.nn.Module):
+    """One layer's weights as parameters (views of the runner's; None where a bias is absent)."""
+
+    def __init__(self, weights: Sequence[torch.Tensor | None]) -> None:
+        super().__init__()
+        for name, weight in zip(_LAYER_FIELDS, weights, strict=True):
+            self.register_parameter(name, None if weight is None else torch.nn.Parameter(weight, requires_grad=False))
+
+
+class _FrozenStack(torch.nn.Module):
+    """Every layer of the runner over rows x [T, hidden] (embedded) with rotary tables cos/sin [T, head_dim] ->
+    the last layer's output [T, hidden], attention through ``_layer_attention``."""
+
+    def __init__(self, runner: FastLlamaRunner) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_LayerWeights(layer) for layer in runner.layers)
+        self.shape = (runner.num_heads, runner.num_kv_heads, runner.head_dim)
+        self.eps = runner.eps
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for i, w in enumerate(self.layers):
+            q, k, v = _pre_attention(x, w.ln1, w.qkv_w, w.qkv_b, cos, sin, self.eps, *self.shape)
+            x = _post_attention(x, _layer_attention(q, k, v, i), w.o_w, w.o_b, w.ln2, w.gate_up, w.down, self.eps)
+        return x
 
 
 # ------------------------------------------------------------------------------------- runner
@@ -465,19 +556,20 @@ class FastLlamaRunner(ModelRunner):
         inner = model.model
         # The runner's own layout of the weights ([in, out], fused QKV and gate/up) is the only copy kept: the
         # HF module's parameters become views into it (``_share``), so its forward (the HF peers of `bench`)
-        # still runs, on the same numbers, without a second copy of the model in memory.
+        # still runs, on the same numbers, without a second copy of the model in memory. (In float32 on a CPU
+        # the output layer has one more copy, in column blocks: ``head_blocks``.)
         head = model.get_output_embeddings()
         tied = head.weight is inner.embed_tokens.weight
         self.layers = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
             projections = (att.q_proj, att.k_proj, att.v_proj)
-            qkv_w = _t(torch.cat([p.weight for p in projections]))
+            qkv_w = in_out_layout(torch.cat([p.weight for p in projections]))
             qkv_b = None
             if att.q_proj.bias is not None:
                 qkv_b = torch.cat([p.bias for p in projections]).detach().contiguous()
-            gate_up = _t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            o_w, down = _t(att.o_proj.weight), _t(mlp.down_proj.weight)
+            gate_up = in_out_layout(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            o_w, down = in_out_layout(att.o_proj.weight), in_out_layout(mlp.down_proj.weight)
             _share(projections, qkv_w, qkv_b)
             _share((mlp.gate_proj, mlp.up_proj), gate_up)
             _share((att.o_proj,), o_w)
@@ -485,7 +577,7 @@ class FastLlamaRunner(ModelRunner):
             self.layers.append((layer.input_layernorm.weight, qkv_w, qkv_b, o_w, att.o_proj.bias,
                                 layer.post_attention_layernorm.weight, gate_up, down))
         self.norm = inner.norm.weight
-        self.lm_head = _t(head.weight)  # [hidden, vocab]
+        self.lm_head = in_out_layout(head.weight)  # [hidden, vocab]
         self.lm_head_bias = getattr(head, "bias", None)
         _share((head,), self.lm_head)
         # tied embeddings: the table is the output layer's, read by column ([hidden, vocab]); else its own rows
@@ -529,14 +621,14 @@ class FastLlamaRunner(ModelRunner):
 
             att = [f"self_attn.{p}_proj" for p in "qkv"]
             biases = [take(p + ".bias") for p in att]
-            self.layers.append((take("input_layernorm.weight"), _t(torch.cat([take(p + ".weight") for p in att])),
+            self.layers.append((take("input_layernorm.weight"), in_out_layout(torch.cat([take(p + ".weight") for p in att])),
                                 None if biases[0] is None else torch.cat(biases),
-                                _t(take("self_attn.o_proj.weight")), take("self_attn.o_proj.bias"),
+                                in_out_layout(take("self_attn.o_proj.weight")), take("self_attn.o_proj.bias"),
                                 take("post_attention_layernorm.weight"),
-                                _t(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])),
-                                _t(take("mlp.down_proj.weight"))))
+                                in_out_layout(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])),
+                                in_out_layout(take("mlp.down_proj.weight"))))
         self.norm = tensors["model.norm.weight"]
-        self.lm_head, self.lm_head_bias = _t(head), None  # [hidden, vocab]
+        self.lm_head, self.lm_head_bias = in_out_layout(head), None  # [hidden, vocab]
         self.embed = None if cfg["tie_word_embeddings"] else embed
         del embed, head  # the fused copies are kept; every layer's tensor has left ``tensors`` already
         with torch.inference_mode():
@@ -557,6 +649,10 @@ class FastLlamaRunner(ModelRunner):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.attention = attention_backend(attention, self.device, self.dtype)
+        # the output layer in column blocks, for products of 2+ rows (a verify step's trees, a batch): float32 on
+        # a CPU only, where it was measured to pay (one more copy of the output layer's weights)
+        cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.head_blocks = head_blocks(self.lm_head, HEAD_BLOCK) if cpu_float32 else None
         self._kernels = self._load_kernels() if self.attention == "triton" else None
         if self._kernels is not None and self.device.type == "cuda":
             t0 = time.perf_counter()
@@ -567,11 +663,15 @@ class FastLlamaRunner(ModelRunner):
         if self._kernels is not None and self.device.type == "cuda":
             self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._dense = (_pre_attention, _post_attention)  # a layer's work before and after attention
-        if compile_choice(compile_layers, self.device):
+        self._stack = None  # the compiled frozen stack (--compile frozen), which then runs every layer
+        mode = compile_choice(compile_layers, self.device)
+        if mode == "on":
             self._dense = self._compiled_dense(required=compile_layers == "on")
         # CUDA graphs of the kernel path's steps, per paged pool (cuda_graphs.py): "on", "auto" or None (off)
         self._graph_mode = graph_choice(cuda_graphs, self.device, self.attention)
         self._pool_graphs = weakref.WeakKeyDictionary()  # KVPool -> PoolGraphs
+        if mode == "frozen":
+            self._stack = self._compiled_stack(required=compile_layers == "frozen")
 
     def _kv_splits(self, max_num_new: int, num_requests: int, longest: int) -> int:
         """Programs sharing each tile's keys in this step's kernel launches (1 off CUDA)."""
@@ -584,7 +684,7 @@ class FastLlamaRunner(ModelRunner):
     @property
     def compiled(self) -> bool:
         """Whether the layers run torch.compiled (``compile_layers``, after the start-up check)."""
-        return self._dense != (_pre_attention, _post_attention)
+        return self._dense != (_pre_attention, _post_attention) or self._stack is not None
 
     @torch.inference_mode()
     def _compiled_dense(self, required: bool):
@@ -617,6 +717,47 @@ class FastLlamaRunner(ModelRunner):
             return _pre_attention, _post_attention
         log.info("layers compiled (torch.compile, dynamic rows) in %.1f s", time.perf_counter() - t0)
         return compiled
+
+    @torch.inference_mode()
+    def _compiled_stack(self, required: bool):
+        """The frozen stack (``_FrozenStack``) ``torch.compile``d under ``FROZEN_OPTIONS``, compiled now on a probe
+        session (an 8-token prefill, then one row, its own specialisation, and three rows, the dynamic graph every
+        other row count reuses; minutes for a real model, most of it autotuning) and held to the eager layers there.
+        A failure or a mismatch raises where it was asked for (``frozen``) and otherwise leaves the layers eager,
+        with a warning (``auto`` through $SPECMESH_COMPILE)."""
+        import torch._inductor.config as inductor_config  # loaded with torch.compile's backend, not with torch
+
+        t0 = time.perf_counter()
+        stack = torch.compile(_FrozenStack(self), dynamic=True)
+        ids = torch.randint(0, self.info.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+        caches = (self.new_cache(), self.new_cache())
+        try:  # inductor's global config, patched while the probe compiles (``torch.compile(options=)`` did not
+            # freeze: measured 0.96x of eager instead of 0.6-0.8x at 2-8 rows)
+            with inductor_config.patch(FROZEN_OPTIONS):
+                self._probe_stack(stack, caches, ids)
+        except Exception as exc:  # inductor's failures have many types; the eager layers stay right
+            if required:
+                raise
+            log.warning("torch.compile of the frozen stack failed, the layers run eager: %s", exc)
+            return None
+        log.info("layer stack compiled frozen (torch.compile, max-autotune C++ GEMMs, dynamic rows) in %.1f s",
+                 time.perf_counter() - t0)
+        return stack
+
+    def _probe_stack(self, stack, caches: tuple[FastKVCache, FastKVCache], ids: list[int]) -> None:
+        """Run ``ids`` through the eager layers (caches[0]) and ``stack`` (caches[1]) as an 8-row prefill, one row
+        and three rows, comparing the logits: ValueError beyond COMPILE_TOLERANCE."""
+        for start, end in ((0, 8), (8, 9), (9, 12)):
+            args = (ids[start:end], list(range(start, end)), [end - start], [None])
+            want = self.forward_batch([caches[0]], *args)
+            self._stack = stack
+            try:
+                got = self.forward_batch([caches[1]], *args)
+            finally:
+                self._stack = None
+            error = relative_error(got, want)
+            if not error <= COMPILE_TOLERANCE[self.dtype]:
+                raise ValueError(f"the frozen stack differs from eager at {end - start} rows: relative error {error:.2g}")
 
     def _load_kernels(self):
         """kernels.tree_attention, imported only for the triton backend (a CPU install needs no triton)."""
@@ -729,14 +870,30 @@ class FastLlamaRunner(ModelRunner):
         work: what a CUDA graph captures (cuda_graphs.py)."""
         cos, sin = self.cos[pos], self.sin[pos]
         x = self._embed(ids)  # [T, hidden]
-        pre, post = self._dense
-        for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
-            q, k, v = pre(x, ln1, qkv_w, qkv_b, cos, sin, self.eps, self.num_heads, self.num_kv_heads, self.head_dim)
-            x = post(x, attention(i, q, k, v), o_w, o_b, ln2, gate_up, down, self.eps)
+        if self._stack is not None:
+            _FROZEN.attention = attention
+            try:
+                x = self._stack(x, cos, sin)
+            finally:
+                _FROZEN.attention = None
+        else:
+            pre, post = self._dense
+            for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up, down) in enumerate(self.layers):
+                q, k, v = pre(x, ln1, qkv_w, qkv_b, cos, sin, self.eps, self.num_heads, self.num_kv_heads,
+                              self.head_dim)
+                x = post(x, attention(i, q, k, v), o_w, o_b, ln2, gate_up, down, self.eps)
         features = None if hidden_rows is None else self._rms(x[hidden_rows], self.norm)
         if logit_rows is not None:
             x = x[logit_rows]
-        return _linear(self._rms(x, self.norm), self.lm_head, self.lm_head_bias).float(), features
+        return self._logits(self._rms(x, self.norm)), features
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-norm features x [n, hidden] -> logits [n, vocab] float32: the blocked copy of the output layer
+        for 2+ rows where there is one, else ``lm_head`` (at one row its contiguous [hidden, vocab] is fastest)."""
+        if self.head_blocks is None or x.shape[0] < 2:
+            return _linear(x, self.lm_head, self.lm_head_bias).float()
+        logits = blocked_product(x, self.head_blocks, self.lm_head.shape[1])
+        return (logits if self.lm_head_bias is None else logits + self.lm_head_bias).float()
 
     def pool_graphs(self, pool: KVPool) -> PoolGraphs | None:
         """The pool's CUDA graphs, created (and checked against eager on a probe session) on first call: a verifier
@@ -778,5 +935,5 @@ def make_runner(model: PreTrainedModel, backend: str = "auto", attention: str = 
     return ModelRunner(model)
 
 
-__all__ = ["ATTENTION_BACKENDS", "COMPILE_MODES", "FastLlamaRunner", "FastKVCache", "attention_backend", "compile_choice",
-           "make_runner", "supports"]
+__all__ = ["ATTENTION_BACKENDS", "COMPILE_MODES", "FastLlamaRunner", "FastKVCache", "attention_backend", "blocked_product",
+           "compile_choice", "head_blocks", "in_out_layout", "make_runner", "supports"]

@@ -9,12 +9,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from specmesh import fast_llama
 from specmesh.fast_llama import (
     COMPILE_ENV,
     FastLlamaRunner,
     _post_attention,
     _pre_attention,
+    blocked_product,
     compile_choice,
+    head_blocks,
     make_runner,
     supports,
 )
@@ -107,15 +110,88 @@ def test_the_runner_keeps_one_copy_of_the_weights_and_the_hf_module_still_runs(m
     torch.testing.assert_close(fast.forward(cache, ids[0], range(30)), before[0].float(), rtol=1e-10, atol=1e-10)
 
 
+# ------------------------------------------------------------------ the output layer's and the weights' layouts
+@pytest.mark.parametrize("vocab,block", [(97, 16), (96, 16), (97, 60), (97, 97)], ids=["padded", "exact", "two", "one"])
+def test_the_blocked_output_layer_computes_the_plain_product(vocab, block) -> None:
+    gen = torch.Generator().manual_seed(5)
+    lm_head = torch.randn(48, vocab, generator=gen, dtype=torch.float64)  # [hidden, vocab]
+    blocks = head_blocks(lm_head, block)
+    num_blocks = -(-vocab // block)
+    if num_blocks < 2:
+        assert blocks is None
+        return
+    assert blocks.shape == (num_blocks, 48, block) and blocks.is_contiguous()
+    assert not blocks[-1, :, vocab - (num_blocks - 1) * block :].any()  # the padding is zeros
+    for rows in (1, 2, 5, 33):
+        x = torch.randn(rows, 48, generator=gen, dtype=torch.float64)
+        got = blocked_product(x, blocks, vocab)
+        assert got.shape == (rows, vocab)
+        torch.testing.assert_close(got, x @ lm_head, rtol=1e-12, atol=1e-12)
+
+
+def test_the_runner_picks_its_weight_layouts_by_dtype(monkeypatch) -> None:
+    """float32 on a CPU: contiguous [in, out] layers and a blocked copy of the output layer for 2+ rows, which
+    changes no logit beyond float32 rounding; bfloat16: F.linear's own [out, in] storage (views, no copy) and no
+    blocked copy; float64: contiguous [in, out], no blocked copy."""
+    monkeypatch.setattr(fast_llama, "HEAD_BLOCK", 16)
+    assert FastLlamaRunner(_llama(2)).head_blocks is None
+    bf16_model = _llama(2).to(torch.bfloat16)
+    head_ptr = bf16_model.lm_head.weight.data_ptr()
+    bf16 = FastLlamaRunner(bf16_model)
+    assert bf16.head_blocks is None
+    for layer in bf16.layers:
+        for w in (layer[1], layer[3], layer[6], layer[7]):  # qkv, o, gate/up, down: [in, out] views of [out, in]
+            assert w.t().is_contiguous() and not w.is_contiguous()
+    assert bf16.lm_head.data_ptr() == head_ptr  # the model's own output layer, not a copy
+    prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(6))
+    bf16_hf = ModelRunner(bf16_model).forward(ModelRunner(bf16_model).new_cache(), prompt, range(40))
+    torch.testing.assert_close(bf16.forward(bf16.new_cache(), prompt, range(40)), bf16_hf, rtol=0.05, atol=0.05)
+
+    blocked, plain = FastLlamaRunner(_llama(2).float()), FastLlamaRunner(_llama(2).float())
+    assert blocked.head_blocks is not None and blocked.head_blocks.shape == (7, 48, 16)
+    assert all(w.is_contiguous() for layer in blocked.layers for w in (layer[1], layer[3], layer[6], layer[7]))
+    plain.head_blocks = None
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    caches = [blocked.new_cache(), plain.new_cache()]
+    torch.testing.assert_close(blocked.forward(caches[0], prompt, range(40)),
+                               plain.forward(caches[1], prompt, range(40)), rtol=1e-5, atol=1e-5)
+    step = ([5, 6, 7, 8], [40, 41, 40, 41], tree_attend_mask(40, ancestors))
+    torch.testing.assert_close(blocked.forward(caches[0], *step), plain.forward(caches[1], *step), rtol=1e-5, atol=1e-5)
+    assert torch.equal(blocked.forward(caches[0], [9], [42]), plain.forward(caches[1], [9], [42]))  # one row: lm_head
+
+
+def test_greedy_equals_ar_through_the_blocked_output_layer(monkeypatch) -> None:
+    """A float32 target whose tree steps' logits come from the blocked output layer (its one-row AR steps from
+    the whole matrix) keeps greedy speculative output equal to AR, for a tree proposer and a chain."""
+    from spec_helpers import add_cycles, engine_for, greedy, make_prompts, tiny_llama
+
+    monkeypatch.setattr(fast_llama, "HEAD_BLOCK", 32)
+    target = add_cycles(tiny_llama(seed=21), seed=22).float()
+    runner = FastLlamaRunner(target)
+    assert runner.head_blocks is not None
+    ar = engine_for(runner)
+    accepted = 0
+    for proposer, budget in (("prompt_lookup_tree", (12, 5)), ("copy", (4, 4))):
+        engine = engine_for(runner, proposer, *budget)
+        for prompt in make_prompts(6, seed=7):
+            res = engine.generate(prompt, greedy(24))
+            assert res.token_ids == ar.generate(prompt, greedy(24)).token_ids
+            accepted += sum(s.num_accepted for s in res.stats.steps)
+    assert accepted > 0
+
+
 # ------------------------------------------------------------------ torch.compile of the layers (--compile)
 def test_compile_choice_is_cuda_only_by_default(monkeypatch) -> None:
     monkeypatch.delenv(COMPILE_ENV, raising=False)
-    assert not compile_choice("auto", torch.device("cpu"))  # slower on the CPU: never by default
-    assert compile_choice("on", torch.device("cpu")) and not compile_choice("off", torch.device("cuda"))
+    assert compile_choice("auto", torch.device("cpu")) == "off"  # slower (on) or minutes to compile (frozen)
+    assert compile_choice("on", torch.device("cpu")) == "on" and compile_choice("off", torch.device("cuda")) == "off"
+    assert compile_choice("frozen", torch.device("cpu")) == "frozen"
     monkeypatch.setenv(COMPILE_ENV, "on")
-    assert compile_choice("auto", torch.device("cpu"))
+    assert compile_choice("auto", torch.device("cpu")) == "on"
     with pytest.raises(ValueError, match="compile mode"):
         compile_choice("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="'frozen' is for a CPU"):
+        compile_choice("frozen", torch.device("cuda"))
 
 
 @pytest.mark.slow
@@ -143,4 +219,44 @@ def test_compiled_layers_keep_the_eager_logits_and_greedy_output(caplog) -> None
             compiled._compiled_dense(required=True)
         with caplog.at_level(logging.WARNING, logger="specmesh.fast_llama"):
             assert compiled._compiled_dense(required=False) == (_pre_attention, _post_attention)
+    assert "run eager" in caplog.text
+
+
+@pytest.mark.slow
+def test_the_frozen_stack_keeps_the_eager_logits_and_greedy_output(caplog) -> None:
+    """``compile_layers="frozen"`` (the whole stack compiled with its weights as constants, attention an opaque
+    custom op): the logits of a prefill, a decode row and a tree step over a paged pool, alone and batched with
+    another session, stay within float32 rounding of the eager runner's, and speculative greedy decoding through it
+    equals its plain greedy decoding; a mismatch is refused when asked for and falls back to eager under auto."""
+    from spec_helpers import add_cycles, engine_for, greedy, tiny_llama
+
+    model = add_cycles(tiny_llama(seed=21), seed=22).float()
+    eager, frozen = FastLlamaRunner(model, compile_layers="off"), FastLlamaRunner(model, compile_layers="frozen")
+    assert frozen.compiled and frozen._stack is not None and not eager.compiled
+    prompt = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    pools = [runner.new_pool(64, 16) for runner in (eager, frozen)]
+    caches = [[pool.open(40) for _ in range(2)] for pool in pools]
+    tree = tree_attend_mask(11, ancestors)
+    steps = [  # (sessions, their new ids, positions, masks): a batched prefill, one decode row, a batched tree step
+        ((0, 1), [prompt, prompt[:11]], [list(range(30)), list(range(11))], [None, None]),
+        ((0,), [[7]], [[30]], [None]),
+        ((0, 1), [[8], [1, 2, 3]], [[31], [11, 12, 11]], [None, tree]),
+    ]
+    for sessions, ids, pos, attends in steps:
+        want, got = (runner.forward_batch([cache[i] for i in sessions], [t for seq in ids for t in seq],
+                                          [p for seq in pos for p in seq], [len(seq) for seq in ids], attends)
+                     for runner, cache in zip((eager, frozen), caches, strict=True))
+        assert got.shape == want.shape
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    sampling = greedy(40)
+    plain = engine_for(eager).generate(prompt, sampling).token_ids
+    assert engine_for(frozen).generate(prompt, sampling).token_ids == plain
+    result = engine_for(frozen, "prompt_lookup_tree").generate(prompt, sampling)
+    assert result.token_ids == plain and sum(s.num_accepted for s in result.stats.steps) > 0
+    with patch.dict("specmesh.fast_llama.COMPILE_TOLERANCE", {torch.float32: 0.0}):
+        with pytest.raises(ValueError, match="differs from eager"):
+            frozen._compiled_stack(required=True)
+        with caplog.at_level(logging.WARNING, logger="specmesh.fast_llama"):
+            assert frozen._compiled_stack(required=False) is None
     assert "run eager" in caplog.text
