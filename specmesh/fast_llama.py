@@ -149,7 +149,7 @@ def in_out_layout(weight: torch.Tensor) -> torch.Tensor:
     at 1-3 rows 2-3x faster than ``F.linear`` on [out, in] and large prefills at the same speed. bfloat16 and
     float16 on a CPU: the transposed view of [out, in] (no copy), i.e. ``F.linear``'s own kernel; on a CPU
     without native bf16 (no AVX-512-BF16/AMX), ``x @ w`` on a contiguous [in, out] bf16 matrix takes a
-    reference path, 2.5-6x slower in the layers and 30x in a 49,152-token output layer
+    reference path, 2.5-6x slower in the layers and 30-35x in a 49,152-token output layer
     (benchmarks/results/cpu_forward.md)."""
     weight = weight.detach()
     if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
