@@ -184,6 +184,8 @@ def main() -> int:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="requests in flight")
     p.add_argument("--engines", nargs="+", choices=["core", "threads"], default=["threads", "core"])
     p.add_argument("--parts", nargs="+", choices=["a", "b"], default=["a", "b"], help="which parts to run")
+    p.add_argument("--methods", nargs="+", choices=["ar", "prompt_lookup_tree"], default=["ar", "prompt_lookup_tree"],
+                   help="(b)'s methods")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--json", type=Path, default=None, help="write the report here (and the table beside it, .md)")
     args = p.parse_args()
@@ -252,7 +254,7 @@ def main() -> int:
     if "a" in args.parts:
         plan += [("a", "ar", n, short[:n]) for n in args.levels] + [("a", "fixed_tree", 1, short[:1])]
     if "b" in args.parts:
-        plan += [("b", name, n, prompts[: args.num_prompts]) for name in ("ar", "prompt_lookup_tree")
+        plan += [("b", name, n, prompts[: args.num_prompts]) for name in args.methods
                  for n in args.levels]
     for part, name, n, level_prompts in plan:
         for kind in args.engines:

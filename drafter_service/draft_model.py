@@ -1,6 +1,8 @@
 """Draft-model proposer: a small causal LM drafts a chain, or a dynamic tree (EAGLE-2 style).
 
-The draft model keeps its own KV cache per session. Before drafting, the cache is
+The draft model keeps its own KV cache per session, in one paged pool of the draft runner within a fixed
+budget (``draft_kv``: a step holds the blocks its rows write, idle sessions' caches are emptied when the pool
+is short). Before drafting, the cache is
 synchronised with the committed tokens: the longest prefix it already holds (the
 drafted tokens the target accepted stay) is kept, the rest is fed in the same
 forward that produces the first draft distribution, so catching up costs no
@@ -33,12 +35,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from drafter_service.draft_kv import DraftCache, DraftKV, draft_kv
 from drafter_service.grammar_proposer import allowed_after, synced_grammar
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
 from specmesh.contract import Budget, common_prefix_len
 from specmesh.grammar import GrammarState, GrammarTokenizer
 from specmesh.logits_process import processes_logits
-from specmesh.model_runner import KVCache, ModelRunner, TreeMask
+from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.tree import TokenTree, ancestor_mask
 from specmesh.warp import warp_grouped, warp_groups, warp_probs
 
@@ -86,12 +89,6 @@ def chain_tree(tokens: Sequence[int], probs: Sequence[float], dists: Sequence[tu
         q_ids=np.concatenate(ids).astype(np.int64),
         q_probs=np.concatenate(vals).astype(np.float64),
     )
-
-
-@dataclass
-class DraftCache:
-    cache: KVCache
-    cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds, in order
 
 
 def sync_draft_cache(runner: ModelRunner, dc: DraftCache, committed: list[int]) -> torch.Tensor:
@@ -207,6 +204,22 @@ class DraftModelProposer(Proposer):
     min_confidence: float = 0.0  # chain: stop drafting after a token the draft gives less than this probability
     name: str = "draft_model"
     grammar_tokenizer: GrammarTokenizer | None = None  # structured output: drafts follow the request's grammar
+    kv: DraftKV | None = None  # the sessions' draft caches; None: the runner's shared pool (draft_kv)
+
+    def __post_init__(self) -> None:
+        if self.kv is None:
+            self.kv = draft_kv(self.runner)
+
+    def _cache(self, state: DraftSessionState) -> DraftCache:
+        """The session's draft cache (an empty one on first use)."""
+        dc = state.scratch.get(self.name)
+        if dc is None:
+            dc = state.scratch[self.name] = self.kv.new()
+        return dc
+
+    def _rows(self, budget: Budget) -> int:
+        """A bound on the rows one proposal feeds past the context (what ``DraftKV.hold`` reserves)."""
+        return budget.max_depth * (self.expand_width if self.tree else 1) + 1
 
     def _grammar(self, state: DraftSessionState) -> GrammarState | None:
         return synced_grammar(state, self.grammar_tokenizer, f"{self.name}.grammar")
@@ -214,13 +227,14 @@ class DraftModelProposer(Proposer):
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         if budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions:
             return TokenTree.empty()
-        dc = state.scratch.get(self.name)
-        if dc is None:
-            dc = state.scratch[self.name] = DraftCache(self.runner.new_cache())
-        logits = sync_draft_cache(self.runner, dc, state.tokens)
-        if self.tree:
-            return self._tree(dc, logits, state, budget)
-        return self._chain(dc, logits, state, budget)
+        dc = self._cache(state)
+        with self.kv.hold([dc], [len(state.tokens) + self._rows(budget)]) as ok:
+            if not ok[0]:
+                return TokenTree.empty()
+            logits = sync_draft_cache(self.runner, dc, state.tokens)
+            if self.tree:
+                return self._tree(dc, logits, state, budget)
+            return self._chain(dc, logits, state, budget)
 
     def propose_batch(self, states: Sequence[DraftSessionState], budgets: Sequence[Budget]) -> list[TokenTree]:
         """Chains or dynamic trees for many sessions with one draft forward per level for all of them
@@ -231,24 +245,29 @@ class DraftModelProposer(Proposer):
                 if not (budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions)]
         if not live:
             return out
-        caches = []
-        for i in live:
-            dc = states[i].scratch.get(self.name)
-            if dc is None:
-                dc = states[i].scratch[self.name] = DraftCache(self.runner.new_cache())
-            caches.append(dc)
+        caches = [self._cache(states[i]) for i in live]
+        rows = max(self._rows(budgets[i]) for i in live)  # batched chains feed every chain at every level
+        with self.kv.hold(caches, [len(states[i].tokens) + rows for i in live]) as ok:
+            kept = [k for k, got in enumerate(ok) if got]  # the others drafted nothing: their trees stay empty
+            if kept:
+                self._propose_live([live[k] for k in kept], [caches[k] for k in kept], states, budgets, out)
+        return out
+
+    def _propose_live(self, live: list[int], caches: list[DraftCache], states: Sequence[DraftSessionState],
+                      budgets: Sequence[Budget], out: list[TokenTree]) -> None:
+        """``propose_batch``'s drafting for the sessions ``live`` (their caches held): out[i] for each."""
         if not self.tree and all(self._on_device(states[i]) for i in live):
             logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live], on_host=False)
             for i, tree in zip(live, self._device_chains([states[i] for i in live], caches, [budgets[i] for i in live],
                                                          logits), strict=True):
                 out[i] = tree
-            return out
+            return
         logits = sync_draft_caches(self.runner, caches, [states[i].tokens for i in live])  # [len(live), vocab]
         if self.tree:
             for i, tree in zip(live, self._trees([states[i] for i in live], [budgets[i] for i in live], caches,
                                                  logits), strict=True):
                 out[i] = tree
-            return out
+            return
         chains = [_Chain(states[i], budgets[i], caches[k], grammar=self._grammar(states[i]))
                   for k, i in enumerate(live)]
         drafting = list(range(len(chains)))  # chains still drafting; row r of logits is chains[drafting[r]]
@@ -268,7 +287,6 @@ class DraftModelProposer(Proposer):
             drafting = extending
         for c, i in enumerate(live):
             out[i] = chains[c].tree(self.name)
-        return out
 
     def _on_device(self, state: DraftSessionState) -> bool:
         """Whether the session's chain is drafted by ``_device_chains``: without logit processors or a grammar
@@ -354,12 +372,15 @@ class DraftModelProposer(Proposer):
     def prepare(self, state: DraftSessionState) -> None:
         """Prefill the prompt (all but its last token, which the first proposal feeds)."""
         if 1 < len(state.tokens) <= self.runner.info.max_positions:
-            dc = state.scratch[self.name] = DraftCache(self.runner.new_cache())
-            self.runner.forward(dc.cache, state.tokens[:-1], range(len(state.tokens) - 1), last_only=True)
-            dc.cached = list(state.tokens[:-1])
+            self.kv.release(state.scratch.pop(self.name, None))
+            dc = self._cache(state)
+            with self.kv.hold([dc], [len(state.tokens) - 1]) as ok:
+                if ok[0]:  # else the first proposal reads the prompt (or drafts nothing if the pool cannot)
+                    self.runner.forward(dc.cache, state.tokens[:-1], range(len(state.tokens) - 1), last_only=True)
+                    dc.cached = list(state.tokens[:-1])
 
     def release(self, state: DraftSessionState) -> None:
-        state.scratch.pop(self.name, None)
+        self.kv.release(state.scratch.pop(self.name, None))
 
     # ----------------------------------------------------------------- chain
     def _chain(self, dc: DraftCache, logits: torch.Tensor, state: DraftSessionState, budget: Budget) -> TokenTree:

@@ -9,9 +9,10 @@ family carries ``model_name`` (the served model the drafter drafts for, as ``ser
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specmesh.metrics import COUNT_BUCKETS, PREFIX, SECONDS_BUCKETS, new_registry
 
@@ -25,7 +26,7 @@ class DrafterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None,
                  sessions: Callable[[], Mapping[str, int]] | None = None, *, model_name: str,
-                 proposers: Iterable[str] = ()) -> None:
+                 proposers: Iterable[str] = (), draft_kv: Any = None) -> None:
         self.registry = registry = new_registry(registry)
         self.model_name = model_name
         label = LABELS
@@ -48,6 +49,7 @@ class DrafterMetrics:
             self._proposer(proposer)
         if sessions is not None:
             registry.register(_SessionsCollector(sessions, model_name))
+        registry.register(_DraftKVCollector(draft_kv, model_name))
 
     def _proposer(self, proposer: str) -> tuple:
         """The children of ``proposer`` (made on first use: labels() costs a lock and a lookup)."""
@@ -72,6 +74,34 @@ class DrafterMetrics:
             syncs.inc()
         if num_feedback:
             feedback.inc(num_feedback)
+
+
+class _DraftKVCollector:
+    """The draft model's paged KV pool (``drafter_service/draft_kv.DraftKV``), read at scrape time; zeros for a
+    drafter without a draft model (or one on the generic path without a pool)."""
+
+    def __init__(self, kv: Any, model_name: str) -> None:
+        self.kv, self.model_name = kv, model_name
+
+    def _families(self) -> tuple:
+        return (GaugeMetricFamily(PREFIX + "drafter_kv_usage_perc", "Share of the draft model's KV pool's blocks in "
+                                  "use (0-1).", labels=["model_name"]),
+                CounterMetricFamily(PREFIX + "drafter_kv_evictions", "Draft caches emptied to make room in the draft "
+                                    "model's KV pool (re-read when their session next drafts).",
+                                    labels=["model_name"]),
+                CounterMetricFamily(PREFIX + "drafter_kv_starved", "Sessions that drafted nothing for want of draft "
+                                    "KV blocks.", labels=["model_name"]))
+
+    def describe(self):
+        yield from self._families()
+
+    def collect(self):
+        usage, evictions, starved = self._families()
+        kv, pool = self.kv, getattr(self.kv, "pool", None)
+        usage.add_metric([self.model_name], kv.blocks_used / pool.allocator.num_blocks if pool is not None else 0.0)
+        evictions.add_metric([self.model_name], kv.evictions if kv is not None else 0)
+        starved.add_metric([self.model_name], kv.starved if kv is not None else 0)
+        yield from (usage, evictions, starved)
 
 
 class _SessionsCollector:

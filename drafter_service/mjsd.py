@@ -81,13 +81,22 @@ class MJSDProposer(DraftModelProposer):
     # beams are searched one session at a time (the draft model's batched chains are not MJSD's beams)
     propose_batch = Proposer.propose_batch
 
+    def _length(self, budget: Budget) -> int:
+        return min(budget.max_nodes, budget.max_depth, self.draft_length or budget.max_depth)
+
+    def _rows(self, budget: Budget) -> int:
+        return self._length(budget) * self.beam_width + 1  # every level feeds its beams
+
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
-        length = min(budget.max_nodes, budget.max_depth, self.draft_length or budget.max_depth)
+        length = self._length(budget)
         if length <= 0 or len(state.tokens) + length > self.runner.info.max_positions:
             return TokenTree.empty()
-        dc = state.scratch.get(self.name)
-        if dc is None:
-            dc = state.scratch[self.name] = DraftCache(self.runner.new_cache())
+        dc = self._cache(state)
+        with self.kv.hold([dc], [len(state.tokens) + self._rows(budget)]) as ok:
+            return self._beam(dc, state, budget, length) if ok[0] else TokenTree.empty()
+
+    def _beam(self, dc: DraftCache, state: DraftSessionState, budget: Budget, length: int) -> TokenTree:
+        """The best beam of ``length`` tokens after the session's context (its cache held)."""
         first_logits = sync_draft_cache(self.runner, dc, state.tokens)
         base = len(dc.cached)  # the committed context; beam tokens go after it in the draft cache
         fed_parent: list[int] = []  # per fed row after `base`: the row of its parent (-1 = the context)

@@ -28,6 +28,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from drafter_service.arguments import add_members_argument, add_store_argument
+from drafter_service.draft_kv import DraftKV, add_draft_kv_argument, draft_kv
 from drafter_service.drafter import LocalDrafter
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
@@ -105,9 +106,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256,
         max_context: int = DEFAULT_MAX_CONTEXT, metrics_registry: CollectorRegistry | None = None,
         feature_hidden: int = 0, max_sessions: int = DEFAULT_MAX_SESSIONS, model_name: str = "demo",
+        draft_kv: DraftKV | None = None,
     ) -> None:
         """``metrics_registry``: where to keep Prometheus metrics (``drafter_service/metrics.py``), labelled
-        ``model_name`` (the served model drafted for); None = none.
+        ``model_name`` (the served model drafted for); None = none. ``draft_kv``: the draft model's KV pool, for
+        the metrics.
         ``feature_hidden``: the target's hidden size, the width of the target features its feature proposers read
         (0 = not checked). ``max_sessions``: sessions open at once; one more is RESOURCE_EXHAUSTED."""
         if max_sessions < 1:
@@ -129,7 +132,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.metrics = None
         if metrics_registry is not None:
             self.metrics = DrafterMetrics(metrics_registry, self.sessions_by_proposer, model_name=model_name,
-                                          proposers=self._drafters)
+                                          proposers=self._drafters, draft_kv=draft_kv)
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new sessions (UNAVAILABLE: the orchestrator fails over) and wait up to ``timeout`` seconds for
@@ -307,6 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft model directory for the draft_model proposers, or 'none' to serve model-free "
                         "proposers only (default: the bundled demo draft)")
     models.add_draft_dtype_argument(p, "else float32")
+    add_draft_kv_argument(p)
     p.add_argument("--target", type=Path, default=None, metavar="DIR",
                    help="the target model the verifiers serve (a local Hugging Face directory), for proposers that "
                         "share its embedding and LM head (falcon); only those two tables are kept (default: none, "
@@ -409,6 +413,7 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
             draft_runner = models.load_runner(draft_dir, models.draft_dtype(args.draft_dtype, "float32", device),
                                               args.runner, device, args.attention,
                                               compile_layers=args.compile_layers, cuda_graphs=args.cuda_graphs)
+            draft_kv(draft_runner, args.draft_kv_cache_gb)  # the pool, before any session (draft_kv.py)
         if shares_target:
             tables = SharedTables.load(target_dir, device)
     elif target_dir is not None:
@@ -442,7 +447,8 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
     try:
         return DrafterServicer(proposers, default, vocab, args.max_tree_nodes, args.max_context, metrics_registry,
                                feature_hidden=hidden, max_sessions=args.max_sessions,
-                               model_name=args.model_name or models.served_name(args.target))
+                               model_name=args.model_name or models.served_name(args.target),
+                               draft_kv=draft_kv(draft_runner) if draft_runner is not None else None)
     except ValueError as exc:
         raise SystemExit(f"specmesh drafter: {exc}") from None
 

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from drafter_service.arguments import add_store_argument
+from drafter_service.draft_kv import add_draft_kv_argument
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, DEFAULT_RESTART_DEPTH, POLICIES
 from specmesh import models
 from verifier_service.arguments import add_lookahead_argument
@@ -110,6 +111,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft model directory for the draft_model proposers (default: the bundled demo draft "
                         "when --target is not given, else none)")
     models.add_draft_dtype_argument(p, "else --dtype")
+    add_draft_kv_argument(p)
     models.add_runtime_arguments(p)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from drafter_service.draft_kv import draft_kv
 from drafter_service.drafter import LocalDrafter
 from drafter_service.ngram_store import tokenizer_fingerprint
 from drafter_service.proposer import make_proposer, proposer_spec
@@ -82,13 +83,15 @@ class EmbeddedStack:
         prefix_caching: bool = True,
         compile_layers: str = "auto",
         cuda_graphs: str = "auto",
+        draft_kv_cache_gb: float | None = None,
     ) -> EmbeddedStack:
         """Load the target (and draft) from local directories; ``runner``: auto | fast | hf; ``attention``: the
         fast runner's attention backend (auto | sdpa | triton), ``compile_layers`` its torch.compile and
         ``cuda_graphs`` its CUDA graphs (auto | on | off);
         ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window;
         ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool (``prefix_caching``: with
-        a prefix cache, LocalVerifier's); ``hf_modules``: keep
+        a prefix cache, LocalVerifier's); ``draft_kv_cache_gb``: the draft model's paged KV pool (``draft_kv``, made
+        here, before any verifier's pool); ``hf_modules``: keep
         the transformers modules and tokenizer (``runner.model``: `bench`'s HF peers), else a Llama-family model
         and its tokenizer load without transformers where that is exact (``models.load_runner``)."""
         if draft is not None:  # from the configs, before any weights load
@@ -100,6 +103,7 @@ class EmbeddedStack:
             draft_runner = load_runner(draft, draft_dtype or dtype, runner, device, attention, hf_modules,
                                        compile_layers, cuda_graphs)
             check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft", hf_modules))
+            draft_kv(draft_runner, draft_kv_cache_gb)
         return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target),
                    prefix_caching)
 
@@ -308,7 +312,7 @@ def load_stack(args: argparse.Namespace, hf_modules: bool = False) -> EmbeddedSt
             store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None), device=device,
             kv_cache_gb=getattr(args, "kv_cache_gb", None), hf_modules=hf_modules,
             prefix_caching=getattr(args, "prefix_caching", True), compile_layers=args.compile_layers,
-            cuda_graphs=args.cuda_graphs,
+            cuda_graphs=args.cuda_graphs, draft_kv_cache_gb=getattr(args, "draft_kv_cache_gb", None),
         )
     except IncompatibleModels as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None

@@ -1,22 +1,34 @@
 """Run a Hugging Face causal LM over token trees on top of a per-session KV cache.
 
-One ``ModelRunner`` per model (weights shared by all sessions), one ``KVCache`` per
-session. ``forward`` appends the new tokens' keys/values to the cache and returns
-their logits; ``KVCache.keep`` compacts the cache to the accepted path after a
-tree step. The tree structure reaches the model as an explicit 4-D additive
-attention mask plus explicit position ids, which every transformers 5 decoder
-honours (a 4-D mask is used as given).
+One ``ModelRunner`` per model (weights shared by all sessions). A session's keys/values live in the paged pool
+of the verifier (or of the draft model: ``drafter_service/draft_kv.py``), the same ``KVPool`` / ``PagedKVCache``
+the fast runner uses: ``new_pool`` makes one for any model whose attention layers all cache keys and values of
+one shape (probed once with a one-token forward: Llama, Qwen, Mistral without a sliding window, GPT-2, ...), and
+``forward`` hands transformers a ``Cache`` whose layers write the new rows into the session's slots and read its
+positions back (``_paged_cache``: a view where the session's blocks are one run, else a gather). Models with
+other caches (sliding windows, linear attention, layers of different shapes) keep a transformers
+``DynamicCache`` per session (``KVCache``, ``new_cache``), which the verifier accounts in blocks only.
+``forward`` appends the new tokens' keys/values to the cache and returns their logits; ``keep`` compacts the
+cache to the accepted path after a tree step. The tree structure reaches the model as an explicit 4-D additive
+attention mask plus explicit position ids, which every transformers 5 decoder honours (a 4-D mask is used as
+given).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
 
 from specmesh.contract import ModelInfo
+from specmesh.kv_pool import KVPool, PagedKVCache
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -62,6 +74,53 @@ class KVCache:
         self.truncate(prefix_len + len(offsets))
 
 
+@functools.cache
+def _paged_cache_class():
+    """transformers' ``Cache`` over one session of a ``KVPool`` for one forward (made on first use: transformers
+    is imported by the runners that need it)."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class PagedLayer(CacheLayerMixin):
+        """One layer: ``update`` writes the forward's new keys/values [1, kv_heads, n, head_dim] at the session's
+        positions [start, start + n) and returns its keys/values of positions [0, start + n)."""
+
+        is_sliding = False
+
+        def __init__(self, session: PagedKVCache, layer: int, start: int) -> None:
+            super().__init__()
+            self.session, self.layer, self.start = session, layer, start
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device, self.is_initialized = key_states.device, True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.start + key_states.shape[-2]
+            self.session.write(self.layer, self.start, key_states[0], value_states[0])
+            keys, values = self.session.kv(self.layer, end)
+            return keys[None], values[None]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.start + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.start  # the positions before this forward's (masks and cache positions are built from it)
+
+        def get_max_length(self) -> int:
+            return -1
+
+    class PagedCache(Cache):
+        def __init__(self, session: PagedKVCache, num_layers: int) -> None:
+            super().__init__(layers=[PagedLayer(session, layer, session.length) for layer in range(num_layers)])
+
+    return PagedCache
+
+
+def _paged_cache(session: PagedKVCache, num_layers: int):
+    return _paged_cache_class()(session, num_layers)
+
+
 class ModelRunner:
     """Stateless forward passes of one model over any session's cache."""
 
@@ -82,6 +141,32 @@ class ModelRunner:
     def new_cache(self) -> KVCache:
         return KVCache(self.model)
 
+    @cached_property
+    def paged_shape(self) -> tuple[int, int, int] | None:
+        """(layers, kv_heads, head_dim) of a paged pool for this model, or None where its attention caches do not
+        fit one: probed with a one-token forward into a ``DynamicCache`` (every layer a full-attention
+        ``DynamicLayer`` holding keys and values of one shape and the model's dtype)."""
+        from transformers.cache_utils import DynamicLayer
+
+        cache = KVCache(self.model)
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                       position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                       past_key_values=cache.hf_cache, use_cache=True)
+        layers = cache.hf_cache.layers
+        kinds = {type(layer) for layer in layers}
+        shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype) for layer in layers
+                  if type(layer) is DynamicLayer and layer.keys is not None}
+        if not layers or kinds != {DynamicLayer} or len(shapes) != 1:
+            log.info("%s: no paged KV pool (attention caches %s); sessions keep their own caches",
+                     type(self.model).__name__, sorted(k.__name__ for k in kinds))
+            return None
+        (keys, values, dtype), = shapes
+        if len(keys) != 4 or keys[0] != 1 or keys[2] != 1 or keys != values or dtype != self.dtype:
+            log.info("%s: no paged KV pool (keys %s, values %s, %s)", type(self.model).__name__, keys, values, dtype)
+            return None
+        return len(layers), keys[1], keys[3]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -99,6 +184,11 @@ class ModelRunner:
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         num_new = ids.shape[1]
+        if isinstance(cache, PagedKVCache):
+            cache.reserve(cache.length + num_new)  # CapacityError (nothing written) when the pool is short
+            past = _paged_cache(cache, self.paged_shape[0])
+        else:
+            past = cache.hf_cache
         mask = None
         if isinstance(attend, TreeMask):
             attend = attend.dense(self.device)
@@ -109,7 +199,7 @@ class ModelRunner:
             mask = mask[None, None]  # [1, 1, num_new, total]
         if features:  # the base model, then its LM head: the features are its last hidden state
             hidden = self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                           past_key_values=cache.hf_cache, use_cache=True).last_hidden_state[0]
+                                           past_key_values=past, use_cache=True).last_hidden_state[0]
             cache.length += num_new
             head = self.model.get_output_embeddings()
             return head(hidden[-1:] if last_only else hidden).float(), hidden
@@ -117,7 +207,7 @@ class ModelRunner:
             input_ids=ids,
             position_ids=pos,
             attention_mask=mask,
-            past_key_values=cache.hf_cache,
+            past_key_values=past,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
         )
@@ -152,13 +242,18 @@ class ModelRunner:
             return logits
         return logits, torch.cat(hiddens)[hidden_rows.to(logits.device)]
 
-    def new_pool(self, num_blocks: int, block_size: int) -> None:
-        """No paged pool on the generic path: sessions keep Hugging Face caches (``new_cache``); the verifier
-        still accounts their memory in blocks."""
-        return None
+    def new_pool(self, num_blocks: int, block_size: int) -> KVPool | None:
+        """A paged KV pool for this model's sessions (``PagedKVCache``s from ``pool.open``), the fast runner's
+        kind; None where the model's caches do not fit one (``paged_shape``): its sessions keep transformers
+        caches (``new_cache``), and the verifier accounts their memory in blocks."""
+        if self.paged_shape is None:
+            return None
+        return KVPool(*self.paged_shape, num_blocks, block_size, self.dtype, self.device)
 
     @property
     def kv_bytes_per_token(self) -> int:
+        if self.paged_shape is not None:
+            return KVPool.bytes_per_token(*self.paged_shape, self.dtype)
         cfg = self.model.config
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -29,6 +29,7 @@ MAX_GROWTH = 0.10
 # the pool is small enough to be touched whole during warm-up (its pages are allocated lazily); more
 # sessions wait in the verifier's queue, as they would on a full replica
 POOL_GB = "0.1"
+DRAFT_POOL_GB = "0.05"  # the draft model's pool likewise (~26,000 positions of the demo draft: 16 long sessions)
 RUNTIME = ["--threads", "1"]  # default dtype: what a user gets
 
 
@@ -57,7 +58,7 @@ def prompts() -> list[str]:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
 def test_rss_stays_flat_under_load():
     v = sh.Service(["-m", "specmesh", "verifier", *RUNTIME, "--kv-cache-gb", POOL_GB], name="verifier")
-    d = sh.Service(["-m", "specmesh", "drafter", *RUNTIME], name="drafter")
+    d = sh.Service(["-m", "specmesh", "drafter", *RUNTIME, "--draft-kv-cache-gb", DRAFT_POOL_GB], name="drafter")
     services = [v, d]
     try:
         sh.start_all(v, d)
