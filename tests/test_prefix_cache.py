@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import greedy, make_prompts
+from spec_helpers import BACKENDS, greedy, make_prompts
 from test_engine_core import MAX_NEW, Collect, assert_idle, method_of, run_all
 
 from orchestrator.core import EngineCore
@@ -83,12 +83,13 @@ def test_a_reused_parent_block_does_not_revive_its_old_children():
     allocator.free(new_table)
 
 
-def test_sessions_sharing_a_prompt_reuse_its_blocks_and_never_write_them(model_sets, ar_reference):
-    runner = model_sets("cyclic").runner("target", "fast")
+@pytest.mark.parametrize("backend", BACKENDS)  # hf: transformers' modules on the same paged pool
+def test_sessions_sharing_a_prompt_reuse_its_blocks_and_never_write_them(model_sets, ar_reference, backend):
+    runner = model_sets("cyclic").runner("target", backend)
     local = LocalVerifier(runner, max_tree_nodes=8)
     size = local.allocator.block_size
     first = local.prefill("a", PROMPTS[0], greedy(MAX_NEW)).first_token
-    assert first == ar_reference("cyclic", "fast", PROMPTS[0], MAX_NEW)[0]
+    assert first == ar_reference("cyclic", backend, PROMPTS[0], MAX_NEW)[0]
     shared = list(local._sessions["a"].cache.table[: len(SYSTEM) // size])
     keys = local.pool.keys[:, :, [b * size + o for b in shared for o in range(size)]].clone()
     run_before = local.allocator.hits
@@ -100,7 +101,7 @@ def test_sessions_sharing_a_prompt_reuse_its_blocks_and_never_write_them(model_s
         tokens = []
         for _ in range(MAX_NEW - 1):
             tokens += local.verify(sid, TokenTree.empty()).tokens
-        assert tokens[: MAX_NEW - 1] == ar_reference("cyclic", "fast", prompt, MAX_NEW)[1:]
+        assert tokens[: MAX_NEW - 1] == ar_reference("cyclic", backend, prompt, MAX_NEW)[1:]
     assert torch.equal(local.pool.keys[:, :, [b * size + o for b in shared for o in range(size)]], keys)
     local.release("a")
     local.release("b")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from drafter_service.draft_kv import draft_kv
 from specmesh.app.bench_runners import MethodSpec, asked_sampling
 from specmesh.sampling import SamplingParams
 
@@ -239,13 +240,20 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
 
         warm = dataclasses.replace(base, max_new_tokens=min(16, prompts[0][2]))
         level(1, prompts[:1], warm)  # warm-up: the first forwards allocate, page in
+        # the draft model's KV pool in this process (drafter_service/draft_kv.py): caches emptied for room, and
+        # sessions that drafted nothing for want of blocks, per level
+        kv = draft_kv(stack.draft_runner) if not spec.is_grpc and getattr(stack, "draft_runner", None) else None
         for n in levels:
+            kv_before = (kv.evictions, kv.starved) if kv is not None else None
             with (tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar,
                   profiled(getattr(args, "profile", None), f"{spec.label}_x{n}")):
                 records, wall, mean_batch = level(n, prompts, base, bar)
             row = {"method": spec.label, "concurrency": n, "lossy": spec.lossy, **summarize(records, wall)}
             if mean_batch is not None:
                 row["mean_batch"] = mean_batch
+            if kv is not None:
+                row["draft_kv_evictions"] = kv.evictions - kv_before[0]
+                row["draft_kv_starved"] = kv.starved - kv_before[1]
             if base.greedy:
                 if spec.base_name == "ar" and n == levels[0]:
                     reference = {r["index"]: r["tokens"] for r in records}
