@@ -69,6 +69,9 @@ def build_model(directory: Path) -> Path:
 
 def load_prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if len(rows) < limit:  # say so: two runs on different prompts are not comparable
+        print(f"engine_overhead: {path} has {len(rows)} of the {limit} prompts asked for; the rest are synthetic "
+              "(give --prompts)", file=sys.stderr)
     prompts = [tokenizer.encode(r["prompt"]) for r in rows[:limit]]
     while len(prompts) < limit:  # synthetic prompts when the shared set is absent or short
         n = len(prompts)

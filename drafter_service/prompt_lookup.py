@@ -5,6 +5,12 @@ looked up; what followed each occurrence (most recent first) becomes a path of
 the tree. One match gives a chain; several distinct continuations give a tree
 that shares common prefixes. Deterministic, so nodes carry point-mass draft
 distributions (lossless under sampling too).
+
+The proposer keeps a per-session index of the context (``copy_proposer.CopyIndex``: every position by the
+``min_ngram``-gram ending there, synced with the context's edits in O(edit)), so a proposal measures only the
+positions whose last ``min_ngram`` tokens equal the suffix's (``indexed_continuations``) instead of comparing
+every window of the context for every n (``ngram_continuations``, the reference: the same continuations in the
+same order).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from drafter_service.copy_proposer import CopyIndex, match_lengths, rank_candidates
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
 from drafter_service.tree_builders import TreeBuilder
 from specmesh.contract import Budget
@@ -50,6 +57,33 @@ def ngram_continuations(
     return found
 
 
+def indexed_continuations(
+    context: np.ndarray,  # [num_tokens] int64, the committed context
+    ends: np.ndarray,  # [num_candidates] int64: positions < num_tokens - 1 whose min_ngram-gram is the suffix's
+    max_ngram: int,
+    max_len: int,
+    max_matches: int,
+) -> list[np.ndarray]:
+    """``ngram_continuations`` from an index's candidates: a candidate e is an occurrence of the suffix n-gram for
+    every n up to its match length, so "longest n first, most recent first, duplicates dropped" is the
+    candidates ranked by (match length capped at max_ngram, e), descending, and the first of each continuation."""
+    if ends.size == 0:
+        return []
+    lengths = match_lengths(context, ends, max_ngram)  # [num_candidates], each >= min_ngram
+    found: list[np.ndarray] = []
+    seen: set[bytes] = set()
+    for end in ends[rank_candidates(ends, lengths)].tolist():
+        cont = context[end + 1 : end + 1 + max_len]
+        key = cont.tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        found.append(cont)
+        if len(found) >= max_matches:
+            break
+    return found
+
+
 def continuations_tree(continuations: list[np.ndarray], budget: Budget, source: str) -> TokenTree:
     """Merge continuations (best first) into one tree within the budget."""
     builder = TreeBuilder()
@@ -67,12 +101,27 @@ class PromptLookupProposer(Proposer):
     max_matches: int = 1  # 1 = chain; more = multi-match tree
     name: str = "prompt_lookup"
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram or self.max_matches < 1:
+            raise ValueError(f"{self.name} needs 1 <= min_ngram <= max_ngram and max_matches >= 1, got "
+                             f"{self.min_ngram}, {self.max_ngram} and {self.max_matches}")
+
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         if budget.is_zero:
             return TokenTree.empty()
-        tokens = np.asarray(state.tokens, dtype=np.int64)
-        conts = ngram_continuations(tokens, self.min_ngram, self.max_ngram, budget.max_depth, self.max_matches)
+        index: CopyIndex = self.scratch(state)
+        index.sync(state.tokens)
+        conts = indexed_continuations(index.context(), index.candidates(), self.max_ngram, budget.max_depth,
+                                      self.max_matches)
         return continuations_tree(conts, budget, self.name)
+
+    def prepare(self, state: DraftSessionState) -> None:
+        """Index the prompt."""
+        index = state.scratch[self.name] = CopyIndex(self.min_ngram)
+        index.sync(state.tokens)
+
+    def release(self, state: DraftSessionState) -> None:
+        state.scratch.pop(self.name, None)
 
 
 def chain_proposer(**given) -> PromptLookupProposer:

@@ -204,10 +204,18 @@ class TokenTree:
 
     # ------------------------------------------------------------- validation
     def validate(self, vocab_size: int, max_nodes: int | None = None, max_depth: int | None = None) -> TokenTree:
-        """Raise InvalidTreeError unless the tree keeps the contract; returns self."""
+        """Raise InvalidTreeError unless the tree keeps the contract; returns self. A tree is a value: its arrays are
+        not changed after it is built, so the checks of its elements run once per vocabulary size (a tree the
+        drafter link checked is not walked again by the verifier); the limits are checked at every call."""
         n = self.num_nodes
         if n == 0 and self.__dict__.get("_valid_empty") and (max_nodes is None or max_nodes >= 0):
             return self  # an empty tree passed once (no element can change): every plain step's shared tree
+        if n and self.__dict__.get("_valid_vocab") == vocab_size:
+            if max_nodes is not None and n > max_nodes:
+                raise InvalidTreeError(f"tree has {n} nodes, more than the limit {max_nodes}")
+            if max_depth is not None and self.max_depth > max_depth:
+                raise InvalidTreeError(f"tree depth {self.max_depth} exceeds the limit {max_depth}")
+            return self
         for name in ("tokens", "parents", "draft_probs"):
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.shape[0] != n:
@@ -239,6 +247,7 @@ class TokenTree:
             raise InvalidTreeError(f"tree depth {self.max_depth} exceeds the limit {max_depth}")
         if self.q_cu is not None:
             self._validate_dists(vocab_size)
+        self.__dict__["_valid_vocab"] = vocab_size  # frozen: the instance dict, as cached_property does
         return self
 
     def _validate_dists(self, vocab_size: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +80,32 @@ def test_continuations_tree_respects_budget_and_shares_prefixes(conts, max_nodes
 
 def _state(tokens):
     return DraftSessionState("s", list(tokens), SamplingParams())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(0, 3), max_size=12)), min_size=1, max_size=8),
+       st.integers(1, 3), st.integers(0, 3), st.integers(1, 6), st.integers(1, 6))
+def test_the_indexed_proposer_finds_what_the_reference_finds_across_edits(edits, min_ngram, extra, max_len,
+                                                                          max_matches):
+    """The proposer's per-session index, synced across edits of the context's end (a rollback of r tokens, then
+    appends, as drafted-ahead hypotheses and commits make them), proposes from the continuations that
+    ``ngram_continuations`` finds on the whole context, in the same order."""
+    prop = PromptLookupProposer(min_ngram=min_ngram, max_ngram=min_ngram + extra, max_matches=max_matches)
+    state = _state([])
+    for rollback, appended in edits:
+        del state.tokens[max(0, len(state.tokens) - rollback):]
+        state.tokens += appended
+        want = ngram_continuations(np.asarray(state.tokens, np.int64), min_ngram, min_ngram + extra, max_len,
+                                   max_matches)
+        budget = Budget(64, max_len)
+        got, ref = prop.propose(state, budget), continuations_tree(want, budget, prop.name)
+        assert (got.tokens.tolist(), got.parents.tolist()) == (ref.tokens.tolist(), ref.parents.tolist())
+
+
+def test_bad_ngram_options_are_refused():
+    for options in (dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_matches=0)):
+        with pytest.raises(ValueError, match="min_ngram"):
+            PromptLookupProposer(**options)
 
 
 def test_proposer_chain_follows_most_recent_longest_match():

@@ -265,3 +265,17 @@ def test_valid_distribution_tree_passes():
 def test_malformed_draft_distributions_are_rejected(q_cu, q_ids, q_probs, why):
     with pytest.raises(InvalidTreeError, match=why):
         _dists_tree(q_cu, q_ids, q_probs).validate(VOCAB)
+
+
+def test_a_checked_tree_is_not_walked_again_but_its_limits_and_other_vocabularies_are():
+    """validate walks a tree's elements once per vocabulary size (the drafter link, then the verifier); the node
+    and depth limits are checked at every call, and another vocabulary is checked afresh."""
+    tree = _tree([1, 2, 3], [-1, 0, 1]).validate(VOCAB)
+    assert tree.__dict__["_valid_vocab"] == VOCAB
+    assert tree.validate(VOCAB, max_nodes=3, max_depth=3) is tree
+    with pytest.raises(InvalidTreeError, match="more than the limit"):
+        tree.validate(VOCAB, max_nodes=2)
+    with pytest.raises(InvalidTreeError, match="exceeds the limit"):
+        tree.validate(VOCAB, max_depth=2)
+    with pytest.raises(InvalidTreeError, match="outside the vocabulary"):
+        tree.validate(3)
