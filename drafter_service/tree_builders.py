@@ -46,13 +46,23 @@ class TreeBuilder:
         return len(self.tokens) - 1
 
     def add_path(self, tokens: Sequence[int], source: str = "", parent: int = -1, max_nodes: int | None = None) -> int:
-        """Add a chain below ``parent``, sharing existing prefixes; stops at ``max_nodes``. Returns the last node."""
+        """Add a chain below ``parent``, sharing existing prefixes; stops at ``max_nodes``. Returns the last node.
+        (``add``'s work inlined: proposers call it for every token of every step's trees.)"""
+        index, toks, parents, probs, sources = self._index, self.tokens, self.parents, self.probs, self.sources
+        limit = len(toks) + len(tokens) if max_nodes is None else max_nodes
         node = parent
         for tok in tokens:
-            existing = self.find(node, int(tok))
-            if existing is None and max_nodes is not None and len(self) >= max_nodes:
-                break
-            node = existing if existing is not None else self.add(node, int(tok), 1.0, source)
+            key = (node, int(tok))
+            child = index.get(key)
+            if child is None:
+                if len(toks) >= limit:
+                    break
+                child = index[key] = len(toks)
+                toks.append(key[1])
+                parents.append(node)
+                probs.append(1.0)
+                sources.append(source)
+            node = child
         return node
 
     def build(self) -> TokenTree:
