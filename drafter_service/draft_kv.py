@@ -63,6 +63,7 @@ class DraftKV:
         self._lock = threading.Lock()
         self._caches: OrderedDict[int, DraftCache] = OrderedDict()  # id -> cache, least recently used first
         self._held: dict[int, int] = {}  # id -> draft steps using the cache now
+        self._released: set[int] = set()  # held caches whose session ended: freed when the last step lets go
         self.evictions = 0  # caches emptied to make room
         self.starved = 0  # sessions that drafted nothing for want of blocks
 
@@ -86,13 +87,16 @@ class DraftKV:
         return dc
 
     def release(self, dc: DraftCache | None) -> None:
-        """The session ended: its blocks go back to the pool."""
+        """The session ended: its blocks go back to the pool (once no draft step uses them: a session may end on
+        one thread while its next tree is drafted on another)."""
         if dc is None:
             return
         with self._lock:
             self._caches.pop(id(dc), None)
-            self._held.pop(id(dc), None)
-            self._empty(dc)
+            if id(dc) in self._held:
+                self._released.add(id(dc))
+            else:
+                self._empty(dc)
 
     @contextmanager
     def hold(self, caches: Sequence[DraftCache], lengths: Sequence[int]) -> Iterator[list[bool]]:
@@ -103,8 +107,9 @@ class DraftKV:
         ok = [True] * len(caches)
         with self._lock:
             for dc in caches:  # all held before any makes room: none of them is evicted for another
-                self._caches.pop(id(dc), None)
-                self._caches[id(dc)] = dc  # most recently used
+                if id(dc) not in self._released:  # (a released one stays out of the LRU order)
+                    self._caches.pop(id(dc), None)
+                    self._caches[id(dc)] = dc  # most recently used
                 self._held[id(dc)] = self._held.get(id(dc), 0) + 1
             for i, (dc, length) in enumerate(zip(caches, lengths, strict=True)):
                 if self.pool is not None and not self._room(dc, length):
@@ -119,6 +124,9 @@ class DraftKV:
                     count = self._held.pop(id(dc), 0) - 1
                     if count > 0:
                         self._held[id(dc)] = count
+                    elif id(dc) in self._released:
+                        self._released.discard(id(dc))
+                        self._empty(dc)
 
     def _room(self, dc: DraftCache, length: int) -> bool:
         """Blocks for ``length`` positions in ``dc``, evicting idle caches as needed (under the lock)."""

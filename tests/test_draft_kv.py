@@ -63,6 +63,21 @@ def test_idle_caches_make_room_least_recently_used_first_and_held_ones_never(mod
     assert registry.get_sample_value("specmesh_drafter_kv_usage_perc", {"model_name": "m"}) == 0
 
 
+def test_a_session_ending_during_its_draft_step_frees_its_blocks_after_it(model_sets):
+    """A session may end on one thread while another drafts its next tree: its blocks stay its own until the
+    step lets go (no other session can take them mid-forward), then go back."""
+    runner = make_runner(model_sets("random").near, "fast")
+    kv = pool_of(runner, 4)
+    dc, other = kv.new(), kv.new()
+    with kv.hold([dc], [30]) as ok:
+        assert ok == [True]
+        kv.release(dc)
+        assert kv.blocks_used == 2 and dc.cache.table
+        with kv.hold([other], [60]) as got:  # 4 blocks: the released, still held cache is not evicted for it
+            assert got == [False]
+    assert kv.blocks_used == 0 and not dc.cache.table
+
+
 def test_a_draft_runner_has_one_pool_of_one_size(model_sets):
     runner = make_runner(model_sets("random").near, "fast")
     kv = draft_kv(runner, 0.01)
