@@ -42,6 +42,7 @@ from specmesh.contract import Budget, common_prefix_len
 from specmesh.grammar import GrammarState, GrammarTokenizer
 from specmesh.logits_process import processes_logits
 from specmesh.model_runner import ModelRunner, TreeMask
+from specmesh.row_ops import argmax_last
 from specmesh.tree import TokenTree, ancestor_mask
 from specmesh.warp import warp_grouped, warp_groups, warp_probs
 
@@ -148,7 +149,7 @@ class _Chain:
         if self.grammar is not None:  # structured output: only what the grammar allows, as the verifier masks
             logits = _grammar_masked(logits, self.grammar.allowed())
         if sp.greedy:
-            x = int(logits.argmax())  # host sync
+            x = int(argmax_last(logits))  # host sync
             self.probs.append(float(torch.softmax(logits.double(), -1)[x]))
         else:
             if self.draws is None:
@@ -331,7 +332,7 @@ class DraftModelProposer(Proposer):
         path_prob = torch.ones(b, dtype=torch.float64, device=device)
         fed = 0
         for level in range(depth):
-            x = logits.argmax(dim=-1)  # [B]
+            x = argmax_last(logits)  # [B]
             p = torch.softmax(logits.double(), dim=-1).gather(1, x[:, None])[:, 0]
             if sampled:
                 q = warp_grouped(logits, groups, torch.float64)  # greedy rows: any distribution (ones)

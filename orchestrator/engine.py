@@ -37,7 +37,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per request and step (a frozen init costs 2x)
 class StepEvent:
     tokens: tuple[int, ...]  # tokens to emit to the client now
     step: StepStats | None  # None for the prefill's first token

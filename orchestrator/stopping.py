@@ -85,7 +85,12 @@ class StopChecker:
         Conditions are checked after every token, exactly as plain decoding would, so a
         speculative step that commits several tokens stops at the same token.
         """
-        emitted: list[int] = []
+        if (self.finish_reason is None and not self.stop_strings and self.stop_ids.isdisjoint(tokens)
+                and len(self.generated) + len(tokens) < self.max_new_tokens):  # no condition can fire: all at once
+            emitted = [int(tok) for tok in tokens]
+            self.generated += emitted
+            return emitted
+        emitted = []
         for tok in tokens:
             if self.finish_reason is not None:
                 break

@@ -204,7 +204,11 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in LlamaRMSNorm's op order: normalise in float32, cast back, then scale."""
+    """RMSNorm in LlamaRMSNorm's op order: normalise in float32, cast back, then scale. In float32 (no casts) it is
+    torch's fused ``rms_norm``: one op for eight (on this project's CPU 20 against 31 µs a call, the same values);
+    other dtypes keep the casts' rounding points (the fused op rounds once, and computes float64 in float32)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -246,7 +250,8 @@ class _SdpaAttention:
     their blocks are contiguous). Index tensors are built once per forward, on the host, and copied once."""
 
     def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
-        self.runner, self.spans, self.padded = runner, [], None  # spans: (cache, packed rows, start, end, mask)
+        # spans: (cache, packed rows, start, end, mask, causal)
+        self.runner, self.spans, self.padded = runner, [], None
         # one scatter for the new rows of several sessions of one pool; a single session writes its own slice
         pool = getattr(caches[0], "pool", None) if len(caches) > 1 else None
         if pool is not None and not all(getattr(c, "pool", None) is pool for c in caches):
@@ -264,13 +269,14 @@ class _SdpaAttention:
             if attend is not None:
                 assert attend.shape == (n, end), (attend.shape, start, n)
             if not pad:
+                mask, causal = None, False  # None: one new token sees everything
                 if attend is not None:
                     mask = attend.dense(runner.device) if isinstance(attend, TreeMask) else attend.to(runner.device)
+                elif n > 1 and start == 0:  # a first prompt chunk: SDPA's own causal mask (it skips the blocks above
+                    causal = True           # the diagonal: half the work of a dense mask, and no mask to build)
                 elif n > 1:
                     mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
-                else:
-                    mask = None  # one new token sees everything
-                self.spans.append((cache, slice(row, row + n), start, end, mask))
+                self.spans.append((cache, slice(row, row + n), start, end, mask, causal))
             row += n
         if pool is not None:
             self._index(caches, np.asarray(starts), np.asarray(num_new), attends, np.asarray(padded), row)
@@ -313,12 +319,12 @@ class _SdpaAttention:
             keys.index_copy_(1, self.write_slots, k)
             values.index_copy_(1, self.write_slots, v)
         outs = []
-        for cache, rows, start, end, mask in self.spans:
+        for cache, rows, start, end, mask, causal in self.spans:
             if self.pool is None:
                 cache.write(layer, start, k[:, rows], v[:, rows])
             keys, values = cache.kv(layer, end)  # [kv_heads, end, head_dim]
             outs.append(F.scaled_dot_product_attention(
-                q[None, :, rows], keys[None], values[None], attn_mask=mask, scale=runner.scale,
+                q[None, :, rows], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=runner.scale,
                 enable_gqa=groups > 1,
             )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size))  # [n, heads * head_dim]
         if self.padded is None:
@@ -330,7 +336,7 @@ class _SdpaAttention:
             return attn
         out = attn.new_empty(q.shape[1], runner.q_size)
         out.index_copy_(0, padded_rows, attn)
-        for (_, rows, _, _, _), part in zip(self.spans, outs, strict=True):
+        for (_, rows, *_), part in zip(self.spans, outs, strict=True):
             out[rows] = part
         return out
 

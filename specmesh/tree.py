@@ -232,16 +232,16 @@ class TokenTree:
         if n == 0:
             self.__dict__["_valid_empty"] = True  # frozen: the instance dict, as cached_property does
             return self
-        idx = np.arange(n)
-        bad = (self.parents < -1) | (self.parents >= idx)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+        # each check one pass with no temporary where it can (a proposer's every tree is checked once)
+        if self.parents.min() < -1 or not (self.parents < np.arange(n)).all():
+            idx = np.arange(n)
+            i = int(np.flatnonzero((self.parents < -1) | (self.parents >= idx))[0])
             raise InvalidTreeError(f"node {i} has parent {int(self.parents[i])}; parents[i] must be in [-1, i)")
-        out = (self.tokens < 0) | (self.tokens >= vocab_size)
-        if out.any():
-            i = int(np.flatnonzero(out)[0])
+        if self.tokens.min() < 0 or self.tokens.max() >= vocab_size:
+            i = int(np.flatnonzero((self.tokens < 0) | (self.tokens >= vocab_size))[0])
             raise InvalidTreeError(f"node {i} has token id {int(self.tokens[i])} outside the vocabulary [0, {vocab_size})")
-        if not np.isfinite(self.draft_probs).all() or (self.draft_probs < 0).any() or (self.draft_probs > 1 + 1e-6).any():
+        low, high = self.draft_probs.min(), self.draft_probs.max()  # NaN propagates: it fails both comparisons
+        if not (low >= 0 and high <= 1 + 1e-6):
             raise InvalidTreeError("draft_probs must be finite probabilities in [0, 1]")
         if max_depth is not None and self.max_depth > max_depth:
             raise InvalidTreeError(f"tree depth {self.max_depth} exceeds the limit {max_depth}")

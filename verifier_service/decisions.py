@@ -80,7 +80,7 @@ class HostCopy:
         return self._host[handle]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per request and step (a frozen init costs 2x)
 class Item:
     """One request's part of a step's decisions."""
 

@@ -47,6 +47,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
+from specmesh.row_ops import argmax_last
 from specmesh.tree import TokenTree
 
 
@@ -188,7 +189,7 @@ def verify_greedy_batch(
 ) -> list[Acceptance]:
     """``verify_greedy`` for every tree, from one argmax over the packed rows."""
     spans = _row_spans(trees, logits, cu_rows)
-    target_argmax = logits.argmax(dim=-1).cpu().numpy()  # [total_rows]; host sync, the only one
+    target_argmax = argmax_last(logits).cpu().numpy()  # [total_rows]; host sync, the only one
     return [verify_greedy(tree, target_argmax[lo:hi]) for tree, (lo, hi) in zip(trees, spans, strict=True)]
 
 
@@ -371,7 +372,7 @@ def sample_trees(probs: torch.Tensor, plan: TreePlan, uniforms: torch.Tensor,
     if g == 0:  # empty trees only (plain decoding): the bonus alone, from each root's row
         p = probs[plan.firsts]
         return SampledTrees(torch.zeros(b, dtype=torch.int64, device=device), plan.kids.new_zeros(b, 0),
-                            (p / exponentials).argmax(dim=1), plan.firsts, p)
+                            argmax_last(p / exponentials), plan.firsts, p)
     arange = torch.arange(b, device=device)
     # p_c(x) of every node: its parent's row as is for a first child, the residual after the earlier siblings else
     p_x = torch.cat([probs[plan.parent_rows, plan.tokens[:g]], probs.new_zeros(1)])  # [G + 1], the dummy last
@@ -401,7 +402,7 @@ def sample_trees(probs: torch.Tensor, plan: TreePlan, uniforms: torch.Tensor,
     for c in range(plan.width):
         child = plan.kids[arange, slot, c]
         p, total = residual_sparse(p, total, plan.q_ids[child], plan.q_vals[child], plan.q_real[child], child < g)
-    bonus = (p / exponentials).argmax(dim=1)
+    bonus = argmax_last(p / exponentials)
     return SampledTrees((path >= 0).sum(dim=1), path, bonus, bonus_row, p)
 
 

@@ -53,6 +53,7 @@ from specmesh.grammar import GrammarState, GrammarTokenizer, prunable, tree_mask
 from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.logits_process import ContextCounts, processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
+from specmesh.row_ops import argmax_last
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
 from verifier_service.arguments import (
@@ -515,7 +516,7 @@ class LocalVerifier:
                 logits[first : first + n].masked_fill_(~masks.to(logits.device, non_blocking=True), float("-inf"))
         # every decision on the device, then one copy to the host (verifier_service/decisions.py)
         copy = HostCopy()
-        argmax_device = logits.argmax(dim=-1)
+        argmax_device = argmax_last(logits)
         argmax_handle = copy.add(argmax_device)
         topk_handle = None
         if self.feedback_topk and verify_rows:
