@@ -10,13 +10,16 @@ alternatives, one thread, median of ``--repeats`` calls:
   ``out_in`` (F.linear on [vocab, hidden]), ``blocked`` (``blocked_product`` over ``head_blocks``);
 - ``forward``: a whole forward of ``rows`` new tokens after a ``--context``-token prompt, in milliseconds:
   float32 with and without the blocked output layer, and with the layer stack compiled frozen
-  (``--compile frozen``: its compile time is reported); bfloat16 with the weights as the runner keeps them now
-  (views of [out, in]) and as contiguous [in, out] copies (how it kept them before).
+  (``--compile frozen``, in each of ``--frozen-dtypes``: its compile time is reported); bfloat16 with the weights
+  as the runner keeps them now (views of [out, in]) and as contiguous [in, out] copies (how it kept them before).
+  ``--only-frozen`` times just eager against frozen in ``--frozen-dtypes`` (no products, no other layouts).
 
 Usage (from the repository root; SmolLM2 made by ``../shared/tools/smollm2.sh``):
 
     python benchmarks/cpu_forward.py --target ~/.cache/specmesh-bench/smollm2-135m-instruct/hf \\
         --json benchmarks/results/cpu_forward_smollm2.json
+    python benchmarks/cpu_forward.py --target ~/.cache/specmesh-bench/smollm2-135m-instruct/hf \
+        --only-frozen --frozen-dtypes bfloat16 --json benchmarks/results/cpu_forward_smollm2_bf16_frozen.json
 """
 
 from __future__ import annotations
@@ -83,11 +86,40 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before the timed forward")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per cell (the median is reported)")
     ap.add_argument("--skip-frozen", action="store_true", help="leave out the frozen stack (it compiles for minutes)")
+    ap.add_argument("--frozen-dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
+                    help="dtypes whose frozen stack is timed (default: float32)")
+    ap.add_argument("--only-frozen", action="store_true",
+                    help="time only eager and frozen forwards in --frozen-dtypes (default layouts)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = Path(args.target).expanduser()
     results: dict = {"target": str(path), "context": args.context, "threads": 1, "cpu": torch.backends.cpu.get_cpu_capability()}
+    if args.only_frozen:
+        results["forward_ms"] = frozen_against_eager(path, args.frozen_dtypes, args.context, args.repeats, results)
+    else:
+        results["forward_ms"] = every_layout(path, args, results)
+    print(json.dumps(results["forward_ms"], indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def frozen_against_eager(path: Path, dtypes: list[str], context: int, repeats: int, results: dict) -> dict:
+    """{label: {rows: ms}}: each dtype's forward eager, then with its stack frozen (compile seconds in results)."""
+    forward = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        forward[f"{name} eager"] = forward_ms(FastLlamaRunner.from_checkpoint(path, dtype), context, repeats)
+        started = time.perf_counter()
+        frozen = FastLlamaRunner.from_checkpoint(path, dtype, compile_layers="frozen")
+        results[f"frozen_compile_s_{name}"] = round(time.perf_counter() - started, 1)
+        forward[f"{name} frozen stack"] = forward_ms(frozen, context, repeats)
+        del frozen
+    return forward
+
+
+def every_layout(path: Path, args, results: dict) -> dict:
+    """{label: {rows: ms}}: the layouts and modes of the module doc (output-layer products go into results)."""
     fp32 = FastLlamaRunner.from_checkpoint(path, torch.float32)
     lm_head = fp32.lm_head.t()  # [vocab, hidden]
     results["vocab"], results["hidden"] = int(lm_head.shape[0]), int(lm_head.shape[1])
@@ -98,20 +130,19 @@ def main() -> None:
     fp32.head_blocks = None
     forward["float32 whole head"] = forward_ms(fp32, args.context, args.repeats)
     del fp32
-    if not args.skip_frozen:
+    for name in [] if args.skip_frozen else args.frozen_dtypes:
         started = time.perf_counter()
-        frozen = FastLlamaRunner.from_checkpoint(path, torch.float32, compile_layers="frozen")
-        results["frozen_compile_s"] = round(time.perf_counter() - started, 1)
-        forward["float32 blocked head, frozen stack"] = forward_ms(frozen, args.context, args.repeats)
+        frozen = FastLlamaRunner.from_checkpoint(path, getattr(torch, name), compile_layers="frozen")
+        results["frozen_compile_s" if name == "float32" else f"frozen_compile_s_{name}"] = round(
+            time.perf_counter() - started, 1)
+        label = "float32 blocked head" if name == "float32" else f"{name} [out, in] views"
+        forward[f"{label}, frozen stack"] = forward_ms(frozen, args.context, args.repeats)
         del frozen
     bf16 = FastLlamaRunner.from_checkpoint(path, torch.bfloat16)
     forward["bfloat16 [out, in] views"] = forward_ms(bf16, args.context, args.repeats)
     _contiguous_layers(bf16)
     forward["bfloat16 contiguous [in, out]"] = forward_ms(bf16, args.context, max(1, args.repeats // 3), (1, 4))
-    results["forward_ms"] = forward
-    print(json.dumps(forward, indent=1), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return forward
 
 
 if __name__ == "__main__":
