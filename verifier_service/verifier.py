@@ -701,7 +701,8 @@ class LocalVerifier:
         window = session.window
         if window is None and not tree.num_nodes:  # plain decoding: the pending token alone, causal
             self._grow(session, prefix_len + 1)
-            return _Row(session, start, 1, prefix_len, tree, 0, np.array([session.pending]), np.array([prefix_len]))
+            both = np.array((session.pending, prefix_len))  # one array, two views: its id and its position
+            return _Row(session, start, 1, prefix_len, tree, 0, both[:1], both[1:])
         if window is None:  # no lookahead: [pending, tree]
             span, levels = 0, 1
             input_ids = np.empty(1 + tree.num_nodes, np.int64)
@@ -729,6 +730,8 @@ class LocalVerifier:
         and the window): the paged sessions in one batched move (``kv_pool.compact``), other caches one by one."""
         paged, prefix_lens, offsets = [], [], []
         for row, acceptance in zip(rows, acceptances, strict=True):
+            if row.num_new == 1:  # the pending token alone: its cache holds what it keeps
+                continue
             keep = [0, *(1 + n for n in acceptance.accepted_nodes)]
             if isinstance(row.session.cache, PagedKVCache):
                 paged.append(row.session.cache)
