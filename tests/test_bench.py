@@ -338,6 +338,20 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
     assert "× ar" in capsys.readouterr().out
 
 
+def test_bench_load_prefix_cache_counted_and_off_on_request(pair, tmp_path):
+    """The prompts repeat at every level: a later level finds them in the verifier's prefix cache (counted per
+    row), unless --no-prefix-caching, which every level then prefills in full, with the same outputs."""
+    rows = {}
+    for flag in ((), ("--no-prefix-caching",)):
+        report = _bench(pair, tmp_path / "load.json", "--methods", "ar", "--concurrency", "1", "2",
+                        "--max-new-tokens", "4", *flag)
+        assert report["config"]["prefix_caching"] is not bool(flag)
+        rows[bool(flag)] = report["load"]["rows"]
+    assert rows[False][1]["prefix_cache_hit_tokens"] > 0  # level 2: the prompts level 1 ran
+    assert all(row["prefix_cache_hit_tokens"] == 0 for row in rows[True])
+    assert all(row["greedy_match_ar"] == 1.0 for row in rows[True])
+
+
 def test_bench_load_profile_records_the_engine_threads(pair, tmp_path):
     """--profile: one operator table per method and level, with the forwards the engine core ran on its own
     thread (not only the bench's main thread, which only waits)."""

@@ -571,6 +571,7 @@ def _config(args, specs, stack, target_dir, draft_dir, base, prompts, client) ->
         "chat": bool(getattr(args, "chat", False)),
         "server": client.address if client is not None else None,
         "concurrency": args.concurrency,
+        "prefix_caching": getattr(stack, "prefix_caching", True),
     }
 
 
@@ -684,6 +685,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                         help="with --concurrency: the KV pool of the shared in-process verifier, as `specmesh "
                              "verifier --kv-cache-gb` (default: the verifier's)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="with --concurrency: the in-process verifier caches no prompt prefix, so every level "
+                             "and method pays its prompts' prefill (by default the prompts, the same at every level "
+                             "and method, are found cached after the first: compare with a peer that caches them "
+                             "too, e.g. `vllm_peer.py --prefix-caching`; the JSON counts each row's "
+                             "prefix_cache_hit_tokens)")
     parser.add_argument("--chat", action="store_true",
                         help="send every prompt as a user message in the target's chat template (with the "
                              "assistant's turn opened), as the OpenAI chat endpoint does; default: raw text")

@@ -229,14 +229,16 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
     for spec in methods:
         def level(n: int, level_prompts, sampling: SamplingParams, bar=None, spec=spec):
             """One level from a fresh drafter (learning proposers start from scratch: the prompts repeat);
-            (records, wall seconds, mean Verify calls per forward: None through gRPC)."""
+            (records, wall seconds, mean Verify calls per forward and prompt tokens found in the prefix cache:
+            None through gRPC)."""
             if spec.is_grpc:
-                return (*run_level(grpc_streamer(client, spec)[0], level_prompts, sampling, n, bar), None)
+                return (*run_level(grpc_streamer(client, spec)[0], level_prompts, sampling, n, bar), None, None)
             engine = embedded_engine(stack, spec)
-            steps, verified = engine.core.stats.steps, engine.core.stats.verified
+            allocator = engine.core.verifier.allocator
+            steps, verified, hits = engine.core.stats.steps, engine.core.stats.verified, allocator.hits
             records, wall = run_level_on_core(engine, spec, level_prompts, sampling, n, bar)
             steps, verified = engine.core.stats.steps - steps, engine.core.stats.verified - verified
-            return records, wall, verified / steps if steps else None
+            return records, wall, verified / steps if steps else None, allocator.hits - hits
 
         warm = dataclasses.replace(base, max_new_tokens=min(16, prompts[0][2]))
         level(1, prompts[:1], warm)  # warm-up: the first forwards allocate, page in
@@ -247,10 +249,12 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
             kv_before = (kv.evictions, kv.starved) if kv is not None else None
             with (tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar,
                   profiled(getattr(args, "profile", None), f"{spec.label}_x{n}")):
-                records, wall, mean_batch = level(n, prompts, base, bar)
+                records, wall, mean_batch, hits = level(n, prompts, base, bar)
             row = {"method": spec.label, "concurrency": n, "lossy": spec.lossy, **summarize(records, wall)}
             if mean_batch is not None:
                 row["mean_batch"] = mean_batch
+            if hits is not None:  # the prompts repeat across levels and methods: later ones find them cached
+                row["prefix_cache_hit_tokens"] = hits
             if kv is not None:
                 row["draft_kv_evictions"] = kv.evictions - kv_before[0]
                 row["draft_kv_starved"] = kv.starved - kv_before[1]
