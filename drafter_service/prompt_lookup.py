@@ -15,6 +15,7 @@ same order).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,22 +40,15 @@ def ngram_continuations(
     Duplicate continuations are dropped. Each continuation has 1..max_len tokens.
     """
     num_tokens = tokens.shape[0]
-    found: list[np.ndarray] = []
-    seen: set[bytes] = set()
-    for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
-        suffix = tokens[num_tokens - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: num_tokens - 1], n)  # [num_tokens - n, n]
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        for start in starts[::-1]:
-            cont = tokens[start + n : start + n + max_len]
-            key = cont.tobytes()
-            if cont.size == 0 or key in seen:
-                continue
-            seen.add(key)
-            found.append(cont)
-            if len(found) >= max_matches:
-                return found
-    return found
+
+    def firsts() -> Iterator[int]:  # where each occurrence's continuation starts, best first (lazily, per n)
+        for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
+            suffix = tokens[num_tokens - n :]
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: num_tokens - 1], n)  # [num_tokens - n, n]
+            for start in np.flatnonzero((windows == suffix).all(axis=1))[::-1].tolist():
+                yield start + n
+
+    return _distinct_continuations(tokens, firsts(), max_len, max_matches)
 
 
 def indexed_continuations(
@@ -70,12 +64,19 @@ def indexed_continuations(
     if ends.size == 0:
         return []
     lengths = match_lengths(context, ends, max_ngram)  # [num_candidates], each >= min_ngram
+    return _distinct_continuations(context, (ends[rank_candidates(ends, lengths)] + 1).tolist(), max_len, max_matches)
+
+
+def _distinct_continuations(context: np.ndarray, firsts: Iterable[int], max_len: int,
+                           max_matches: int) -> list[np.ndarray]:
+    """``context[f : f + max_len]`` for each f of ``firsts`` in order, empty and repeated ones dropped, until
+    ``max_matches`` are found (``firsts`` is read no further)."""
     found: list[np.ndarray] = []
     seen: set[bytes] = set()
-    for end in ends[rank_candidates(ends, lengths)].tolist():
-        cont = context[end + 1 : end + 1 + max_len]
+    for first in firsts:
+        cont = context[first : first + max_len]
         key = cont.tobytes()
-        if key in seen:
+        if cont.size == 0 or key in seen:
             continue
         seen.add(key)
         found.append(cont)
