@@ -110,12 +110,16 @@ def frozen_against_eager(path: Path, dtypes: list[str], context: int, repeats: i
     for name in dtypes:
         dtype = getattr(torch, name)
         forward[f"{name} eager"] = forward_ms(FastLlamaRunner.from_checkpoint(path, dtype), context, repeats)
-        started = time.perf_counter()
-        frozen = FastLlamaRunner.from_checkpoint(path, dtype, compile_layers="frozen")
-        results[f"frozen_compile_s_{name}"] = round(time.perf_counter() - started, 1)
-        forward[f"{name} frozen stack"] = forward_ms(frozen, context, repeats)
-        del frozen
+        forward[f"{name} frozen stack"], results[f"frozen_compile_s_{name}"] = frozen_ms(path, name, context, repeats)
     return forward
+
+
+def frozen_ms(path: Path, name: str, context: int, repeats: int) -> tuple[dict[int, float], float]:
+    """({rows: ms}, seconds to load and compile) of the model's stack frozen in dtype ``name``."""
+    started = time.perf_counter()
+    frozen = FastLlamaRunner.from_checkpoint(path, getattr(torch, name), compile_layers="frozen")
+    seconds = round(time.perf_counter() - started, 1)
+    return forward_ms(frozen, context, repeats), seconds
 
 
 def every_layout(path: Path, args, results: dict) -> dict:
@@ -131,13 +135,9 @@ def every_layout(path: Path, args, results: dict) -> dict:
     forward["float32 whole head"] = forward_ms(fp32, args.context, args.repeats)
     del fp32
     for name in [] if args.skip_frozen else args.frozen_dtypes:
-        started = time.perf_counter()
-        frozen = FastLlamaRunner.from_checkpoint(path, getattr(torch, name), compile_layers="frozen")
-        results["frozen_compile_s" if name == "float32" else f"frozen_compile_s_{name}"] = round(
-            time.perf_counter() - started, 1)
         label = "float32 blocked head" if name == "float32" else f"{name} [out, in] views"
-        forward[f"{label}, frozen stack"] = forward_ms(frozen, args.context, args.repeats)
-        del frozen
+        key = "frozen_compile_s" if name == "float32" else f"frozen_compile_s_{name}"
+        forward[f"{label}, frozen stack"], results[key] = frozen_ms(path, name, args.context, args.repeats)
     bf16 = FastLlamaRunner.from_checkpoint(path, torch.bfloat16)
     forward["bfloat16 [out, in] views"] = forward_ms(bf16, args.context, args.repeats)
     _contiguous_layers(bf16)
