@@ -33,14 +33,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from specmesh.blocks import DEFAULT_BLOCK_SIZE
+from specmesh.blocks import DEFAULT_BLOCK_SIZE, FULL_CONTEXT_SESSIONS, blocks_in, default_gib
 from specmesh.contract import CapacityError
 from specmesh.models import positive_float
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_KV_GB = 1.0  # per draft runner; a 30-layer, 576-wide bf16 draft (23 KiB/token) holds ~46,000 tokens
-DEFAULT_SESSIONS = 64  # the default never holds more than this many sessions at the draft's full context
 
 
 @dataclass(eq=False)
@@ -55,11 +54,8 @@ class DraftKV:
     """The paged pool of one draft runner and its sessions' caches, least recently used first."""
 
     def __init__(self, runner, kv_cache_gb: float = DEFAULT_DRAFT_KV_GB, block_size: int = DEFAULT_BLOCK_SIZE):
-        if not kv_cache_gb > 0:
-            raise ValueError(f"the draft model's KV budget must be > 0 GiB, got {kv_cache_gb}")
         self.runner, self.kv_cache_gb = runner, kv_cache_gb
-        per_block = runner.kv_bytes_per_token * block_size
-        self.pool = runner.new_pool(max(1, int(kv_cache_gb * 2**30 // per_block)), block_size)  # None: HF path
+        self.pool = runner.new_pool(blocks_in(kv_cache_gb, runner.kv_bytes_per_token, block_size), block_size)  # None: HF
         self._lock = threading.Lock()
         self._caches: OrderedDict[int, DraftCache] = OrderedDict()  # id -> cache, least recently used first
         self._held: dict[int, int] = {}  # id -> draft steps using the cache now
@@ -161,10 +157,9 @@ _POOLS_LOCK = threading.Lock()
 
 
 def default_draft_kv_gb(runner) -> float:
-    """DEFAULT_DRAFT_KV_GB, but never more than DEFAULT_SESSIONS sessions at the draft's full context need (a tiny
-    draft does not reserve a gigabyte whose pages its sessions would touch bit by bit)."""
-    full = DEFAULT_SESSIONS * min(runner.info.max_positions, 1 << 16) * runner.kv_bytes_per_token / 2**30
-    return min(DEFAULT_DRAFT_KV_GB, full)
+    """DEFAULT_DRAFT_KV_GB, capped by ``blocks.default_gib`` (FULL_CONTEXT_SESSIONS sessions at the draft's full
+    context)."""
+    return default_gib(DEFAULT_DRAFT_KV_GB, runner.info.max_positions, runner.kv_bytes_per_token)
 
 
 def draft_kv(runner, kv_cache_gb: float | None = None) -> DraftKV:
@@ -187,7 +182,7 @@ def add_draft_kv_argument(p) -> None:
     p.add_argument("--draft-kv-cache-gb", type=positive_float, default=None, metavar="GB",
                    help="memory of the draft model's paged KV pool, shared by its sessions; when it is short, idle "
                         "sessions' draft caches are emptied and re-read later, never changing an output "
-                        f"(default: {DEFAULT_DRAFT_KV_GB:g}, or less when {DEFAULT_SESSIONS} sessions at the draft's "
+                        f"(default: {DEFAULT_DRAFT_KV_GB:g}, or less when {FULL_CONTEXT_SESSIONS} sessions at the draft's "
                         "full context need less)")
 
 

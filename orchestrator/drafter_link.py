@@ -125,7 +125,9 @@ def _draft_threads() -> ThreadPoolExecutor:
 class DraftWorker:
     """Runs calls to drafters in submission order, each answered by a Future: in the background
     (``background``: drafting overlaps the caller's work; on a thread of a pool shared by every request),
-    or at once on the caller's thread. A drafter is never called from two threads at once."""
+    or at once on the caller's thread. A drafter is never called from two threads at once. An
+    ``AsyncDrafter`` (a replica's) is called at once in either case: its calls only hand work off, in order,
+    so a request waiting for a remote drafter holds no thread."""
 
     def __init__(self, background: bool) -> None:
         self._queue = _SerialQueue(_draft_threads()) if background else None
@@ -135,11 +137,13 @@ class DraftWorker:
 
     def open(self, drafter: Drafter, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
              prompt_len: int | None = None) -> Future:
-        return self._submit(drafter.open, session_id, list(prompt), sampling, prompt_len)
+        return self._submit(drafter, drafter.open, session_id, list(prompt), sampling, prompt_len)
 
     def propose(self, drafter: Drafter, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int,
                 feedback: DraftFeedback | None) -> Future:
         """Future of (tree, seconds the drafter worked on it)."""
+        if _hands_off(drafter):
+            return _timed(drafter.propose_async(session_id, new_tokens, budget, rollback, feedback))
 
         def timed() -> tuple[TokenTree, float]:
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -147,13 +151,13 @@ class DraftWorker:
             self.cpu_seconds += time.thread_time() - c0
             return tree, time.perf_counter() - t0
 
-        return self._submit(timed)
+        return self._submit(drafter, timed)
 
     def close(self, drafter: Drafter, session_id: str) -> Future:
-        return self._submit(drafter.close, session_id)
+        return self._submit(drafter, drafter.close, session_id)
 
-    def _submit(self, fn: Callable, *args) -> Future:
-        if self._queue is not None:
+    def _submit(self, drafter: Drafter, fn: Callable, *args) -> Future:
+        if self._queue is not None and not _hands_off(drafter):
             return self._queue.submit(fn, *args)
         future: Future = Future()
         try:
@@ -161,6 +165,27 @@ class DraftWorker:
         except Exception as exc:
             future.set_exception(exc)
         return future
+
+
+def _hands_off(drafter: Drafter) -> bool:
+    """Whether ``drafter`` is an ``AsyncDrafter`` (its calls return at once, in order)."""
+    return hasattr(drafter, "propose_async")
+
+
+def _timed(tree: Future) -> Future:
+    """Future of (tree, seconds from now until ``tree`` resolved)."""
+    t0 = time.perf_counter()
+    timed: Future = Future()
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            timed.set_exception(exc)
+        else:
+            timed.set_result((f.result(), time.perf_counter() - t0))
+
+    tree.add_done_callback(done)
+    return timed
 
 
 @dataclass

@@ -30,6 +30,22 @@ import numpy as np
 from specmesh.contract import CapacityError
 
 DEFAULT_BLOCK_SIZE = 16
+FULL_CONTEXT_SESSIONS = 64  # a default-sized pool never holds more than this many sessions at the full context
+
+
+def blocks_in(gib: float, bytes_per_token: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens of ``bytes_per_token`` each that fit in ``gib`` GiB (at least one);
+    ValueError unless ``gib`` > 0."""
+    if not gib > 0:
+        raise ValueError(f"a KV cache budget must be > 0 GiB, got {gib}")
+    return max(1, int(gib * 2**30 // (bytes_per_token * block_size)))
+
+
+def default_gib(budget_gib: float, max_positions: int, bytes_per_token: int) -> float:
+    """``budget_gib``, but never more than FULL_CONTEXT_SESSIONS sessions at the model's full context (counted up to
+    65,536 positions) need: a tiny model does not reserve gigabytes whose pages its sessions touch bit by bit."""
+    full = FULL_CONTEXT_SESSIONS * min(max_positions, 1 << 16) * bytes_per_token / 2**30
+    return min(budget_gib, full)
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,6 +73,18 @@ class Drafter(Protocol):
         ...
 
     def close(self, session_id: str) -> None: ...
+
+
+class AsyncDrafter(Drafter, Protocol):
+    """A drafter whose work happens elsewhere (a replica over gRPC): ``open`` and ``close`` never block, and
+    ``propose_async`` hands the call off and returns at once. Its calls take effect in the order they are made,
+    so a caller needs no thread of its own to keep them in order (``orchestrator/drafter_link.DraftWorker``)."""
+
+    def propose_async(self, session_id: str, new_tokens: Sequence[int], budget: Budget, rollback: int = 0,
+                      feedback: DraftFeedback | None = None) -> Future:
+        """``propose`` without waiting: a Future of the tree, resolved on another thread; it fails with the
+        drafter's error, or with a TimeoutError once ``budget.deadline`` has passed."""
+        ...
 
 
 @dataclass(frozen=True)

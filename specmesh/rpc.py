@@ -425,6 +425,23 @@ async def until_signalled(task: asyncio.Future) -> bool:
 
 
 # --------------------------------------------------------------- upstreams
+_BACKGROUND: tuple[int, asyncio.AbstractEventLoop] | None = None  # (pid, loop) of this process's shared loop
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    """This process's shared asyncio loop for ``grpc.aio`` calls made on behalf of synchronous callers (every
+    drafter session's stream): one daemon thread, ``specmesh-aio``, started on first use (again in a forked
+    child, which does not inherit the thread)."""
+    global _BACKGROUND
+    with _BACKGROUND_LOCK:
+        if _BACKGROUND is None or _BACKGROUND[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="specmesh-aio", daemon=True).start()
+            _BACKGROUND = (os.getpid(), loop)
+        return _BACKGROUND[1]
+
+
 class UpstreamError(RuntimeError):
     """A call to another specmesh service failed; ``code`` is its gRPC status."""
 

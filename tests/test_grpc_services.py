@@ -197,10 +197,13 @@ def test_client_cancellation_frees_verifier_and_drafter_sessions(client, mesh):
     assert sh.wait_until(lambda: sum(sh.drafter_sessions(d) for d in mesh["drafters"]) == 0)
 
 
-def test_requests_in_flight_are_data_not_threads(mesh, ar):
+@pytest.mark.parametrize("proposer", ["none", "prompt_lookup"])
+def test_requests_in_flight_are_data_not_threads(mesh, ar, proposer):
     """`serve` steps every request on one engine core per verifier (orchestrator/remote_loop.py): 40 requests in
     flight at once add no thread each to its process (only its default executor's few, for tokenizing and
-    submitting), keep their greedy tokens, and leaving them early frees every verifier session."""
+    submitting), keep their greedy tokens, and leaving them early frees every verifier session. Drafting on the
+    drafter replicas adds none either: every session's stream runs on one shared asyncio loop
+    (drafter_service/remote.py), and a proposal out holds no thread while it waits."""
     import os
     import threading
 
@@ -212,7 +215,7 @@ def test_requests_in_flight_are_data_not_threads(mesh, ar):
 
     def request(i: int) -> None:
         with Client(mesh["serve"].address, timeout=120) as c:
-            stream = c.stream(PROMPTS[i % len(PROMPTS)], max_new_tokens=1500, ignore_eos=True, proposer="none")
+            stream = c.stream(PROMPTS[i % len(PROMPTS)], max_new_tokens=1500, ignore_eos=True, proposer=proposer)
             tokens = []
             for chunk in stream:
                 tokens += chunk.token_ids
@@ -237,6 +240,7 @@ def test_requests_in_flight_are_data_not_threads(mesh, ar):
         assert tokens[: len(want)] == want
     assert len(got) == num
     assert sh.wait_until(lambda: sh.verifier_sessions(mesh["verifier"]) == 0)
+    assert sh.wait_until(lambda: sum(sh.drafter_sessions(d) for d in mesh["drafters"]) == 0)
 
 
 def test_deadline_is_enforced_and_frees_sessions(client, mesh):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
+from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator, blocks_in, default_gib
 from specmesh.contract import (
     CapacityError,
     PrefillResult,
@@ -83,13 +83,10 @@ def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: i
     """Blocks that fit in ``kv_cache_gb`` GiB. Without it: on a CUDA device with ``kv_cache_memory`` given (a process
     with one pool: `specmesh verifier`), that share of the device's memory less what is in use and a profiled
     forward of ``profile_rows`` rows needs (``device_kv_bytes``, vLLM's gpu_memory_utilization); otherwise
-    DEFAULT_KV_CACHE_GB, but never more than 64 sessions at the model's full context need (a tiny model does not
-    reserve gigabytes)."""
+    DEFAULT_KV_CACHE_GB, capped by ``blocks.default_gib`` (64 sessions at the model's full context)."""
     per_block = runner.kv_bytes_per_token * block_size
     if kv_cache_gb is not None:
-        if not kv_cache_gb > 0:
-            raise ValueError(f"the KV cache budget must be > 0 GiB, got {kv_cache_gb}")
-        return max(1, int(kv_cache_gb * 2**30 // per_block))
+        return blocks_in(kv_cache_gb, runner.kv_bytes_per_token, block_size)
     if kv_cache_memory is not None and runner.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(runner.device)
         budget = device_kv_bytes(total, free, forward_peak_bytes(runner, profile_rows), kv_cache_memory)
@@ -98,8 +95,8 @@ def kv_pool_blocks(runner: ModelRunner, kv_cache_gb: float | None, block_size: i
                              f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free before a forward of "
                              f"{profile_rows} rows): raise it, or give --kv-cache-gb")
         return int(budget // per_block)
-    cap = 64 * -(-min(runner.info.max_positions, 1 << 16) // block_size)
-    return max(1, min(int(DEFAULT_KV_CACHE_GB * 2**30 // per_block), cap))
+    gib = default_gib(DEFAULT_KV_CACHE_GB, runner.info.max_positions, runner.kv_bytes_per_token)
+    return blocks_in(gib, runner.kv_bytes_per_token, block_size)
 
 
 def device_kv_bytes(total: int, free: int, forward_peak: int, fraction: float) -> int:
