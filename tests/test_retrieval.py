@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -159,6 +160,38 @@ def test_two_drafter_processes_share_what_the_fleet_learned(redis_server):
     finally:
         a.stop()
         b.stop()
+
+
+def test_the_last_proposal_before_a_close_reaches_the_drafter(redis_server):
+    """A link closes its drafter session right after the context sync (a zero budget with the session's last tokens,
+    not waited for: `DrafterLink.close(wait=False)`). The stream half-closes and is cancelled only once that
+    proposal is answered or past its deadline, so the fleet store learns the session's last tokens too."""
+    a = _drafter_process(redis_server.url)
+    try:
+        sh.start_all(a)
+        rng = np.random.default_rng(4)
+        prompt, output = rng.integers(100, 4000, 6).tolist(), rng.integers(100, 4000, 40).tolist()
+        client = DrafterClient(a.address, rpc.Security())
+        try:
+            first = client.drafter("retrieval")
+            first.open("s1", prompt, SamplingParams(max_new_tokens=64))
+            first.propose("s1", output[:20], Budget(4, 4), 0, DraftFeedback(len(prompt) + 20))
+            sync = first.propose_async("s1", output[20:], Budget(0, 0, deadline=time.monotonic() + 5), 0,
+                                       DraftFeedback(len(prompt) + len(output)))
+            first.close("s1")  # at once, as a background link does
+            assert sync.result(timeout=10).num_nodes == 0
+            second = client.drafter("retrieval")
+            second.open("s2", [1, 2, 3] + output[20:26], SamplingParams(max_new_tokens=64))  # only the sync's
+
+            def proposal():
+                return second.propose("s2", [], Budget(6, 6)).tokens.tolist()
+
+            assert sh.wait_until(lambda: proposal() == output[26:32], timeout=20), (proposal(), output[26:32])
+            second.close("s2")
+        finally:
+            client.close()
+    finally:
+        a.stop()
 
 
 def test_ingest_fills_a_snapshot_and_redis(tmp_path, redis_server):
