@@ -9,7 +9,8 @@ its own process). The link
   context edits (rollback, append);
 - runs every call to the drafter through one ``DraftWorker``: on a background thread in
   the overlapped (PEARL) loop, so drafting overlaps verification, or at once on the
-  engine's thread in the sequential loop;
+  engine's thread in the sequential loop; a remote drafter (an ``AsyncDrafter``) is
+  handed each call at once in both, and answers through a Future, holding no thread;
 - checks every tree against the contract (vocabulary, the step's budget): this is the
   trust boundary between drafter and orchestrator, and no other part of the orchestrator
   checks trees again (the verifier checks what reaches it, its own boundary);

@@ -338,6 +338,32 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
     assert "× ar" in capsys.readouterr().out
 
 
+def test_bench_load_ignore_eos_generates_every_token(pair, tmp_path):
+    """--ignore-eos (load mode): every request generates its max_new_tokens past EOS, as vllm_peer.py's do. Here a
+    copy of the target names every token but 0 an end-of-sequence token, so without the flag each request ends at
+    its first token; the per-prompt comparison refuses the flag (its HF peers stop at EOS)."""
+    import shutil
+
+    eos_pair = tmp_path / "pair"
+    shutil.copytree(pair, eos_pair)
+    for name in ("config.json", "generation_config.json"):
+        path = eos_pair / "target" / name
+        config = json.loads(path.read_text())
+        config["eos_token_id"] = list(range(1, config.get("vocab_size", 300)))
+        path.write_text(json.dumps(config))
+    tokens = {}
+    for flag in ((), ("--ignore-eos",)):
+        report = _bench(eos_pair, tmp_path / "load.json", "--methods", "ar", "prompt_lookup", "--concurrency", "2",
+                        "--max-new-tokens", "6", *flag)
+        assert report["config"]["sampling"]["ignore_eos"] is bool(flag)
+        tokens[bool(flag)] = {r["method"]: (r["tokens"], r["requests"]) for r in report["load"]["rows"]}
+    for method in ("ar", "prompt_lookup"):
+        assert tokens[False][method] == (tokens[False][method][1], len(PROMPTS))  # one token each, then EOS
+        assert tokens[True][method] == (6 * len(PROMPTS), len(PROMPTS))
+    with pytest.raises(SystemExit, match="specmesh bench: --ignore-eos applies to load mode"):
+        _bench(pair, tmp_path / "out.json", "--methods", "ar", "--ignore-eos")
+
+
 def test_bench_load_prefix_cache_counted_and_off_on_request(pair, tmp_path):
     """The prompts repeat at every level: a later level finds them in the verifier's prefix cache (counted per
     row), unless --no-prefix-caching, which every level then prefills in full, with the same outputs."""

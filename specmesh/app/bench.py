@@ -404,8 +404,11 @@ def run_bench(args: argparse.Namespace) -> dict:
     target_dir, draft_dir = resolve_models(args)
     try:  # usage errors: one line, no traceback
         specs = plan_methods(args.methods or default_methods(draft_dir is not None), draft_dir is not None)
+        if args.ignore_eos and args.concurrency is None:
+            raise ValueError("--ignore-eos applies to load mode (--concurrency) only: the per-prompt comparison's "
+                             "Hugging Face peers stop at the end-of-sequence token")
         base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              logprobs=args.logprobs, **penalty_options(args))
+                              logprobs=args.logprobs, ignore_eos=args.ignore_eos, **penalty_options(args))
         for spec in specs:  # a lossy method is greedy only; a threshold only for it
             asked_sampling(spec, base)
         rows = load_prompts(Path(args.prompts), args.limit)
@@ -665,6 +668,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every request asks for its tokens' log-probabilities and K alternatives (their cost is "
                              "part of the timing; default: none)")
     parser.add_argument("--max-new-tokens", type=int, help="override every prompt's max_new_tokens")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="with --concurrency: every request generates its max_new_tokens, past the end-of-sequence "
+                             "token, as benchmarks/vllm_peer.py's requests do; compare tokens/s with a peer on the same "
+                             "number of tokens (without it a request ends at EOS, and the prompts' prefill is spread "
+                             "over fewer tokens)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method; the fastest counts")
     parser.add_argument("--passes", type=int, default=1,
                         help="run the whole prompt set this many times with the same proposers, reported per pass: "
