@@ -2,10 +2,10 @@
 
 Every session's stream is a ``grpc.aio`` call run by a task on the process's shared
 background loop (``rpc.background_loop``: one thread for all sessions, not one per
-session): requests go out through an asyncio queue, answers come back through a
-thread-safe one, so ``propose`` can wait for its answer with a deadline on the caller's
-thread. Steps are numbered: an answer that arrives after its step was given up on is
-dropped.
+session): requests go out through an asyncio queue; each Propose's answer resolves its
+Future (``propose_async``), or a loop timer fails it with ``DraftTimeout`` at the step's
+deadline, so no caller's thread waits unless it asks to (``propose``). Steps are
+numbered: an answer that arrives after its step was given up on is dropped.
 """
 
 from __future__ import annotations
