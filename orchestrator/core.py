@@ -420,7 +420,9 @@ class EngineCore:
             if result.features is not None:
                 request.link.add_features(result.features)
             self._take_predraft(request)
-            ahead, request.ahead_stats = request.ahead_stats, {}
+            ahead = request.ahead_stats
+            if ahead:  # (an empty one is left as it is: nothing else writes into it)
+                request.ahead_stats = {}
         except Exception as exc:  # the verifier failed the request, or a strict drafter failed
             self._finish(request, exc)
             return

@@ -375,6 +375,8 @@ class DrafterLink:
 
     def take_errors(self) -> str:
         """The failures since the last call, for the step's stats ("" if none)."""
+        if not self._errors:
+            return ""
         errors, self._errors = self._errors, []
         return "; ".join(errors)
 

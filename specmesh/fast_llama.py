@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specmesh import checkpoint
 from specmesh.contract import ModelInfo
 from specmesh.cuda_graphs import PoolGraphs, graph_choice
-from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache
+from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache, write_slots
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.models import ATTENTION_BACKENDS, COMPILE_MODES
 from specmesh.padded_attention import PAD_LIMIT, PAD_MAX_NEW, padded_layout, padded_sdpa
@@ -279,25 +279,29 @@ class _SdpaAttention:
                 self.spans.append((cache, slice(row, row + n), start, end, mask, causal))
             row += n
         if pool is not None:
-            self._index(caches, np.asarray(starts), np.asarray(num_new), attends, np.asarray(padded), row)
+            self._index(caches, starts, num_new, attends, padded, row)
 
-    def _index(self, caches, starts: np.ndarray, num_new: np.ndarray, attends, padded: np.ndarray, total: int) -> None:
+    def _index(self, caches, starts: list[int], num_new: Sequence[int], attends, padded: list[bool], total: int) -> None:
         """The device indices of the batched write and the padded call, built on the host and copied at once."""
-        ends, cu = starts + num_new, np.concatenate([[0], np.cumsum(num_new)])
-        index = [np.concatenate([c.host_slots[a:b] for c, a, b in zip(caches, starts, ends, strict=True)])]
-        if padded.any():
+        index = [write_slots(caches, starts, num_new)]
+        if any(padded):
+            starts, num_new = np.asarray(starts), np.asarray(num_new)
+            cu = np.concatenate([[0], np.cumsum(num_new)])
             chosen = np.flatnonzero(padded)
             layout = padded_layout([caches[r].table for r in chosen], self.pool.block_size, starts[chosen],
                                    num_new[chosen], cu[chosen], [attends[r] for r in chosen], total)
             rows = None
-            if not padded.all():  # the packed rows the padded call answers
+            if not all(padded):  # the packed rows the padded call answers
                 rows = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in chosen])
             parts = [layout.key_blocks, layout.unwritten, layout.query_rows, layout.out_rows, rows]
             index += [p for p in parts if p is not None]
+        if len(index) == 1:
+            self.write_slots = torch.from_numpy(index[0]).to(self.runner.device, non_blocking=True)
+            return
         pieces = list(torch.from_numpy(np.concatenate(index)).to(self.runner.device, non_blocking=True)
                       .split([len(p) for p in index]))
         self.write_slots = pieces.pop(0)
-        if padded.any():
+        if any(padded):
             key_blocks, unwritten, query_rows, out_rows, rows = (None if p is None else pieces.pop(0) for p in parts)
             mask = layout.mask
             if mask is not None:

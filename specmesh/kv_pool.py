@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
+from specmesh.row_ops import pack
 
 
 class KVPool:
@@ -64,6 +65,15 @@ def gather_blocks(layer: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
     on the CPU (6-7x for 64 sessions of 160 positions)."""
     heads, _, head_dim = layer.shape
     return layer.view(heads, -1, block_size * head_dim).index_select(1, blocks).view(heads, -1, head_dim)
+
+
+def write_slots(caches: Sequence[PagedKVCache], starts: Sequence[int], num_new: Sequence[int]) -> np.ndarray:
+    """[sum(num_new)] int64: the pool slot of each new row, session by session (positions starts[i] + j, j <
+    num_new[i], already in the sessions' tables). A one-row session's slot is read off its table with integer
+    arithmetic (plain decoding: most sessions of a step; an array slice each costs ~3x more)."""
+    size = caches[0].pool.block_size
+    return pack([cache.table[start // size] * size + start % size if n == 1 else cache.host_slots[start : start + n]
+                 for cache, start, n in zip(caches, starts, num_new, strict=True)])
 
 
 class PagedKVCache:
@@ -107,6 +117,8 @@ class PagedKVCache:
     def ensure(self, length: int) -> None:
         """Hold positions [0, length): take the blocks missing from the pool. CapacityError (nothing taken) when
         it has too few free."""
+        if length <= self.capacity:  # every step but one in a block's worth: nothing to take
+            return
         missing = self.pool.allocator.blocks_for(length) - len(self.table)
         if missing > 0:
             old = len(self.table)

@@ -1,4 +1,5 @@
-"""Reductions over the last dimension of logits that every step runs, with the CPU's faster path.
+"""Row work that every step runs: reductions over the last dimension of logits with the CPU's faster path, and
+the packing of the step's per-row host arrays.
 
 torch 2.13's CPU ``argmax`` is not vectorized: over 64 rows of 4,096 float32 logits it takes ~340 µs on this
 project's AVX2 VM, numpy's ~24 µs; over 64 rows of SmolLM2's 49,152, 4.0 ms against 0.49 ms. A verify step runs one
@@ -9,6 +10,8 @@ tensor and counts host reads) keep torch's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -24,4 +27,23 @@ def argmax_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     return out.unsqueeze(-1) if keepdim else out
 
 
-__all__ = ["argmax_last"]
+def pack(parts: Sequence[np.ndarray | int]) -> np.ndarray:
+    """[total] int64: ``parts`` concatenated in order, an int standing for one element. A plain decoding row feeds
+    one token at one position into one slot: its ints join runs that become one array each, where an array per
+    row would cost more than the whole pack (~1 µs a row to build, ~0.15 µs to concatenate)."""
+    out: list[np.ndarray] = []
+    run: list[int] = []
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            if run:
+                out.append(np.array(run, np.int64))
+                run = []
+            out.append(part)
+        else:
+            run.append(part)
+    if run or not out:
+        out.append(np.array(run, np.int64))
+    return out[0].astype(np.int64, copy=False) if len(out) == 1 else np.concatenate(out).astype(np.int64, copy=False)
+
+
+__all__ = ["argmax_last", "pack"]

@@ -98,8 +98,16 @@ class Decisions:
         """logits: [R, vocab] the step's processed logits; argmax: [R] their argmax (on the device)."""
         self.items = items
         self._copy = copy
-        self.mjsd = [i for i, it in enumerate(items) if it.sampling.acceptance == "mjsd"]
-        self.sampled = [i for i, it in enumerate(items) if not it.sampling.greedy and it.sampling.acceptance != "mjsd"]
+        # one pass over the items (a step has one per request): MJSD's, sampled ones, those asking for logprobs
+        self.mjsd, self.sampled, self.asking = [], [], []
+        for i, it in enumerate(items):
+            sampling = it.sampling
+            if sampling.acceptance == "mjsd":
+                self.mjsd.append(i)
+            elif not sampling.greedy:
+                self.sampled.append(i)
+            if sampling.logprobs is not None:
+                self.asking.append(i)
         self._mjsd_lp = None
         if self.mjsd:
             self._mjsd_lp = copy.add(node_logprobs_device([items[i].tree for i in self.mjsd], logits,
@@ -131,7 +139,6 @@ class Decisions:
         """For the items asking: their rows' log-distributions (greedy and MJSD: the processed logits' log-softmax;
         sampled: the log of the warped rows acceptance used), packed: item i's rows from ``self._row0[i]``."""
         items = self.items
-        self.asking = [i for i, it in enumerate(items) if it.sampling.logprobs is not None]
         if not self.asking:
             return
         device = logits.device

@@ -58,6 +58,8 @@ class Acceptance:
 
     def tokens(self, tree: TokenTree) -> list[int]:
         """Accepted draft tokens followed by the bonus token."""
+        if not self.accepted_nodes:  # plain decoding's every step
+            return [self.bonus_token]
         return [int(tree.tokens[i]) for i in self.accepted_nodes] + [self.bonus_token]
 
 

@@ -53,7 +53,7 @@ from specmesh.grammar import GrammarState, GrammarTokenizer, prunable, tree_mask
 from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.logits_process import ContextCounts, processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
-from specmesh.row_ops import argmax_last
+from specmesh.row_ops import argmax_last, pack
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
 from verifier_service.arguments import (
@@ -200,17 +200,13 @@ class _Row:
     prefix_len: int  # cache length before the step
     tree: TokenTree | None = None  # verify: the tree; None for a prefill chunk
     span: int = 0  # verify: Jacobi window columns fed (levels * span rows after the tree rows)
-    input_ids: np.ndarray | None = None  # [num_new]
-    positions: np.ndarray | None = None  # [num_new]
+    input_ids: np.ndarray | int | None = None  # [num_new]; an int: plain decoding's one token (row_ops.pack)
+    positions: np.ndarray | int | None = None  # [num_new]; an int: that token's position
     attend: TreeMask | None = None  # verify: the rows' tree mask; None = causal
-    # verify: logits rows the step needs, [pending, tree nodes..., the window's top level]: a lower level's
-    # prediction is never used (its successor in the column is already fed), so its LM head is skipped
+    # verify: logits rows the step needs, [pending, tree nodes..., the window's top level] (1 + nodes + span): a
+    # lower level's prediction is never used (its successor in the column is already fed), so its LM head is skipped
     num_out: int = 0
     kept: np.ndarray | None = None  # verify under a grammar: the sent tree's nodes kept (pruned ones dropped)
-
-    def __post_init__(self) -> None:
-        if self.tree is not None:
-            self.num_out = 1 + self.tree.num_nodes + self.span
 
 
 class LocalVerifier:
@@ -478,7 +474,7 @@ class LocalVerifier:
             cu = np.cumsum([0] + [b - a for a, b in spans])
             span_start = {id(r): int(cu[i]) for i, r in enumerate(asking)}
         logits = self.runner.forward_batch(
-            [row.session.cache for row in rows], np.concatenate(ids), np.concatenate(positions),
+            [row.session.cache for row in rows], pack(ids), pack(positions),
             [row.num_new for row in rows], attends, logit_index.to(self.runner.device, non_blocking=True),
             hidden_index,
         )  # [len(logit_index), vocab]
@@ -534,9 +530,7 @@ class LocalVerifier:
         verified = zip(verify_rows, accepting[len(finishing) :], acceptances[len(finishing) :],
                        logprobs[len(finishing) :], strict=True)
         for (index, row), (_, _, first), acceptance, lp in verified:
-            r = slice(first, first + row.num_out)
-            results[index] = self._finish_verify(row, acceptance, argmax[r], None if topk is None else topk[r], elapsed,
-                                                 len(rows), lp)
+            results[index] = self._finish_verify(row, acceptance, argmax, topk, first, elapsed, len(rows), lp)
             if id(row) in span_start:  # the pending row and the accepted path's rows, at their positions
                 offset = span_start[id(row)]
                 keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes])
@@ -698,8 +692,7 @@ class LocalVerifier:
         window = session.window
         if window is None and not tree.num_nodes:  # plain decoding: the pending token alone, causal
             self._grow(session, prefix_len + 1)
-            both = np.array((session.pending, prefix_len))  # one array, two views: its id and its position
-            return _Row(session, start, 1, prefix_len, tree, 0, both[:1], both[1:])
+            return _Row(session, start, 1, prefix_len, tree, 0, session.pending, prefix_len, num_out=1)
         if window is None:  # no lookahead: [pending, tree]
             span, levels = 0, 1
             input_ids = np.empty(1 + tree.num_nodes, np.int64)
@@ -720,7 +713,8 @@ class LocalVerifier:
             # below it (lookahead.py). The ancestors stay on the host: the runner packs them (kernel) or
             # builds the dense mask on its device (SDPA, HF)
             attend = TreeMask(prefix_len, torch.from_numpy(ancestor_mask(branch_parents(tree.parents, span, levels))))
-        return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids, positions, attend)
+        return _Row(session, start, len(input_ids), prefix_len, tree, span, input_ids, positions, attend,
+                    num_out=1 + tree.num_nodes + span)
 
     def _compact(self, rows: Sequence[_Row], acceptances: Sequence[Acceptance]) -> None:
         """Keep each verified session's pending row and accepted path in its cache (dropping the rest of the tree
@@ -743,8 +737,9 @@ class LocalVerifier:
                 self._trim(row.session)
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
-                       elapsed: float, batch_sessions: int, logprobs: TokenLogprobs | None = None) -> VerifyResult:
-        """argmax/topk: the row's [1 + num_nodes + span] outputs (``num_out``)."""
+                       first: int, elapsed: float, batch_sessions: int,
+                       logprobs: TokenLogprobs | None = None) -> VerifyResult:
+        """argmax/topk: the step's [R] / [R, k] outputs, the row's ``num_out`` of them from ``first``."""
         session, tree = row.session, row.tree
         verified = tree.num_nodes + 1  # rows taking part in acceptance
         tokens = acceptance.tokens(tree)
@@ -752,13 +747,16 @@ class LocalVerifier:
         if topk is not None or session.window is not None:
             ngrams = ()
             if session.window is not None:  # the outputs after the window's top level
-                ngrams = self._advance_window(session, argmax[verified:], tokens)
-            feedback = VerifyFeedback.of(row.input_ids[:verified], None if topk is None else topk[:verified], ngrams)
+                ngrams = self._advance_window(session, argmax[first + verified : first + row.num_out], tokens)
+            feedback = VerifyFeedback.of(np.atleast_1d(row.input_ids)[:verified],
+                                         None if topk is None else topk[first : first + verified], ngrams)
         session.tokens.append(session.pending)  # the cache now holds the pending token and the accepted path
-        session.tokens.extend(tokens[:-1])
+        if len(tokens) > 1:
+            session.tokens.extend(tokens[:-1])
         session.prefilled = len(session.tokens)
         session.pending = acceptance.bonus_token
-        self._note_output(session, tokens)
+        if session.context is not None or session.grammar is not None:
+            self._note_output(session, tokens)
         accepted = acceptance.accepted_nodes
         if row.kept is not None:  # node indices of the tree as sent, before pruning
             accepted = tuple(int(row.kept[i]) for i in accepted)
