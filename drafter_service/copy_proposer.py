@@ -49,6 +49,7 @@ from specmesh.contract import Budget, common_prefix_len
 from specmesh.tree import TokenTree
 
 SYNC_TAIL = 64  # a context edit is assumed to touch at most this many last tokens before a full compare
+WALK_BELOW = 16  # match lengths of fewer candidates are walked on the host (match_lengths)
 
 
 # ------------------------------------------------------------------ pure core
@@ -59,7 +60,10 @@ def match_lengths(
 ) -> np.ndarray:  # [num_candidates] int64
     """For each candidate e, the largest L <= max_match with context[e-L+1 : e+1] == context[n-L : n].
 
-    Compared in growing column blocks, so candidates that stop agreeing early cost little."""
+    Compared in growing column blocks, so candidates that stop agreeing early cost little; a few candidates
+    (most steps of a prompt lookup) are walked on the host instead, where numpy's ~12 calls would cost ~20 µs."""
+    if ends.shape[0] < WALK_BELOW:
+        return _match_lengths_walk(context, ends, max_match)
     n = context.shape[0]
     width = min(max_match, n)
     suffix_rev = context[::-1][:width]  # context[n-1], context[n-2], ...
@@ -75,6 +79,21 @@ def match_lengths(
         alive = alive[full]
         start, block = stop, block * 2
     return lengths
+
+
+def _match_lengths_walk(context: np.ndarray, ends: np.ndarray, max_match: int) -> np.ndarray:
+    """``match_lengths`` one candidate at a time, in Python (same values)."""
+    n = context.shape[0]
+    width = min(max_match, n)
+    suffix = context[n - width :][::-1].tolist()  # context[n-1], context[n-2], ...
+    lengths = []
+    for end in ends.tolist():
+        window = context[max(0, end - width + 1) : end + 1][::-1].tolist()  # context[end], context[end-1], ...
+        length = 0
+        while length < len(window) and window[length] == suffix[length]:
+            length += 1
+        lengths.append(length)
+    return np.array(lengths, np.int64)
 
 
 def copy_continuations(
@@ -187,11 +206,20 @@ class CopyIndex:
         return np.asarray(positions[:-1], np.int64)  # the last is the suffix itself
 
     def _common_prefix(self, context: Sequence[int]) -> int:
-        # edits touch the end; compare the head at C speed and walk only the tail
-        head = max(0, min(len(self.tokens), len(context)) - SYNC_TAIL)
-        if self.tokens[:head] == list(context[:head]):
-            return head + common_prefix_len(self.tokens[head:], context[head:])
-        return common_prefix_len(self.tokens, context)
+        # edits touch the end; compare the head at C speed and walk only the tail, unless the context only grew
+        # since the last sync (every step without a rejected hypothesis): then the tail compares at C speed too
+        n = len(self.tokens)
+        head = max(0, min(n, len(context)) - SYNC_TAIL)
+        if self.tokens[:head] != _as_list(context[:head]):
+            return common_prefix_len(self.tokens, context)
+        if len(context) >= n and self.tokens[head:] == _as_list(context[head:n]):
+            return n
+        return head + common_prefix_len(self.tokens[head:], context[head:])
+
+
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    """``tokens`` as a list (a list as it is: a session's context is one), for comparisons at C speed."""
+    return tokens if isinstance(tokens, list) else list(tokens)
 
 
 # ------------------------------------------------------------------ proposer

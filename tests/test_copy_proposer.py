@@ -20,7 +20,13 @@ from spec_helpers import (
     tiny_llama,
 )
 
-from drafter_service.copy_proposer import CopyIndex, CopyProposer, match_lengths
+from drafter_service.copy_proposer import (
+    WALK_BELOW,
+    CopyIndex,
+    CopyProposer,
+    _match_lengths_walk,
+    match_lengths,
+)
 from drafter_service.proposer import DraftSessionState, make_proposer
 from specmesh.contract import Budget
 from specmesh.fast_llama import make_runner
@@ -155,6 +161,21 @@ def test_index_stays_consistent_under_appends_and_rollbacks(prompt, edits, min_m
     assert state.scratch["copy"].ends == fresh_index(state.tokens, min_match).ends
     prop.release(state)
     assert "copy" not in state.scratch
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 2), min_size=2, max_size=120), st.integers(1, 40))
+def test_match_lengths_walk_equals_the_blocked_compare(tokens, max_match):
+    """The host walk (few candidates) and the blocked numpy compare (many) give the same lengths; the small
+    alphabet makes many candidates and long matches, so the blocks past the first run too."""
+    context = np.asarray(tokens, np.int64)
+    ends = np.arange(len(tokens) - 1)
+    assert ends.size < WALK_BELOW or match_lengths(context, ends, max_match).tolist() == \
+        _match_lengths_walk(context, ends, max_match).tolist()
+    for few in (ends[:3], ends[-5:], ends[:0]):
+        assert _match_lengths_walk(context, few, max_match).tolist() == [
+            next((n for n in range(min(max_match, e + 1), 0, -1) if tokens[e - n + 1 : e + 1] == tokens[-n:]), 0)
+            for e in few.tolist()]
 
 
 # ------------------------------------------------------------------ examples
