@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specmesh.tree import InvalidTreeError, TokenTree
+from specmesh.tree import HOST_CHECK_BELOW, InvalidTreeError, TokenTree
 
 VOCAB = 50
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -182,6 +182,26 @@ def test_out_of_vocab_token_is_rejected(token):
 def test_bad_draft_prob_is_rejected(prob):
     with pytest.raises(InvalidTreeError, match="draft_probs"):
         _tree([1, 2, 3], [-1, 0, 0], [0.5, prob, 0.5]).validate(VOCAB)
+
+
+@pytest.mark.parametrize("size", [3, HOST_CHECK_BELOW - 1, HOST_CHECK_BELOW, HOST_CHECK_BELOW + 7])
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("parents", 5000, "parent"), ("parents", -2, "parent"), ("tokens", -1, "vocabulary"), ("tokens", VOCAB, "vocabulary"),
+    ("draft_probs", float("nan"), "draft_probs"), ("draft_probs", float("inf"), "draft_probs"),
+    ("draft_probs", -0.1, "draft_probs"), ("draft_probs", 1.5, "draft_probs"), (None, None, None)])
+def test_small_and_large_trees_are_checked_alike(size, field, value, error):
+    """Trees under HOST_CHECK_BELOW nodes are checked on the host, larger ones with numpy: the same verdicts,
+    whichever node is bad (the first, the last)."""
+    for node in (0, size - 1):
+        tokens, parents, probs = [1 + i % 40 for i in range(size)], list(range(-1, size - 1)), [0.5] * size
+        if field is not None:
+            {"tokens": tokens, "parents": parents, "draft_probs": probs}[field][node] = value
+        tree = _tree(tokens, parents, probs)
+        if error is None:
+            assert tree.validate(VOCAB) is tree
+        else:
+            with pytest.raises(InvalidTreeError, match=error):
+                tree.validate(VOCAB)
 
 
 def test_cycle_is_impossible_to_express():
