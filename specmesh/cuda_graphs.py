@@ -21,8 +21,10 @@ buffers*:
   the kernel's programs for them exit at once. Padded rows go through the dense layers like real ones (row-wise:
   they cannot change a real row) and their logits are dropped.
 
-A pool's graphs are captured on first use of each bucket, each after one eager warm-up run on a side stream (which
-also compiles anything ``torch.compile`` has left to compile). Before the first capture, ``PoolGraphs.check``
+A pool's plain-decoding buckets (one row per session) are captured when the pool is built (``PoolGraphs.warm``,
+after the check below), so no decode step pays a capture mid-serving; other buckets (verify steps, prompt chunks)
+on first use. Each capture follows one eager warm-up run on a side stream (which also compiles anything
+``torch.compile`` has left to compile). Before the first capture, ``PoolGraphs.check``
 holds a replayed step to the eager forward on a probe session (prefill, then one decode row both ways): a
 mismatch or failure raises under ``cuda_graphs="on"`` and turns graphs off, with a warning, under ``auto``.
 
@@ -33,6 +35,7 @@ eagerly (what the CPU tests check, with the kernel under the Triton interpreter)
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -108,14 +111,45 @@ class PoolGraphs:
     # ------------------------------------------------------------ the step
     def key(self, meta: KernelMetadata, num_new: Sequence[int]) -> tuple[int, int, int, int] | None:
         """The step's bucket (T, S, N, K), or None when it does not fit the static buffers (it then runs eager)."""
-        rows, sessions, longest = int(meta.cu_q[-1]), len(num_new), max(num_new)
         if meta.words.shape[1] > MASK_WORDS or meta.tables.shape[1] > self.max_blocks:
             return None
+        return self._key(int(meta.cu_q[-1]), len(num_new), max(num_new), int(meta.kv_len.max()))
+
+    def _key(self, rows: int, sessions: int, longest: int, keys: int) -> tuple[int, int, int, int] | None:
+        """The bucket of ``rows`` rows of ``sessions`` sessions, the largest feeding ``longest`` rows, the longest
+        attending to ``keys`` keys; None past a ladder's top."""
         t, s, n = bucket(rows, ROW_BUCKETS), bucket(sessions, SESSION_BUCKETS), bucket(longest, NEW_BUCKETS)
         if t is None or s is None or n is None:
             return None
         s, n = min(s, t), min(n, t)
-        return t, s, n, self.runner._kv_splits(n, s, int(meta.kv_len.max()))
+        return t, s, n, self.runner._kv_splits(n, s, keys)
+
+    def decode_keys(self) -> list[tuple[int, int, int, int]]:
+        """Every bucket a plain decoding step can fall in (S sessions of one row each, up to the top rung; every key
+        share count K its sessions' lengths up to the model's context can pick: K grows with the longest session's
+        keys through every power of two up to the one at the full context), in capture order."""
+        keys = set()
+        for sessions in range(1, self.max_sessions + 1):
+            top = self._key(sessions, sessions, 1, self.runner.info.max_positions)
+            keys.update(top[:3] + (1 << i,) for i in range(top[3].bit_length()))
+        return sorted(keys)
+
+    def warm(self) -> int:
+        """Capture every plain-decoding bucket now (``decode_keys``); returns how many were new. A failed capture
+        raises if graphs are ``required``, else turns this pool's graphs off with a warning, as mid-serving."""
+        start, new = time.perf_counter(), [key for key in self.decode_keys() if key not in self.graphs]
+        for key in new:
+            try:
+                self._record(key)
+            except Exception as exc:
+                if self.required:
+                    raise
+                log.warning("capturing a CUDA graph for bucket %s failed, this pool's steps run eager: %s", key, exc)
+                self.failed = True
+                return 0
+        if self.capture:
+            log.info("captured %d plain-decoding CUDA graphs in %.1f s", len(new), time.perf_counter() - start)
+        return len(new)
 
     def forward(self, meta: KernelMetadata, ids: torch.Tensor, pos: torch.Tensor, num_new: Sequence[int]):
         """The step's logits [T, vocab] float32 (a fresh tensor) from the bucket's graph, or None when the step
@@ -232,7 +266,8 @@ class PoolGraphs:
             return False
         finally:
             cache.free()
-        log.info("CUDA graphs on for a pool of %d blocks (buckets captured on first use)", self.pool.allocator.num_blocks)
+        log.info("CUDA graphs on for a pool of %d blocks (decode buckets captured now, the others on first use)",
+                 self.pool.allocator.num_blocks)
         return True
 
 

@@ -906,9 +906,9 @@ class FastLlamaRunner(ModelRunner):
         return (logits if self.lm_head_bias is None else logits + self.lm_head_bias).float()
 
     def pool_graphs(self, pool: KVPool) -> PoolGraphs | None:
-        """The pool's CUDA graphs, created (and checked against eager on a probe session) on first call: a verifier
-        calls it when it builds its pool, so the check runs at start-up. None with graphs off or when the check
-        failed under ``auto`` (every step then runs eager)."""
+        """The pool's CUDA graphs, created (checked against eager on a probe session, the decode buckets captured) on
+        first call: a verifier calls it when it builds its pool, so both happen at start-up. None with graphs off or
+        when the check failed under ``auto`` (every step then runs eager)."""
         if not self._graph_mode or self._kernels is None:
             return None
         graphs = self._pool_graphs.get(pool)
@@ -917,6 +917,7 @@ class FastLlamaRunner(ModelRunner):
             if not graphs.check():
                 self._graph_mode = None  # the check failed under auto: eager from now on (it said why)
                 return None
+            graphs.warm()  # every plain-decoding bucket now: no decode step pays a capture mid-serving
             self._pool_graphs[pool] = graphs
         return graphs
 
