@@ -160,6 +160,32 @@ def test_the_runner_picks_its_weight_layouts_by_dtype(monkeypatch) -> None:
     assert torch.equal(blocked.forward(caches[0], [9], [42]), plain.forward(caches[1], [9], [42]))  # one row: lm_head
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "out", "bias"), [(2, 300, False), (17, 1000, True), (5, 7, True)])
+def test_half_precision_products_through_float32_equal_the_half_kernel(monkeypatch, dtype, rows, out, bias) -> None:
+    """On a CPU without native bf16, products of 2+ rows in half precision run in float32 a block of the weight at
+    a time (``_linear_upcast``): the exact product rounded once, as the half-precision kernel's (float32
+    accumulation), up to summation order; one row keeps the half kernel. Blocks of 1,000 elements here, so the
+    weights span several (with a ragged last one)."""
+    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
+    monkeypatch.setattr(fast_llama, "UPCAST_BLOCK", 1000)
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out, 64, generator=gen).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    exact = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    got = fast_llama._linear(x, weight.t(), b)
+    want = torch.addmm(b, x, weight.t()) if bias else x @ weight.t()
+    assert got.dtype == dtype and got.shape == (rows, out)
+    ulp = exact.abs().clamp_min(1e-3) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((got.double() - exact).abs() <= ulp + 1e-5).all()  # within one rounding of the exact product
+    assert (got == want).float().mean() > 0.95  # and the half kernel's own result almost everywhere
+    calls = []
+    monkeypatch.setattr(fast_llama, "_linear_upcast", lambda *a: calls.append(a) or x[:, :0])
+    fast_llama._linear(x[:1], weight.t(), b)
+    assert not calls  # one row: the half-precision kernel
+
+
 def test_greedy_equals_ar_through_the_blocked_output_layer(monkeypatch) -> None:
     """A float32 target whose tree steps' logits come from the blocked output layer (its one-row AR steps from
     the whole matrix) keeps greedy speculative output equal to AR, for a tree proposer and a chain."""
