@@ -139,13 +139,7 @@ class PoolGraphs:
         raises if graphs are ``required``, else turns this pool's graphs off with a warning, as mid-serving."""
         start, new = time.perf_counter(), [key for key in self.decode_keys() if key not in self.graphs]
         for key in new:
-            try:
-                self._record(key)
-            except Exception as exc:
-                if self.required:
-                    raise
-                log.warning("capturing a CUDA graph for bucket %s failed, this pool's steps run eager: %s", key, exc)
-                self.failed = True
+            if not self._capture(key):
                 return 0
         if self.capture:
             log.info("captured %d plain-decoding CUDA graphs in %.1f s", len(new), time.perf_counter() - start)
@@ -160,17 +154,9 @@ class PoolGraphs:
         key = self.key(meta, num_new)
         if key is None:
             return None
-        if key in self.graphs:
-            graph = self.graphs[key]
-        else:
-            try:
-                graph = self._record(key)
-            except Exception as exc:  # a bucket that cannot be captured: eager from now on, unless graphs were required
-                if self.required:
-                    raise
-                log.warning("capturing a CUDA graph for bucket %s failed, this pool's steps run eager: %s", key, exc)
-                self.failed = True
-                return None
+        if key not in self.graphs and not self._capture(key):
+            return None
+        graph = self.graphs[key]
         self._fill(meta, ids, pos, key)
         if graph is not None:
             graph.replay()
@@ -217,6 +203,19 @@ class PoolGraphs:
             self.small[b : b + s], self.small[c : c + s], self.tables[:s], self.slots[:t], self.words[:t], n, splits,
         )
         self.logits[:t].copy_(self.runner._layers(self.ids[:t], self.pos[:t], attention)[0])
+
+    def _capture(self, key: tuple[int, int, int, int]) -> bool:
+        """``_record`` the bucket; False when it cannot be captured: this pool's steps run eager from then on (a
+        warning), unless graphs were required (then it raises)."""
+        try:
+            self._record(key)
+        except Exception as exc:
+            if self.required:
+                raise
+            log.warning("capturing a CUDA graph for bucket %s failed, this pool's steps run eager: %s", key, exc)
+            self.failed = True
+            return False
+        return True
 
     def _record(self, key: tuple[int, int, int, int]):
         """Capture the bucket's graph (CUDA) on safe buffers: every row writes the scratch slot, every session is

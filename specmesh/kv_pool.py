@@ -119,13 +119,11 @@ class PagedKVCache:
         it has too few free."""
         if length <= self.capacity:  # every step but one in a block's worth: nothing to take
             return
-        missing = self.pool.allocator.blocks_for(length) - len(self.table)
-        if missing > 0:
-            old = len(self.table)
-            was_run = self.base is not None or not old
-            self.pool.allocator.grow(self.table, missing)
-            added = self.table[old:]
-            self._resized(was_run and _is_run(added) and (not old or added[0] == self.table[old - 1] + 1))
+        old = len(self.table)
+        was_run = self.base is not None or not old
+        self.pool.allocator.grow(self.table, self.pool.allocator.blocks_for(length) - old)
+        added = self.table[old:]
+        self._resized(was_run and _is_run(added) and (not old or added[0] == self.table[old - 1] + 1))
 
     reserve = ensure  # the runner's call before it writes new rows
 

@@ -755,8 +755,7 @@ class LocalVerifier:
             session.tokens.extend(tokens[:-1])
         session.prefilled = len(session.tokens)
         session.pending = acceptance.bonus_token
-        if session.context is not None or session.grammar is not None:
-            self._note_output(session, tokens)
+        self._note_output(session, tokens)
         accepted = acceptance.accepted_nodes
         if row.kept is not None:  # node indices of the tree as sent, before pruning
             accepted = tuple(int(row.kept[i]) for i in accepted)
