@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.falcon_head_cost import median_ms
-from specmesh.fast_llama import FastLlamaRunner, blocked_product, head_blocks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
+from benchmarks.falcon_head_cost import median_ms  # noqa: E402
+from specmesh.fast_llama import FastLlamaRunner, blocked_product, head_blocks  # noqa: E402
 
 ROWS = (1, 2, 3, 4, 8, 16, 32)
 FORWARD_ROWS = (1, 2, 4, 8, 16, 24)

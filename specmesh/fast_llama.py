@@ -816,8 +816,13 @@ class FastLlamaRunner(ModelRunner):
         """ids: [n] -> [n, hidden] input embeddings."""
         if self.embed is not None:
             return self.embed[ids]
-        # columns of the [hidden, vocab] output layer: a gather along its rows, ~1 ms per 2000 tokens on the
-        # stdlib target, where reading the transposed view row by row takes 7
+        # tied: the output layer's columns. Gather along its contiguous dimension: in a contiguous [hidden, vocab]
+        # (float32) a gather along its rows, ~1 ms per 2000 tokens on the stdlib target, where reading the
+        # transposed view row by row takes 7; in a transposed view of [vocab, hidden] (bf16/fp16 on a CPU) the
+        # rows of that matrix (index_select along the view's dim 1 copies the whole matrix first: 57 ms a call
+        # for SmolLM2's 49,152 x 576 in bf16)
+        if self.lm_head.stride(0) == 1:
+            return self.lm_head.t().index_select(0, ids)
         return self.lm_head.index_select(1, ids).t().contiguous()
 
     def _to_device(self, values: Sequence[int] | torch.Tensor) -> torch.Tensor:
