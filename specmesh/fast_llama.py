@@ -202,7 +202,10 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
 # Without native bf16 (AVX-512-BF16, AMX), torch 2.13's CPU GEMM in bfloat16 takes a slow path: on this project's
 # AVX2 VM 7-9x float32's at 17-64 rows, ~4x in a 49,152-row output layer; float16 likewise (no CPU but AMX-FP16
 # multiplies it natively). Products of 2+ rows go through float32 there (``_linear_upcast``); one row keeps the
-# half-precision kernel, which reads half the bytes and is as fast.
+# half-precision kernel, which reads half the bytes and is as fast. The attention of decode rows runs in float32
+# there too (``_SdpaAttention``): SDPA's one-query path in bfloat16 takes 1.4-2.2x as long as a float32 copy of the
+# session's keys and values and SDPA on it (100-1,000 cached positions), while with 2+ query rows the half-precision
+# kernel is 0-20 % faster than the copy.
 _UPCAST_DTYPES = frozenset({torch.float16} | (set() if cpu_has_fast_bf16() else {torch.bfloat16}))
 UPCAST_BLOCK = 256 * 1024  # weight elements converted at a time: 1 MiB in float32, so the copy stays in L2
 
@@ -278,6 +281,9 @@ class _SdpaAttention:
     def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
         # spans: (cache, packed rows, start, end, mask, causal)
         self.runner, self.spans, self.padded = runner, [], None
+        # a decode row in half precision on a CPU without native support: its attention in float32
+        # (``_UPCAST_DTYPES``; SDPA's one-query path in bfloat16 takes 2x as long as its copy in float32 there)
+        self.compute_dtype = torch.float32 if runner.device.type == "cpu" and runner.dtype in _UPCAST_DTYPES else None
         # one scatter for the new rows of several sessions of one pool; a single session writes its own slice
         pool = getattr(caches[0], "pool", None) if len(caches) > 1 else None
         if pool is not None and not all(getattr(c, "pool", None) is pool for c in caches):
@@ -348,20 +354,24 @@ class _SdpaAttention:
             keys, values = self.pool.keys[layer], self.pool.values[layer]  # [kv_heads, slots, head_dim]
             keys.index_copy_(1, self.write_slots, k)
             values.index_copy_(1, self.write_slots, v)
-        outs = []
+        outs, compute = [], self.compute_dtype
         for cache, rows, start, end, mask, causal in self.spans:
             if self.pool is None:
                 cache.write(layer, start, k[:, rows], v[:, rows])
             keys, values = cache.kv(layer, end)  # [kv_heads, end, head_dim]
+            q_rows = q[None, :, rows]
+            if compute is not None and rows.stop - rows.start == 1:
+                q_rows, keys, values = q_rows.to(compute), keys.to(compute), values.to(compute)
             outs.append(F.scaled_dot_product_attention(
-                q[None, :, rows], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=runner.scale,
+                q_rows, keys[None], values[None], attn_mask=mask, is_causal=causal, scale=runner.scale,
                 enable_gqa=groups > 1,
-            )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size))  # [n, heads * head_dim]
+            )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size).to(q.dtype))  # [n, heads * head_dim]
         if self.padded is None:
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, heads * head_dim]
         layout, key_blocks, unwritten, query_rows, out_rows, mask, padded_rows = self.padded
         attn = padded_sdpa(q, self.pool.keys[layer], self.pool.values[layer], layout, key_blocks, unwritten,
-                           query_rows, out_rows, mask, runner.scale)  # [padded sessions' rows, heads * head_dim]
+                           query_rows, out_rows, mask, runner.scale,
+                           compute if layout.max_new == 1 else None)  # [padded rows, heads * head_dim]
         if padded_rows is None:
             return attn
         out = attn.new_empty(q.shape[1], runner.q_size)

@@ -109,8 +109,10 @@ def padded_sdpa(
     out_rows: torch.Tensor | None,  # layout.out_rows on q's device
     mask: torch.Tensor | None,  # layout.mask on q's device
     scale: float,
+    compute_dtype: torch.dtype | None = None,  # the attention's arithmetic in this dtype (None: q's)
 ) -> torch.Tensor:
-    """[sum num_new, heads * head_dim]: the attention outputs of the G sessions' real rows, in packed order."""
+    """[sum num_new, heads * head_dim]: the attention outputs of the G sessions' real rows, in packed order, in
+    q's dtype."""
     heads, head_dim = q.shape[0], q.shape[2]
     g, max_new, key_len = layout.num_sessions, layout.max_new, layout.key_len
     kv_heads = keys.shape[0]
@@ -122,12 +124,14 @@ def padded_sdpa(
             rows.index_fill_(1, unwritten, 0)
         return rows.view(kv_heads, g, key_len, head_dim).transpose(0, 1)
 
-    k, v = gather(keys), gather(values)
+    k, v, dtype = gather(keys), gather(values), q.dtype
     if query_rows is not None:
         q = q.index_select(1, query_rows)
     q = q.reshape(heads, g, max_new, head_dim).transpose(0, 1)  # [G, heads, max_new, head_dim]
+    if compute_dtype is not None:
+        q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
-    out = out.transpose(1, 2).reshape(g * max_new, heads * head_dim)
+    out = out.transpose(1, 2).reshape(g * max_new, heads * head_dim).to(dtype)
     return out if out_rows is None else out.index_select(0, out_rows)
 
 

@@ -181,6 +181,48 @@ def test_tied_embeddings_gather_only_their_rows(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_attention_through_float32(monkeypatch, dtype) -> None:
+    """On a CPU without native half-precision arithmetic (``_UPCAST_DTYPES``, forced here) the attention of a
+    one-row session (a decode row) runs in float32 on copies of the half-precision query, keys and values, in
+    the per-session and the padded calls alike, and the logits stay as close to the float64 model's as the
+    half-precision kernels' are (a wrong cast or scale would not); prompt chunks, decode rows and a tree."""
+    import numpy as np
+
+    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.shape[0], q.shape[2], (q.dtype, k.dtype, v.dtype)))  # sessions, query rows, dtypes
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)  # both modules' F
+    exact = FastLlamaRunner(_llama(2))
+    half, kernels = FastLlamaRunner(_llama(2).to(dtype)), FastLlamaRunner(_llama(2).to(dtype))
+    monkeypatch.setattr(fast_llama, "PAD_LIMIT", 20 * half.kv_size)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 97, n) for n in (3, 5, 60)]  # the short two share the padded call, 60 has its own
+    pools = [r.new_pool(num_blocks=64, block_size=4) for r in (exact, half, kernels)]
+    caches = [[pool.open(len(p) + 8) for p in prompts] for pool in pools]
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    steps = [(np.concatenate(prompts), np.concatenate([np.arange(len(p)) for p in prompts]),
+              [len(p) for p in prompts], [None] * 3),
+             ([7, 8, 9], [len(p) for p in prompts], [1, 1, 1], [None] * 3),
+             ([1, 2, 3, 4, 5], [4, 6, 61, 62, 62], [1, 1, 3], [None, None, tree_attend_mask(61, ancestors)])]
+    for ids, positions, num_new, attends in steps:
+        seen.clear()
+        got = half.forward_batch(caches[1], ids, positions, num_new, attends)
+        assert {g for g, _, _ in seen} == {1, 2}, seen  # the per-session and the padded call
+        assert all(d == ((torch.float32 if n == 1 else dtype),) * 3 for _, n, d in seen), seen
+        want = exact.forward_batch(caches[0], ids, positions, num_new, attends).double()
+        monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset())  # the half-precision kernels throughout
+        plain = kernels.forward_batch(caches[2], ids, positions, num_new, attends).double()
+        monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
+        error, kernel_error = (got.double() - want).abs(), (plain - want).abs()
+        assert error.max() <= 1.25 * kernel_error.max() and error.mean() <= 1.25 * kernel_error.mean(), (
+            error.max(), kernel_error.max(), error.mean(), kernel_error.mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "out", "bias"), [(2, 300, False), (17, 1000, True), (5, 7, True)])
 def test_half_precision_products_through_float32_equal_the_half_kernel(monkeypatch, dtype, rows, out, bias) -> None:
     """On a CPU without native bf16, products of 2+ rows in half precision run in float32 a block of the weight at
