@@ -208,6 +208,9 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
 # kernel is 0-20 % faster than the copy.
 _UPCAST_DTYPES = frozenset({torch.float16} | (set() if cpu_has_fast_bf16() else {torch.bfloat16}))
 UPCAST_BLOCK = 256 * 1024  # weight elements converted at a time: 1 MiB in float32, so the copy stays in L2
+# The frozen stack's bf16 GEMM templates beat the eager layers there up to a few rows (SmolLM2, one thread: 1.45x
+# at 1 row, 1.08x at 8) and lose to ``_linear_upcast`` beyond (0.80x at 16, 0.69x at 24): larger steps run eager.
+FROZEN_HALF_MAX_ROWS = 8
 
 
 def _linear_upcast(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -921,7 +924,7 @@ class FastLlamaRunner(ModelRunner):
         work: what a CUDA graph captures (cuda_graphs.py)."""
         cos, sin = self.cos[pos], self.sin[pos]
         x = self._embed(ids)  # [T, hidden]
-        if self._stack is not None:
+        if self._stack is not None and (x.shape[0] <= FROZEN_HALF_MAX_ROWS or self.dtype not in _UPCAST_DTYPES):
             _FROZEN.attention = attention
             try:
                 x = self._stack(x, cos, sin)

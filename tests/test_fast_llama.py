@@ -222,6 +222,33 @@ def test_half_precision_attention_through_float32(monkeypatch, dtype) -> None:
             error.max(), kernel_error.max(), error.mean(), kernel_error.mean())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_frozen_stack_runs_the_steps_it_is_fastest_for(monkeypatch, dtype) -> None:
+    """With a frozen stack (here the uncompiled ``_FrozenStack``, the same arithmetic as the eager layers), float32
+    runs every step through it; half precision on a CPU without native support runs steps of up to
+    ``FROZEN_HALF_MAX_ROWS`` rows through it and larger ones (prompt chunks, big trees) through the eager layers,
+    with the same logits either way."""
+    from specmesh.fast_llama import _FrozenStack
+
+    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({torch.bfloat16}))
+    monkeypatch.setattr(fast_llama, "FROZEN_HALF_MAX_ROWS", 4)
+    model = _llama(2).to(dtype)
+    eager, frozen = FastLlamaRunner(model), FastLlamaRunner(model)
+    stack, rows_seen = _FrozenStack(frozen), []
+
+    def spy(x, cos, sin):
+        rows_seen.append(x.shape[0])
+        return stack(x, cos, sin)
+
+    frozen._stack = spy
+    caches = [runner.new_cache() for runner in (eager, frozen)]
+    for ids, start in (([5, 6, 7, 8, 9, 10], 0), ([11], 6), ([12, 13, 14, 15], 7), ([1, 2, 3, 4, 5], 11)):
+        positions = list(range(start, start + len(ids)))
+        want, got = (runner.forward(cache, ids, positions) for runner, cache in zip((eager, frozen), caches, strict=True))
+        assert torch.equal(got, want)
+    assert rows_seen == ([6, 1, 4, 5] if dtype == torch.float32 else [1, 4])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "out", "bias"), [(2, 300, False), (17, 1000, True), (5, 7, True)])
 def test_half_precision_products_through_float32_equal_the_half_kernel(monkeypatch, dtype, rows, out, bias) -> None:
