@@ -362,13 +362,14 @@ class _SdpaAttention:
             if self.pool is None:
                 cache.write(layer, start, k[:, rows], v[:, rows])
             keys, values = cache.kv(layer, end)  # [kv_heads, end, head_dim]
-            q_rows = q[None, :, rows]
-            if compute is not None and rows.stop - rows.start == 1:
+            q_rows, upcast = q[None, :, rows], compute is not None and rows.stop - rows.start == 1
+            if upcast:
                 q_rows, keys, values = q_rows.to(compute), keys.to(compute), values.to(compute)
-            outs.append(F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 q_rows, keys[None], values[None], attn_mask=mask, is_causal=causal, scale=runner.scale,
                 enable_gqa=groups > 1,
-            )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size).to(q.dtype))  # [n, heads * head_dim]
+            )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size)  # [n, heads * head_dim]
+            outs.append(out.to(q.dtype) if upcast else out)
         if self.padded is None:
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, heads * head_dim]
         layout, key_blocks, unwritten, query_rows, out_rows, mask, padded_rows = self.padded

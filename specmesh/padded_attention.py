@@ -131,7 +131,9 @@ def padded_sdpa(
     if compute_dtype is not None:
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
-    out = out.transpose(1, 2).reshape(g * max_new, heads * head_dim).to(dtype)
+    out = out.transpose(1, 2).reshape(g * max_new, heads * head_dim)
+    if compute_dtype is not None:
+        out = out.to(dtype)
     return out if out_rows is None else out.index_select(0, out_rows)
 
 
