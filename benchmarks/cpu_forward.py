@@ -93,13 +93,16 @@ def main() -> None:
                     help="dtypes whose frozen stack is timed (default: float32)")
     ap.add_argument("--only-frozen", action="store_true",
                     help="time only eager and frozen forwards in --frozen-dtypes (default layouts)")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(FORWARD_ROWS),
+                    help="new rows per timed forward with --only-frozen (plain decoding of a batch: one per request)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = Path(args.target).expanduser()
     results: dict = {"target": str(path), "context": args.context, "threads": 1, "cpu": torch.backends.cpu.get_cpu_capability()}
     if args.only_frozen:
-        results["forward_ms"] = frozen_against_eager(path, args.frozen_dtypes, args.context, args.repeats, results)
+        results["forward_ms"] = frozen_against_eager(path, args.frozen_dtypes, args.context, args.repeats, results,
+                                                     tuple(args.rows))
     else:
         results["forward_ms"] = every_layout(path, args, results)
     print(json.dumps(results["forward_ms"], indent=1), flush=True)
@@ -107,22 +110,24 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
-def frozen_against_eager(path: Path, dtypes: list[str], context: int, repeats: int, results: dict) -> dict:
+def frozen_against_eager(path: Path, dtypes: list[str], context: int, repeats: int, results: dict,
+                         rows=FORWARD_ROWS) -> dict:
     """{label: {rows: ms}}: each dtype's forward eager, then with its stack frozen (compile seconds in results)."""
     forward = {}
     for name in dtypes:
         dtype = getattr(torch, name)
-        forward[f"{name} eager"] = forward_ms(FastLlamaRunner.from_checkpoint(path, dtype), context, repeats)
-        forward[f"{name} frozen stack"], results[f"frozen_compile_s_{name}"] = frozen_ms(path, name, context, repeats)
+        forward[f"{name} eager"] = forward_ms(FastLlamaRunner.from_checkpoint(path, dtype), context, repeats, rows)
+        forward[f"{name} frozen stack"], results[f"frozen_compile_s_{name}"] = frozen_ms(path, name, context, repeats,
+                                                                                          rows)
     return forward
 
 
-def frozen_ms(path: Path, name: str, context: int, repeats: int) -> tuple[dict[int, float], float]:
+def frozen_ms(path: Path, name: str, context: int, repeats: int, rows=FORWARD_ROWS) -> tuple[dict[int, float], float]:
     """({rows: ms}, seconds to load and compile) of the model's stack frozen in dtype ``name``."""
     started = time.perf_counter()
     frozen = FastLlamaRunner.from_checkpoint(path, getattr(torch, name), compile_layers="frozen")
     seconds = round(time.perf_counter() - started, 1)
-    return forward_ms(frozen, context, repeats), seconds
+    return forward_ms(frozen, context, repeats, rows), seconds
 
 
 def every_layout(path: Path, args, results: dict) -> dict:

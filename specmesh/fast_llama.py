@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -44,7 +45,7 @@ from specmesh.contract import ModelInfo
 from specmesh.cuda_graphs import PoolGraphs, graph_choice
 from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PagedKVCache, write_slots
 from specmesh.model_runner import ModelRunner, TreeMask
-from specmesh.models import ATTENTION_BACKENDS, COMPILE_MODES, cpu_has_fast_bf16
+from specmesh.models import ATTENTION_BACKENDS, COMPILE_MODES, cpu_flags, cpu_has_fast_bf16
 from specmesh.padded_attention import PAD_LIMIT, PAD_MAX_NEW, padded_layout, padded_sdpa
 
 if TYPE_CHECKING:
@@ -194,7 +195,8 @@ def _share(linears: Sequence[torch.nn.Module], weight_t: torch.Tensor, bias: tor
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight_t [in, out] (+ bias)."""
-    if x.dtype in _UPCAST_DTYPES and x.shape[0] > 1 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+    rows = 2 if x.dtype in _UPCAST_DTYPES else _NATIVE_UPCAST_ROWS.get(x.dtype, _NEVER)
+    if x.shape[0] >= rows and x.device.type == "cpu" and not torch.compiler.is_compiling():
         return _linear_upcast(x, weight_t, bias)
     return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
 
@@ -207,9 +209,20 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
 # session's keys and values and SDPA on it (100-1,000 cached positions), while with 2+ query rows the half-precision
 # kernel is 0-20 % faster than the copy.
 _UPCAST_DTYPES = frozenset({torch.float16} | (set() if cpu_has_fast_bf16() else {torch.bfloat16}))
+# With AVX-512-BF16 but no AMX, torch 2.13's bf16 GEMM reads half the bytes of float32's but computes more slowly:
+# a whole bf16 forward with its products through float32 (``_linear_upcast``, weight conversion included) takes
+# 1.02x / 0.92x / 0.87x / 0.78x the time at 32 / 48 / 64 / 128 rows for SmolLM2-135M, 0.96x / 0.87x / 0.84x / 0.74x
+# for the benchmark pair's target (Xeon VM, one thread). Products of NATIVE_BF16_UPCAST_ROWS+ rows (large batches,
+# prompt chunks) run through float32 there too; AMX multiplies bf16 many times faster than float32: never there.
+NATIVE_BF16_UPCAST_ROWS = 48
+_NATIVE_UPCAST_ROWS = ({torch.bfloat16: NATIVE_BF16_UPCAST_ROWS}
+                       if "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags() else {})
+_NEVER = sys.maxsize
 UPCAST_BLOCK = 256 * 1024  # weight elements converted at a time: 1 MiB in float32, so the copy stays in L2
 # The frozen stack's bf16 GEMM templates beat the eager layers there up to a few rows (SmolLM2, one thread: 1.45x
 # at 1 row, 1.08x at 8) and lose to ``_linear_upcast`` beyond (0.80x at 16, 0.69x at 24): larger steps run eager.
+# With AVX-512-BF16 the same from NATIVE_BF16_UPCAST_ROWS (the pair's target: 38.2 / 47.9 ms frozen, 34.3 / 40.7
+# eager at 48 / 64 rows): ``FastLlamaRunner._frozen_rows``.
 FROZEN_HALF_MAX_ROWS = 8
 
 
@@ -723,6 +736,18 @@ class FastLlamaRunner(ModelRunner):
         if mode == "frozen":
             self._stack = self._compiled_stack(required=compile_layers == "frozen")
 
+    @property
+    def _frozen_rows(self) -> int:
+        """The most rows of a step that the frozen stack runs: every step in float32 and off the CPU; in half
+        precision on a CPU, the steps below those whose products go through float32 (``_linear``), where the
+        eager layers beat the stack's half-precision GEMMs: FROZEN_HALF_MAX_ROWS without native support,
+        NATIVE_BF16_UPCAST_ROWS - 1 with AVX-512-BF16 alone."""
+        if self.device.type != "cpu":
+            return _NEVER
+        if self.dtype in _UPCAST_DTYPES:
+            return FROZEN_HALF_MAX_ROWS
+        return _NATIVE_UPCAST_ROWS.get(self.dtype, _NEVER + 1) - 1
+
     def _kv_splits(self, max_num_new: int, num_requests: int, longest: int) -> int:
         """Programs sharing each tile's keys in this step's kernel launches (1 off CUDA)."""
         if self._num_sms is None:
@@ -925,7 +950,7 @@ class FastLlamaRunner(ModelRunner):
         work: what a CUDA graph captures (cuda_graphs.py)."""
         cos, sin = self.cos[pos], self.sin[pos]
         x = self._embed(ids)  # [T, hidden]
-        if self._stack is not None and (x.shape[0] <= FROZEN_HALF_MAX_ROWS or self.dtype not in _UPCAST_DTYPES):
+        if self._stack is not None and x.shape[0] <= self._frozen_rows:
             _FROZEN.attention = attention
             try:
                 x = self._stack(x, cos, sin)

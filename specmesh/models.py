@@ -200,14 +200,19 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_bf16``, ...); empty where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
 def cpu_has_fast_bf16() -> bool:
     """True on x86 CPUs whose matmuls run natively in bfloat16 (AVX512-BF16 or AMX), where a bf16 draft is
     about twice as fast as float32. Elsewhere bf16 is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def draft_dtype(name: str | None, otherwise: str, device: torch.device | None = None) -> torch.dtype:

@@ -215,6 +215,7 @@ def test_half_precision_attention_through_float32(monkeypatch, dtype) -> None:
         assert all(d == ((torch.float32 if n == 1 else dtype),) * 3 for _, n, d in seen), seen
         want = exact.forward_batch(caches[0], ids, positions, num_new, attends).double()
         monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset())  # the half-precision kernels throughout
+        monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {})
         plain = kernels.forward_batch(caches[2], ids, positions, num_new, attends).double()
         monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
         error, kernel_error = (got.double() - want).abs(), (plain - want).abs()
@@ -222,15 +223,19 @@ def test_half_precision_attention_through_float32(monkeypatch, dtype) -> None:
             error.max(), kernel_error.max(), error.mean(), kernel_error.mean())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_frozen_stack_runs_the_steps_it_is_fastest_for(monkeypatch, dtype) -> None:
+@pytest.mark.parametrize(("dtype", "native", "frozen_rows"), [(torch.float32, False, [6, 1, 4, 5]),
+                                                              (torch.bfloat16, False, [1, 4]),
+                                                              (torch.bfloat16, True, [1, 4, 5])])
+def test_the_frozen_stack_runs_the_steps_it_is_fastest_for(monkeypatch, dtype, native, frozen_rows) -> None:
     """With a frozen stack (here the uncompiled ``_FrozenStack``, the same arithmetic as the eager layers), float32
     runs every step through it; half precision on a CPU without native support runs steps of up to
-    ``FROZEN_HALF_MAX_ROWS`` rows through it and larger ones (prompt chunks, big trees) through the eager layers,
-    with the same logits either way."""
+    ``FROZEN_HALF_MAX_ROWS`` rows (4 here) through it, with AVX-512-BF16 the steps below
+    ``NATIVE_BF16_UPCAST_ROWS`` (6 here), and larger ones (prompt chunks, big trees, large batches) through the
+    eager layers, with the same logits either way."""
     from specmesh.fast_llama import _FrozenStack
 
-    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({torch.bfloat16}))
+    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset() if native else frozenset({torch.bfloat16}))
+    monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 6} if native else {})
     monkeypatch.setattr(fast_llama, "FROZEN_HALF_MAX_ROWS", 4)
     model = _llama(2).to(dtype)
     eager, frozen = FastLlamaRunner(model), FastLlamaRunner(model)
@@ -246,7 +251,31 @@ def test_the_frozen_stack_runs_the_steps_it_is_fastest_for(monkeypatch, dtype) -
         positions = list(range(start, start + len(ids)))
         want, got = (runner.forward(cache, ids, positions) for runner, cache in zip((eager, frozen), caches, strict=True))
         assert torch.equal(got, want)
-    assert rows_seen == ([6, 1, 4, 5] if dtype == torch.float32 else [1, 4])
+    assert rows_seen == frozen_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_products_turn_to_float32_from_the_rows_where_it_is_faster(monkeypatch, dtype) -> None:
+    """``_linear`` on a CPU with AVX-512-BF16 but no AMX (forced here: ``_NATIVE_UPCAST_ROWS``): bf16 products of
+    ``NATIVE_BF16_UPCAST_ROWS`` (4 here) or more rows go through float32, fewer keep the bf16 kernel; float16 (no
+    native support) from 2 rows; float32 never. Either way within one rounding of the exact product."""
+    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({torch.float16}))
+    monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 4})
+    calls, upcast = [], fast_llama._linear_upcast
+
+    def spy(x, weight_t, bias):
+        calls.append(x.shape[0])
+        return upcast(x, weight_t, bias)
+
+    monkeypatch.setattr(fast_llama, "_linear_upcast", spy)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen).to(dtype)
+    for rows in (1, 2, 3, 4, 9):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        got, exact = fast_llama._linear(x, weight.t()), x.double() @ weight.double().t()
+        ulp = exact.abs().clamp_min(1e-3) * {torch.float32: 2**-20, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+        assert got.dtype == dtype and ((got.double() - exact).abs() <= ulp + 1e-5).all()
+    assert calls == {torch.float32: [], torch.bfloat16: [4, 9], torch.float16: [2, 3, 4, 9]}[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
