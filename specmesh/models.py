@@ -9,6 +9,7 @@ are imported only by the functions that load something, so that building a parse
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 from pathlib import Path
@@ -200,6 +201,7 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_bf16``, ...); empty where unknown."""
     try:
