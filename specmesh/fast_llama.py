@@ -317,14 +317,16 @@ class _SdpaAttention:
             if attend is not None:
                 assert attend.shape == (n, end), (attend.shape, start, n)
             if not pad:
-                mask, causal = None, False  # None: one new token sees everything
+                mask, causal, runs = None, False, None  # None: one new token sees everything
                 if attend is not None:
                     mask = attend.dense(runner.device) if isinstance(attend, TreeMask) else attend.to(runner.device)
                 elif n > 1 and start == 0:  # a first prompt chunk: SDPA's own causal mask (it skips the blocks above
                     causal = True           # the diagonal: half the work of a dense mask, and no mask to build)
                 elif n > 1:
                     mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
-                self.spans.append((cache, slice(row, row + n), start, end, mask, causal))
+                elif getattr(cache, "base", 0) is None and runner.device.type == "cpu":
+                    runs = cache.slot_runs(end)  # a stitched table (prefix-cache blocks + its own): read in place
+                self.spans.append((cache, slice(row, row + n), start, end, mask, causal, runs))
             row += n
         if pool is not None:
             self._index(caches, starts, num_new, attends, padded, row)
@@ -371,9 +373,12 @@ class _SdpaAttention:
             keys.index_copy_(1, self.write_slots, k)
             values.index_copy_(1, self.write_slots, v)
         outs, compute = [], self.compute_dtype
-        for cache, rows, start, end, mask, causal in self.spans:
+        for cache, rows, start, end, mask, causal, runs in self.spans:
             if self.pool is None:
                 cache.write(layer, start, k[:, rows], v[:, rows])
+            if runs is not None:
+                outs.append(self._attend_runs(cache.pool, layer, q[:, rows], runs))
+                continue
             keys, values = cache.kv(layer, end)  # [kv_heads, end, head_dim]
             q_rows, upcast = q[None, :, rows], compute is not None and rows.stop - rows.start == 1
             if upcast:
@@ -396,6 +401,31 @@ class _SdpaAttention:
         for (_, rows, *_), part in zip(self.spans, outs, strict=True):
             out[rows] = part
         return out
+
+    def _attend_runs(self, pool: KVPool, layer: int, q: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """One decode row q [heads, 1, head_dim] over a stitched table's keys, read in place run by run (slots
+        [a, b) of the pool: views, where a gather would copy the whole context every layer of every step) ->
+        [1, heads * head_dim]. Each run's SDPA also returns its log-sum-exp; the runs' outputs are merged by their
+        softmax mass, as flash-decoding merges its key splits. The query heads of a key head are its rows (GQA
+        without repeating keys)."""
+        runner = self.runner
+        heads, _, head_dim = q.shape
+        kv_heads = runner.num_kv_heads
+        compute = self.compute_dtype or q.dtype
+        q_rows = q.reshape(1, kv_heads, heads // kv_heads, head_dim).to(compute)  # [1, kv_heads, groups, head_dim]
+        keys, values = pool.keys[layer], pool.values[layer]  # [kv_heads, slots, head_dim]
+        parts = [_flash_cpu(q_rows, keys[None, :, a:b].to(compute), values[None, :, a:b].to(compute),
+                            scale=runner.scale) for a, b in runs]
+        if len(parts) == 1:
+            out = parts[0][0]
+        else:
+            lse = torch.stack([p[1] for p in parts])  # [runs, 1, kv_heads, groups] float32
+            weights = (lse - lse.logsumexp(0)).exp().unsqueeze(-1)
+            out = sum(w * o.float() for w, (o, _) in zip(weights, parts, strict=True))
+        return out.reshape(1, heads * head_dim).to(q.dtype)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel: (out, log-sum-exp)
 
 
 @dataclass

@@ -89,7 +89,7 @@ class PagedKVCache:
         the derived arrays, rebuilt when next used."""
         self.capacity = len(self.table) * self.pool.block_size
         self.base = self.table[0] * self.pool.block_size if contiguous and self.table else None
-        self._host_slots = self._slots = self._blocks = None
+        self._host_slots = self._slots = self._blocks = self._runs = None
 
     @property
     def host_slots(self) -> np.ndarray:
@@ -112,6 +112,23 @@ class PagedKVCache:
         if self._blocks is None:
             self._blocks = torch.as_tensor(self.table, dtype=torch.long).to(self.pool.device, non_blocking=True)
         return self._blocks
+
+    def slot_runs(self, end: int) -> list[tuple[int, int]]:
+        """[(first slot, last slot + 1)] of the runs of consecutive blocks that hold positions [0, end), in
+        position order: one for a contiguous table; a table stitched from prefix-cache blocks and its own, two or
+        a few. Attention reads each run in place (``fast_llama._SdpaAttention``) instead of gathering the table."""
+        if self._runs is None:  # [(first block, blocks)] per run, rebuilt when the table changes
+            table = np.asarray(self.table, np.int64)
+            cuts = np.flatnonzero(np.diff(table) != 1) + 1
+            self._runs = [(int(run[0]), len(run)) for run in np.split(table, cuts)] if len(table) else []
+        size, runs, position = self.pool.block_size, [], 0
+        for block, count in self._runs:
+            if position >= end:
+                break
+            take = min(count * size, end - position)
+            runs.append((block * size, block * size + take))
+            position += take
+        return runs
 
     # ------------------------------------------------------------ cache interface
     def ensure(self, length: int) -> None:

@@ -404,3 +404,50 @@ def test_the_frozen_stack_keeps_the_eager_logits_and_greedy_output(caplog) -> No
         with caplog.at_level(logging.WARNING, logger="specmesh.fast_llama"):
             assert frozen._compiled_stack(required=False) is None
     assert "run eager" in caplog.text
+
+
+@pytest.mark.parametrize(("num_kv_heads", "dtype"), [(4, torch.float64), (2, torch.float64), (2, torch.float32)])
+def test_a_stitched_table_is_read_in_place(monkeypatch, num_kv_heads, dtype) -> None:
+    """A decode row of a session whose blocks are not one run (prefix-cache blocks and its own, a fragmented
+    pool) attends run by run on views of the pool, its runs merged by their log-sum-exp: no gather of its
+    context, logits those of the same session in a contiguous cache (float64: to the float32 rounding of the
+    logits; float32 at its own precision), alone or beside other sessions (GQA: query heads folded onto their key head)."""
+    import numpy as np
+
+    from specmesh import kv_pool
+    from specmesh.kv_pool import PagedKVCache
+
+    model = _llama(num_kv_heads).to(dtype)
+    runner = FastLlamaRunner(model)
+    pool = runner.new_pool(num_blocks=96, block_size=4)
+    pieces = [pool.allocator.allocate(4 * n) for n in (2, 1, 3, 2, 4, 2, 3)]  # runs of blocks, held apart
+    tables = [pieces[0] + pieces[2] + pieces[4], pieces[1] + pieces[5], pieces[3] + pieces[6][::-1]]
+    gathers, gather = [], kv_pool.gather_blocks
+
+    def spy(layer, blocks, block_size):
+        gathers.append(len(blocks))
+        return gather(layer, blocks, block_size)
+
+    monkeypatch.setattr(kv_pool, "gather_blocks", spy)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (23, 9, 30)]
+    paged = [PagedKVCache(pool, table) for table in tables]  # the last one grows a block while decoding
+    plain = [runner.new_cache() for _ in prompts]
+    for caches in (paged, plain):
+        for cache, prompt in zip(caches, prompts, strict=True):
+            runner.forward(cache, prompt, list(range(len(prompt))))
+    assert all(len(c.slot_runs(c.length)) > 1 for c in paged), [c.table for c in paged]
+    tol = {torch.float64: 2e-6, torch.float32: 2e-5}[dtype]  # logits come back in float32 either way
+    for step in range(6):  # decode rows: alone (session 0) and batched (all three)
+        chosen = [0] if step % 2 == 0 else [0, 1, 2]
+        ids = [int(torch.randint(0, 97, (1,), generator=gen)) for _ in chosen]
+        positions = [paged[i].length for i in chosen]
+        gathers.clear()
+        got = runner.forward_batch([paged[i] for i in chosen], ids, positions, [1] * len(chosen), [None] * len(chosen))
+        assert gathers == []
+        want = torch.cat([runner.forward(plain[i], [t], [p]) for i, t, p in zip(chosen, ids, positions, strict=True)])
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    runs = paged[0].slot_runs(paged[0].length)
+    assert sum(b - a for a, b in runs) == paged[0].length  # the runs cover the positions once, in order
+    slots = np.concatenate([np.arange(a, b) for a, b in runs])
+    assert (slots == paged[0].host_slots[: paged[0].length]).all()
