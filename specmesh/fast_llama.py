@@ -328,6 +328,9 @@ class _SdpaAttention:
                     runs = cache.slot_runs(end)  # a stitched table (prefix-cache blocks + its own): read in place
                 self.spans.append((cache, slice(row, row + n), start, end, mask, causal, runs))
             row += n
+        # the stitched sessions' runs: which session each run's output belongs to, for one merge per layer
+        counts = [len(span[6]) for span in self.spans if span[6] is not None]
+        self.run_owner = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts)) if counts else None
         if pool is not None:
             self._index(caches, starts, num_new, attends, padded, row)
 
@@ -372,12 +375,13 @@ class _SdpaAttention:
             keys, values = self.pool.keys[layer], self.pool.values[layer]  # [kv_heads, slots, head_dim]
             keys.index_copy_(1, self.write_slots, k)
             values.index_copy_(1, self.write_slots, v)
-        outs, compute = [], self.compute_dtype
+        outs, compute, stitched = [], self.compute_dtype, []
         for cache, rows, start, end, mask, causal, runs in self.spans:
             if self.pool is None:
                 cache.write(layer, start, k[:, rows], v[:, rows])
             if runs is not None:
-                outs.append(self._attend_runs(cache.pool, layer, q[:, rows], runs))
+                stitched += self._attend_runs(cache.pool, layer, q[:, rows], runs)
+                outs.append(None)  # merged below, with every stitched session's
                 continue
             keys, values = cache.kv(layer, end)  # [kv_heads, end, head_dim]
             q_rows, upcast = q[None, :, rows], compute is not None and rows.stop - rows.start == 1
@@ -388,6 +392,9 @@ class _SdpaAttention:
                 enable_gqa=groups > 1,
             )[0].transpose(0, 1).reshape(rows.stop - rows.start, runner.q_size)  # [n, heads * head_dim]
             outs.append(out.to(q.dtype) if upcast else out)
+        if stitched:
+            merged = iter(self._merge_runs(stitched).to(q.dtype).split(1))  # [1, heads * head_dim] each
+            outs = [next(merged) if out is None else out for out in outs]
         if self.padded is None:
             return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, heads * head_dim]
         layout, key_blocks, unwritten, query_rows, out_rows, mask, padded_rows = self.padded
@@ -402,27 +409,33 @@ class _SdpaAttention:
             out[rows] = part
         return out
 
-    def _attend_runs(self, pool: KVPool, layer: int, q: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """One decode row q [heads, 1, head_dim] over a stitched table's keys, read in place run by run (slots
-        [a, b) of the pool: views, where a gather would copy the whole context every layer of every step) ->
-        [1, heads * head_dim]. Each run's SDPA also returns its log-sum-exp; the runs' outputs are merged by their
-        softmax mass, as flash-decoding merges its key splits. The query heads of a key head are its rows (GQA
-        without repeating keys)."""
+    def _attend_runs(self, pool: KVPool, layer: int, q: torch.Tensor, runs: list[tuple[int, int]]):
+        """One decode row q [heads, 1, head_dim] over a stitched table, read in place run by run (slots [a, b) of
+        the pool: views, where a gather would copy the session's whole context every layer of every step):
+        [(out [1, kv_heads, groups, head_dim], log-sum-exp [1, kv_heads, groups] float32)] per run, merged by
+        ``_merge_runs``. The query heads of a key head are its rows (GQA without repeating keys)."""
         runner = self.runner
         heads, _, head_dim = q.shape
-        kv_heads = runner.num_kv_heads
         compute = self.compute_dtype or q.dtype
-        q_rows = q.reshape(1, kv_heads, heads // kv_heads, head_dim).to(compute)  # [1, kv_heads, groups, head_dim]
+        q_rows = q.reshape(1, runner.num_kv_heads, heads // runner.num_kv_heads, head_dim).to(compute)
         keys, values = pool.keys[layer], pool.values[layer]  # [kv_heads, slots, head_dim]
-        parts = [_flash_cpu(q_rows, keys[None, :, a:b].to(compute), values[None, :, a:b].to(compute),
-                            scale=runner.scale) for a, b in runs]
-        if len(parts) == 1:
-            out = parts[0][0]
-        else:
-            lse = torch.stack([p[1] for p in parts])  # [runs, 1, kv_heads, groups] float32
-            weights = (lse - lse.logsumexp(0)).exp().unsqueeze(-1)
-            out = sum(w * o.float() for w, (o, _) in zip(weights, parts, strict=True))
-        return out.reshape(1, heads * head_dim).to(q.dtype)
+        return [_flash_cpu(q_rows, keys[None, :, a:b].to(compute), values[None, :, a:b].to(compute),
+                           scale=runner.scale) for a, b in runs]
+
+    def _merge_runs(self, parts) -> torch.Tensor:
+        """The runs' outputs of every stitched session, each weighted by its share of the session's softmax mass
+        (exp(lse_run - lse_session)), as flash-decoding merges its key splits, all sessions at once: [stitched
+        sessions, heads * head_dim] in float32 (float64 for a float64 model)."""
+        out = torch.cat([o for o, _ in parts])  # [runs, kv_heads, groups, head_dim]
+        lse = torch.cat([lse for _, lse in parts])  # [runs, kv_heads, groups]
+        out, lse = (t.to(torch.promote_types(out.dtype, torch.float32)) for t in (out, lse))  # float64 stays
+        owner, sessions = self.run_owner, int(self.run_owner[-1]) + 1
+        top = lse.new_full((sessions, *lse.shape[1:]), -torch.inf)
+        top.scatter_reduce_(0, owner[:, None, None].expand_as(lse), lse, "amax")
+        weight = (lse - top[owner]).exp_()  # [runs, kv_heads, groups]
+        total = lse.new_zeros(top.shape).index_add_(0, owner, weight)
+        merged = out.new_zeros(sessions, *out.shape[1:]).index_add_(0, owner, out.mul_(weight.unsqueeze(-1)))
+        return merged.div_(total.unsqueeze(-1)).reshape(sessions, -1)
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel: (out, log-sum-exp)
