@@ -4,7 +4,8 @@ Tables grow and shrink a block at a time (a session takes the blocks its rows wr
 back those of a rejected tree branch), so placement keeps tables contiguous where it can: a table grows into
 the block right after its last one when that is free, and a new table starts in the middle of the largest
 free run when a table before that run may still grow into it. A contiguous table lets attention on the CPU
-read the session's keys as a view; a table stitched from several runs works everywhere, through a gather.
+read the session's keys as a view; a table stitched from several runs works everywhere (decode rows read its runs
+in place on the CPU, other rows through a gather).
 
 **Prefix cache.** A full block of a session's committed tokens may be ``register``ed under a chained key (its
 tokens and the key of the block before it, so a key stands for the whole prefix up to the block's end); a new

@@ -292,10 +292,11 @@ class _SdpaAttention:
     """PyTorch SDPA. Sessions in one paged pool write their new keys/values with one scatter per layer; of those,
     the ones with short contexts and few new rows attend in one padded SDPA call (``padded_attention``), the
     rest in one call per session over their own span under a dense [n, end] mask (a view of the pool when
-    their blocks are contiguous). Index tensors are built once per forward, on the host, and copied once."""
+    their blocks are contiguous; a decode row over a stitched table on the CPU: one call per run of its blocks,
+    on views, merged by log-sum-exp). Index tensors are built once per forward, on the host, and copied once."""
 
     def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
-        # spans: (cache, packed rows, start, end, mask, causal)
+        # spans: (cache, packed rows, start, end, mask, causal, slot runs of a stitched decode row or None)
         self.runner, self.spans, self.padded = runner, [], None
         # a decode row in half precision on a CPU without native support: its attention in float32
         # (``_UPCAST_DTYPES``; SDPA's one-query path in bfloat16 takes 2x as long as its copy in float32 there)

@@ -9,8 +9,9 @@ A session's table grows as its positions do (``ensure``: the blocks a step's row
 forward) and shrinks back to the blocks holding its positions (``trim``: a rejected tree branch's blocks go
 back after compaction); ``free`` gives back every block (release, or preemption: the session's positions are
 computed again when it resumes). A table is contiguous where the allocator can keep it so (then the PyTorch
-attention path reads the session's keys as a view, without a gather); a table stitched from several runs works
-everywhere, through a gather. Compaction after a tree step moves only the accepted tree rows; the prefix is
+attention path reads the session's keys as a view, without a gather); a table stitched from several runs (a
+prefix-cache hit: the cached blocks, then the session's own) works everywhere: its decode rows read it run by run
+in place on the CPU (``slot_runs``), other rows through a gather. Compaction after a tree step moves only the accepted tree rows; the prefix is
 never copied.
 
 ``specmesh.blocks.BlockAllocator`` is the bookkeeping (no torch); ``KVPool`` adds the tensors and
