@@ -325,7 +325,7 @@ class _SdpaAttention:
                     causal = True           # the diagonal: half the work of a dense mask, and no mask to build)
                 elif n > 1:
                     mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
-                elif getattr(cache, "base", 0) is None and runner.device.type == "cpu":
+                elif isinstance(cache, PagedKVCache) and cache.base is None and runner.device.type == "cpu":
                     runs = cache.slot_runs(end)  # a stitched table (prefix-cache blocks + its own): read in place
                 self.spans.append((cache, slice(row, row + n), start, end, mask, causal, runs))
             row += n

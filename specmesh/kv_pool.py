@@ -11,8 +11,8 @@ back after compaction); ``free`` gives back every block (release, or preemption:
 computed again when it resumes). A table is contiguous where the allocator can keep it so (then the PyTorch
 attention path reads the session's keys as a view, without a gather); a table stitched from several runs (a
 prefix-cache hit: the cached blocks, then the session's own) works everywhere: its decode rows read it run by run
-in place on the CPU (``slot_runs``), other rows through a gather. Compaction after a tree step moves only the accepted tree rows; the prefix is
-never copied.
+in place on the CPU (``slot_runs``), other rows through a gather. Compaction after a tree step moves only the
+accepted tree rows; the prefix is never copied.
 
 ``specmesh.blocks.BlockAllocator`` is the bookkeeping (no torch); ``KVPool`` adds the tensors and
 ``PagedKVCache`` is one session's view of them, with the cache interface of
