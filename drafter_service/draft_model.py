@@ -206,10 +206,16 @@ class DraftModelProposer(Proposer):
     name: str = "draft_model"
     grammar_tokenizer: GrammarTokenizer | None = None  # structured output: drafts follow the request's grammar
     kv: DraftKV | None = None  # the sessions' draft caches; None: the runner's shared pool (draft_kv)
+    # a CUDA draft model's own stream (None elsewhere): its forwards and its one copy per proposal neither wait
+    # for the target's step queued on the same GPU nor hold up that step's copy (PEARL overlap on one device)
+    stream: torch.cuda.Stream | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kv is None:
             self.kv = draft_kv(self.runner)
+        device = getattr(self.runner, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
 
     def _cache(self, state: DraftSessionState) -> DraftCache:
         """The session's draft cache (an empty one on first use)."""
@@ -226,6 +232,10 @@ class DraftModelProposer(Proposer):
         return synced_grammar(state, self.grammar_tokenizer, f"{self.name}.grammar")
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
+        with torch.cuda.stream(self.stream):  # (None: no-op)
+            return self._propose(state, budget)
+
+    def _propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         if budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions:
             return TokenTree.empty()
         dc = self._cache(state)
@@ -241,6 +251,10 @@ class DraftModelProposer(Proposer):
         """Chains or dynamic trees for many sessions with one draft forward per level for all of them
         (``forward_batch``: the catch-up tokens of every session in the first, one row per still-drafting chain or
         one per expanded node after), the same as ``propose`` one by one."""
+        with torch.cuda.stream(self.stream):
+            return self._propose_batch(states, budgets)
+
+    def _propose_batch(self, states: Sequence[DraftSessionState], budgets: Sequence[Budget]) -> list[TokenTree]:
         out = [TokenTree.empty()] * len(states)
         live = [i for i, (state, budget) in enumerate(zip(states, budgets, strict=True))
                 if not (budget.is_zero or len(state.tokens) + budget.max_depth > self.runner.info.max_positions)]
@@ -377,7 +391,9 @@ class DraftModelProposer(Proposer):
             dc = self._cache(state)
             with self.kv.hold([dc], [len(state.tokens) - 1]) as ok:
                 if ok[0]:  # else the first proposal reads the prompt (or drafts nothing if the pool cannot)
-                    self.runner.forward(dc.cache, state.tokens[:-1], range(len(state.tokens) - 1), last_only=True)
+                    with torch.cuda.stream(self.stream):
+                        self.runner.forward(dc.cache, state.tokens[:-1], range(len(state.tokens) - 1),
+                                            last_only=True)
                     dc.cached = list(state.tokens[:-1])
 
     def release(self, state: DraftSessionState) -> None:

@@ -124,7 +124,8 @@ class CostModel:
 def fit_costs(steps: Sequence[StepStats], draft_cost_ratio: float = 0.1) -> CostModel:
     """Least-squares verify = a + b*num_proposed (robust variant when plain steps exist); median draft
     seconds per level of the trees drafted, whether the verifier waited for them or they were drafted
-    ahead; median step overhead (step - verify - wait, clamped >= 0).
+    ahead (a pre-draft cut before its first level, having run as long as the verification: its seconds);
+    median step overhead (step - verify - wait, clamped >= 0).
     Missing data falls back to priors: a = 1 unit, b = a * NODE_COST_FRACTION, a draft level =
     ``draft_cost_ratio`` * a, no overhead."""
     points = [(s.num_proposed, s.verify_seconds) for s in steps if s.verify_seconds > 0]
@@ -147,6 +148,11 @@ def fit_costs(steps: Sequence[StepStats], draft_cost_ratio: float = 0.1) -> Cost
     levels = [s.draft_seconds / s.tree_depth for s in steps if s.tree_depth > 0 and not s.predrafted]
     # drafts made ahead count too: with restarts at depth 0 they are the only drafting there is
     levels += [s.predraft_seconds / s.predraft_levels for s in steps if s.predraft_levels > 0]
+    # and so do those the verification's end cut before their first level, having run at least as long as it:
+    # a level costs at least what they ran (without them a drafter slower than the verifier, whose every
+    # pre-draft is cut so, would never be measured, and the prior would keep it drafting ahead for nothing)
+    levels += [s.predraft_seconds for s in steps
+               if s.predraft_levels == 0 and s.predraft_seconds >= s.verify_seconds > 0]
     overheads = [max(0.0, s.step_seconds - s.verify_seconds - s.wait_seconds) for s in steps if s.step_seconds > 0]
     return CostModel(a, b, median(levels) if levels else draft_cost_ratio * a, median(overheads) if overheads else 0.0)
 

@@ -107,6 +107,8 @@ class PoolGraphs:
         self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph | None] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # steps served by this pool's graphs (tests, stats)
+        self.eager = 0  # steps that fit no bucket (a long prompt chunk, a tree past the ladders) and ran eager
+        self.captures, self.capture_seconds = 0, 0.0  # buckets captured (warm-up run included) and their time
 
     # ------------------------------------------------------------ the step
     def key(self, meta: KernelMetadata, num_new: Sequence[int]) -> tuple[int, int, int, int] | None:
@@ -153,6 +155,7 @@ class PoolGraphs:
             return None
         key = self.key(meta, num_new)
         if key is None:
+            self.eager += 1
             return None
         if key not in self.graphs and not self._capture(key):
             return None
@@ -222,7 +225,7 @@ class PoolGraphs:
         empty, so the warm-up run changes nothing the pool's sessions read."""
         self.slots.fill_(self.pool.scratch_slot)
         self.small.zero_()
-        graph = None
+        graph, start = None, time.perf_counter()
         if self.capture:
             device = self.pool.device
             stream = torch.cuda.Stream(device)
@@ -235,6 +238,8 @@ class PoolGraphs:
                 self._body(key)
             log.debug("captured a CUDA graph: %d rows, %d sessions, %d rows per session, %d key shares", *key)
         self.graphs[key] = graph
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
         return graph
 
     # ------------------------------------------------------------ the start-up check

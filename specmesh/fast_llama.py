@@ -988,6 +988,13 @@ class FastLlamaRunner(ModelRunner):
         """Steps served by CUDA graphs (or their static-buffer path off CUDA) so far, over every pool."""
         return sum(graphs.replays for graphs in self._pool_graphs.values())
 
+    def graph_stats(self) -> dict[str, float]:
+        """Over every pool so far: ``replays`` (steps served by a graph), ``eager`` (steps that fit no bucket),
+        ``captures`` (buckets captured, the start-up ones included) and ``capture_seconds`` (their time)."""
+        pools = list(self._pool_graphs.values())
+        return {name: sum(getattr(graphs, name) for graphs in pools)
+                for name in ("replays", "eager", "captures", "capture_seconds")}
+
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention, logit_rows=None, hidden_rows=None):
         """The stack over packed rows ids/pos [T] with ``attention`` (its caches already hold the step's blocks):
         (logits of ``logit_rows`` [R, vocab] float32, final-norm features of ``hidden_rows`` or None). Pure device

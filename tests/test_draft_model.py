@@ -253,3 +253,37 @@ def batched_equals_alone(runner, sampled: bool, tree: bool, min_confidence: floa
             keep = drafted.tokens[: rng.randint(0, drafted.num_nodes)].tolist() + [rng.randrange(100)]
             a.tokens += keep
             b.tokens += keep
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batched", [False, True], ids=["one", "batched"])
+def test_a_cuda_draft_model_drafts_on_its_own_stream(monkeypatch, batched):
+    """Every forward of a CUDA draft model runs on the proposer's own stream, not the one the target's steps are
+    queued on, and drafts what the same proposer drafts on the default stream."""
+    from spec_helpers import tiny_llama
+
+    from specmesh.fast_llama import FastLlamaRunner
+
+    runner = FastLlamaRunner(tiny_llama(seed=3).float().cuda())
+    prop = DraftModelProposer(runner)
+    assert prop.stream is not None and prop.stream != torch.cuda.default_stream()
+    seen = []
+    forward_batch = runner.forward_batch
+
+    def spy(*args, **kwargs):
+        seen.append(torch.cuda.current_stream())
+        return forward_batch(*args, **kwargs)
+
+    def draft(proposer):
+        states = [_state(p) for p in PROMPTS[:3]]
+        if batched:
+            return [t.tokens.tolist() for t in proposer.propose_batch(states, [Budget(4, 4)] * len(states))]
+        return [proposer.propose(state, Budget(4, 4)).tokens.tolist() for state in states]
+
+    monkeypatch.setattr(runner, "forward_batch", spy)
+    got = draft(prop)
+    assert seen and all(stream == prop.stream for stream in seen)
+    default = DraftModelProposer(runner, kv=prop.kv)
+    default.stream = None  # the same drafting on the default stream
+    torch.cuda.synchronize()
+    assert draft(default) == got

@@ -458,3 +458,21 @@ def test_drafting_on_the_verifier_cores_counts_under_load():
     together = LoadAwarePolicy(StaticPolicy(3, 3), costs, drafting_shares_cores=True).next_budget(
         RequestStats(steps=steps), 100)
     assert apart.max_depth > 0 and together.max_depth == 0
+
+
+def test_a_drafter_slower_than_the_verifier_stops_drafting_ahead():
+    """A pre-draft that the verification's end cuts before its first level (the draft model's forward outlasts the
+    target's, as on a GPU where both are host-bound) drafts nothing, yet costs the step a wait for that level:
+    its seconds measure a level, and the policy stops drafting ahead; before any such step, the prior's cheap
+    drafting keeps it drafting ahead."""
+    policy = AdaptivePolicy(max_nodes=4, max_depth=4, probe_every=0)
+    plain = [_step(0, 0, verify=0.001, draft=0.0, budget=(4, 4)) for _ in range(8)]
+    assert not policy.next_budget(_stats(plain), 100, "predraft").is_zero  # prior: a level is 0.1 verification
+    cut = [_step(0, 0, verify=0.001, draft=0.0, budget=(4, 4), predraft_seconds=0.0015, predraft_levels=0)
+           for _ in range(8)]
+    assert fit_costs(cut).draft_per_level == pytest.approx(0.0015)
+    assert policy.next_budget(_stats(cut), 100, "predraft").is_zero
+    # a pre-draft that ended before the verification did (nothing to draft) says nothing about a level's cost
+    idle = [_step(0, 0, verify=0.001, draft=0.0, budget=(4, 4), predraft_seconds=0.0002, predraft_levels=0)
+            for _ in range(8)]
+    assert fit_costs(idle).draft_per_level == fit_costs(plain).draft_per_level

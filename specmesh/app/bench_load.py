@@ -188,6 +188,41 @@ def summarize(records: list[dict], wall: float) -> dict:
     }
 
 
+def core_counters(core, runners: dict[str, object]) -> dict[str, float]:
+    """The running totals ``core_figures`` takes differences of: the verifier loop's steps, Verify calls and step
+    seconds, the prefix cache's hit tokens, and the graph counters of each of ``runners`` (prefix -> the target's
+    or the draft model's runner, or None) that replays CUDA graphs."""
+    stats = core.stats
+    counters = {"steps": stats.steps, "verified": stats.verified, "step_seconds": stats.step_seconds.sum,
+                "hits": core.verifier.allocator.hits}
+    for prefix, runner in runners.items():
+        graph_stats = getattr(runner, "graph_stats", None)
+        if graph_stats is not None and getattr(runner, "cuda_graphs", "off") != "off":
+            counters.update({f"{prefix}_{k}": v for k, v in graph_stats().items()})
+    return counters
+
+
+def core_figures(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """A level's figures from the counters before and after it: ``mean_batch`` (Verify calls per forward),
+    ``prefix_cache_hit_tokens`` (the prompts repeat across levels and methods: later ones find them cached),
+    ``verifier_step_ms`` (a step's forward, acceptance and host copy, mean), ``host_ms_per_step`` (the rest of
+    the wall time per step: drafting, packing, commit, streaming, and any wait between steps), and with CUDA
+    graphs ``graph_replays``, ``graph_eager`` (steps that fit no bucket), ``graph_captures`` and
+    ``graph_capture_s`` (buckets captured during the level, each a warm-up run and a capture, in its wall time)."""
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    steps = delta["steps"]
+    figures = {"mean_batch": delta["verified"] / steps if steps else None,
+               "prefix_cache_hit_tokens": delta["hits"],
+               "verifier_step_ms": 1e3 * delta["step_seconds"] / steps if steps else None,
+               "host_ms_per_step": 1e3 * (wall - delta["step_seconds"]) / steps if steps else None}
+    for prefix in ("graph", "draft_graph"):  # the target's, the draft model's
+        if f"{prefix}_replays" in delta:
+            figures.update({f"{prefix}_replays": delta[f"{prefix}_replays"], f"{prefix}_eager": delta[f"{prefix}_eager"],
+                            f"{prefix}_captures": delta[f"{prefix}_captures"],
+                            f"{prefix}_capture_s": delta[f"{prefix}_capture_seconds"]})
+    return figures
+
+
 @contextlib.contextmanager
 def profiled(directory: Path | None, name: str):
     """With a directory: run the block under torch.profiler (every thread's operators, and the CUDA kernels on
@@ -229,16 +264,14 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
     for spec in methods:
         def level(n: int, level_prompts, sampling: SamplingParams, bar=None, spec=spec):
             """One level from a fresh drafter (learning proposers start from scratch: the prompts repeat);
-            (records, wall seconds, mean Verify calls per forward and prompt tokens found in the prefix cache:
-            None through gRPC)."""
+            (records, wall seconds, the in-process verifier's figures: ``core_figures``, {} through gRPC)."""
             if spec.is_grpc:
-                return (*run_level(grpc_streamer(client, spec)[0], level_prompts, sampling, n, bar), None, None)
+                return (*run_level(grpc_streamer(client, spec)[0], level_prompts, sampling, n, bar), {})
             engine = embedded_engine(stack, spec)
-            allocator = engine.core.verifier.allocator
-            steps, verified, hits = engine.core.stats.steps, engine.core.stats.verified, allocator.hits
+            runners = {"graph": stack.target_runner, "draft_graph": getattr(stack, "draft_runner", None)}
+            before = core_counters(engine.core, runners)
             records, wall = run_level_on_core(engine, spec, level_prompts, sampling, n, bar)
-            steps, verified = engine.core.stats.steps - steps, engine.core.stats.verified - verified
-            return records, wall, verified / steps if steps else None, allocator.hits - hits
+            return records, wall, core_figures(before, core_counters(engine.core, runners), wall)
 
         warm = dataclasses.replace(base, max_new_tokens=min(16, prompts[0][2]))
         level(1, prompts[:1], warm)  # warm-up: the first forwards allocate, page in
@@ -249,12 +282,9 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
             kv_before = (kv.evictions, kv.starved) if kv is not None else None
             with (tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar,
                   profiled(getattr(args, "profile", None), f"{spec.label}_x{n}")):
-                records, wall, mean_batch, hits = level(n, prompts, base, bar)
-            row = {"method": spec.label, "concurrency": n, "lossy": spec.lossy, **summarize(records, wall)}
-            if mean_batch is not None:
-                row["mean_batch"] = mean_batch
-            if hits is not None:  # the prompts repeat across levels and methods: later ones find them cached
-                row["prefix_cache_hit_tokens"] = hits
+                records, wall, figures = level(n, prompts, base, bar)
+            row = {"method": spec.label, "concurrency": n, "lossy": spec.lossy, **summarize(records, wall),
+                   **figures}
             if kv is not None:
                 row["draft_kv_evictions"] = kv.evictions - kv_before[0]
                 row["draft_kv_starved"] = kv.starved - kv_before[1]
@@ -304,14 +334,20 @@ def load_table(report: dict) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
 
     lines = ["| method | concurrency | tokens/s | × ar | × lowest N | ITL p50 ms | ITL p99 ms | TTFT p50 ms | τ | "
-             "nodes/step | mean batch | greedy = ar |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "nodes/step | mean batch | step ms: verifier / rest | greedy = ar |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lines.append(f"| {r['method']}{' (LOSSY)' if r.get('lossy') else ''} | {r['concurrency']} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup_vs_ar'])} | "
                      f"{fmt(r['scaling_vs_lowest'])} | {fmt(r['itl_p50_ms'], 1)} | {fmt(r['itl_p99_ms'], 1)} | "
                      f"{fmt(r['ttft_p50_ms'], 0)} | {fmt(r['tau'])} | {fmt(r.get('nodes_per_step'), 1)} | "
-                     f"{fmt(r.get('mean_batch'))} | "
+                     f"{fmt(r.get('mean_batch'))} | {fmt(r.get('verifier_step_ms'))} / {fmt(r.get('host_ms_per_step'))} | "
                      f"{fmt(r.get('greedy_match_ar'))} |")
+    for prefix, whose in (("graph", "target"), ("draft_graph", "draft model")):
+        graphed = [r for r in report["rows"] if f"{prefix}_replays" in r and r[f"{prefix}_replays"] + r[f"{prefix}_eager"]]
+        if graphed:
+            lines += ["", f"CUDA graphs of the {whose} (forwards replayed / eager / buckets captured, their seconds): "
+                      + "; ".join(f"{r['method']} x{r['concurrency']} {r[prefix + '_replays']} / {r[prefix + '_eager']} / "
+                                  f"{r[prefix + '_captures']}, {r[prefix + '_capture_s']:.2f} s" for r in graphed)]
     gaps = [(r["method"], r["concurrency"], g) for r in report["rows"] for g in r.get("divergence_gaps", ())]
     if gaps:
         lines += ["", f"greedy outputs that differ from ar's: {len(gaps)}; top-2 logit gap of the target at the first "
