@@ -79,14 +79,14 @@ PY
 build=$!
 
 if [ "$SMALL" = 1 ]; then lim=4; new=16; conc="1 4"; t=(300 60 120 120 120 120 120 120 120); kernel=(--smoke)
-else lim=16; new=128; conc="1 16"; t=(100 80 90 90 80 60 60 60 60); kernel=(); fi
+else lim=16; new=128; conc="1 16"; t=(100 80 90 110 80 60 60 60 60); kernel=(); fi
 has tests && step tests "${t[0]}" $PY -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_graphs.py tests/test_draft_model.py \
   tests/test_host_transfers.py tests/test_batched_verification.py}
 has kernel && step kernel "${t[1]}" $PY benchmarks/tree_attention.py "${kernel[@]}" --json "$LOGS/tree_attention.json"
 has engine_single && engine engine_single "${t[2]}" --prompts "$prompts" --limit $((lim / 4)) --max-new-tokens "$new" \
   --methods ar fused prompt_lookup_tree draft_model hf_ar
 has engine_load && engine engine_load "${t[3]}" --prompts "$prompts" --limit "$lim" --max-new-tokens "$new" \
-  --methods ar fused draft_model --concurrency $conc
+  --methods ar fused prompt_lookup_tree draft_model --concurrency $conc
 wait "$build"; tail -n 3 "$LOGS/model1b_build.log"
 has model1b_load && engine model1b_load "${t[4]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
   --target "$m" --methods ar prompt_lookup_tree --concurrency $conc
