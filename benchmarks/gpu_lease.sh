@@ -7,17 +7,18 @@
 #   bash benchmarks/gpu_lease.sh            # logs and JSON packed into $OUT/gpu.tgz after every step
 #   GPU_LEASE_DEVICE=cpu GPU_LEASE_SMALL=1 bash benchmarks/gpu_lease.sh   # a dry run of the script on a CPU
 #
-# Steps ($GPU_LEASE_STEPS, default `tests kernel engine_load model1b_load model1b_nocompile engine_profile`, about 8 minutes):
-# `tests` (the CUDA graphs', the draft model's, the one-read-per-step and the batched verification's tests, CUDA runs instead of
-# skips; $GPU_LEASE_TESTS for other files: the kernel's and the fast runner's took 4 more minutes on an H100 and
-# passed there at 6541c88, benchmarks/results/gpu_h100_3.md), `kernel` (benchmarks/tree_attention.py, split-KV
-# beside the whole-key launch, each also replayed from a CUDA graph), `engine_single` (greedy equality with plain
-# decoding and tokens/s on the demo pair), `engine_load` (1 and 16 concurrent requests, draft_model among them; the
-# JSON has each row's verifier and host milliseconds per step and its CUDA-graph counts), `model1b_load` (a
-# Llama-3.2-1B-shaped target with random weights, built on the device while the tests run; the defaults: --compile
-# and --cuda-graphs on for CUDA), `model1b_nocompile` (graphs of the eager layers: what compiling adds to graphs),
-# `engine_profile` (ar, fused and draft_model, one request, under torch.profiler: operators by host and by device
-# time), `model1b_nographs` (--cuda-graphs off: what the graphs give) and `model1b_eager` (--compile off too).
+# Steps ($GPU_LEASE_STEPS; default `tests kernel engine_load model1b_load model1b_nocompile engine_profile`, about
+# 8 minutes): `tests` (the CUDA graphs', the draft model's, the one-read-per-step and the batched verification's
+# tests, CUDA runs instead of skips; $GPU_LEASE_TESTS for other files: the kernel's and the fast runner's took 4
+# more minutes on an H100 and passed there at 6541c88, benchmarks/results/gpu_h100_3.md), `kernel`
+# (benchmarks/tree_attention.py, split-KV beside the whole-key launch, each also replayed from a CUDA graph),
+# `engine_single` (greedy equality with plain decoding and tokens/s on the demo pair), `engine_load` (1 and 16
+# concurrent requests: fused, prompt_lookup_tree, draft_model; the JSON has each row's verifier and host
+# milliseconds per step and its CUDA-graph counts), `model1b_load` (a Llama-3.2-1B-shaped target with random
+# weights, built on the device while the tests run; the defaults: --compile and --cuda-graphs on for CUDA),
+# `model1b_nocompile` (graphs of the eager layers: what compiling adds to graphs), `engine_profile` (ar, fused and
+# draft_model, one request, under torch.profiler: operators by host and by device time), `model1b_nographs`
+# (--cuda-graphs off: what the graphs give) and `model1b_eager` (--compile off too).
 # An engine step that fails within a minute is run again with `--attention sdpa`, so that a kernel failure
 # does not hide the engine's other results.
 set -uo pipefail

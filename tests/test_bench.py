@@ -334,6 +334,13 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
     for row in load["rows"]:
         assert row["greedy_match_ar"] == 1.0 and row["requests"] == num_prompts
         assert row["tokens_per_s"] > 0 and row["itl_p50_ms"] > 0 and row["tau"] >= 1
+        # a step split into the verifier's part and the rest: together the level's wall time
+        steps = row["verifier_steps"]
+        assert steps * row["mean_batch"] >= (row["tokens"] - row["requests"]) / row["tau"]  # every request's steps
+        assert 0 < row["verifier_step_ms"] and 0 <= row["host_ms_per_step"]
+        total = (row["verifier_step_ms"] + row["host_ms_per_step"]) * steps
+        assert total == pytest.approx(1e3 * row["wall_s"], rel=1e-9)
+        assert not any(key.startswith("graph_") for key in row)  # CPU, no graphs: no graph counts
     assert max(r["mean_batch"] for r in load["rows"] if r["concurrency"] == 3) > 1.2
     assert "× ar" in capsys.readouterr().out
 

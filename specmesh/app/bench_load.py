@@ -203,7 +203,8 @@ def core_counters(core, runners: dict[str, object]) -> dict[str, float]:
 
 
 def core_figures(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
-    """A level's figures from the counters before and after it: ``mean_batch`` (Verify calls per forward),
+    """A level's figures from the counters before and after it: ``verifier_steps`` (batched forwards, prefill
+    chunks' included), ``mean_batch`` (Verify calls per forward),
     ``prefix_cache_hit_tokens`` (the prompts repeat across levels and methods: later ones find them cached),
     ``verifier_step_ms`` (a step's forward, acceptance and host copy, mean), ``host_ms_per_step`` (the rest of
     the wall time per step: drafting, packing, commit, streaming, and any wait between steps), and with CUDA
@@ -211,7 +212,7 @@ def core_figures(before: dict[str, float], after: dict[str, float], wall: float)
     ``graph_capture_s`` (buckets captured during the level, each a warm-up run and a capture, in its wall time)."""
     delta = {k: after[k] - before.get(k, 0) for k in after}
     steps = delta["steps"]
-    figures = {"mean_batch": delta["verified"] / steps if steps else None,
+    figures = {"verifier_steps": steps, "mean_batch": delta["verified"] / steps if steps else None,
                "prefix_cache_hit_tokens": delta["hits"],
                "verifier_step_ms": 1e3 * delta["step_seconds"] / steps if steps else None,
                "host_ms_per_step": 1e3 * (wall - delta["step_seconds"]) / steps if steps else None}
