@@ -341,6 +341,8 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
         total = (row["verifier_step_ms"] + row["host_ms_per_step"]) * steps
         assert total == pytest.approx(1e3 * row["wall_s"], rel=1e-9)
         assert not any(key.startswith("graph_") for key in row)  # CPU, no graphs: no graph counts
+        drafts = row["method"] != "ar"
+        assert (row["draft_ms_per_step"] > 0) == drafts and row["draft_ms_per_step"] >= 0
     assert max(r["mean_batch"] for r in load["rows"] if r["concurrency"] == 3) > 1.2
     assert "× ar" in capsys.readouterr().out
 

@@ -61,13 +61,14 @@ def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[s
     class Output:  # orchestrator.core.RequestOutput
         def __init__(self, index: int, pid: str) -> None:
             self.index, self.pid, self.start = index, pid, time.perf_counter()
-            self.tokens, self.stamps, self.steps, self.nodes = [], [], 0, 0
+            self.tokens, self.stamps, self.steps, self.nodes, self.drafting = [], [], 0, 0, 0.0
 
         def event(self, event) -> None:
             self.stamps.append((time.perf_counter(), len(event.tokens)))
             self.tokens += event.tokens
             if event.step is not None:
                 self.steps, self.nodes = self.steps + 1, self.nodes + event.step.num_proposed
+                self.drafting += event.step.drafter_busy_seconds
 
         def finish(self, result, error) -> None:
             stamps = self.stamps
@@ -77,7 +78,7 @@ def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[s
                 if error is not None:
                     errors.append(error)
                 records.append({"id": self.pid, "index": self.index, "tokens": self.tokens, "steps": self.steps,
-                                "nodes": self.nodes, "gaps": gaps,
+                                "nodes": self.nodes, "drafting_s": self.drafting, "gaps": gaps,
                                 "ttft": stamps[0][0] - self.start if stamps else None, "start": self.start,
                                 "end": stamps[-1][0] if stamps else self.start})
             if progress is not None:
@@ -185,6 +186,10 @@ def summarize(records: list[dict], wall: float) -> dict:
         "itl_p99_ms": float(np.percentile(gaps, 99)) if gaps.size else None,
         "ttft_p50_ms": float(np.percentile(ttft, 50)) if ttft.size else None, "tau": tau,
         "nodes_per_step": sum(r["nodes"] for r in records) / steps if steps else None,  # tree size sent
+        # the drafter's busy time per step of a request (the tree it waited for or took ready, and what it drafted
+        # ahead during the verification); through gRPC only the steps' counts are known
+        **({"draft_ms_per_step": 1e3 * sum(r["drafting_s"] for r in records) / steps if steps else None}
+           if all("drafting_s" in r for r in records) else {}),
     }
 
 
@@ -335,13 +340,14 @@ def load_table(report: dict) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
 
     lines = ["| method | concurrency | tokens/s | × ar | × lowest N | ITL p50 ms | ITL p99 ms | TTFT p50 ms | τ | "
-             "nodes/step | mean batch | step ms: verifier / rest | greedy = ar |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "nodes/step | mean batch | step ms: verifier / rest | drafter ms/step | greedy = ar |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lines.append(f"| {r['method']}{' (LOSSY)' if r.get('lossy') else ''} | {r['concurrency']} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup_vs_ar'])} | "
                      f"{fmt(r['scaling_vs_lowest'])} | {fmt(r['itl_p50_ms'], 1)} | {fmt(r['itl_p99_ms'], 1)} | "
                      f"{fmt(r['ttft_p50_ms'], 0)} | {fmt(r['tau'])} | {fmt(r.get('nodes_per_step'), 1)} | "
                      f"{fmt(r.get('mean_batch'))} | {fmt(r.get('verifier_step_ms'))} / {fmt(r.get('host_ms_per_step'))} | "
+                     f"{fmt(r.get('draft_ms_per_step'))} | "
                      f"{fmt(r.get('greedy_match_ar'))} |")
     for prefix, whose in (("graph", "target"), ("draft_graph", "draft model")):
         graphed = [r for r in report["rows"] if f"{prefix}_replays" in r and r[f"{prefix}_replays"] + r[f"{prefix}_eager"]]
