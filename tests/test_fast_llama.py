@@ -278,6 +278,50 @@ def test_products_turn_to_float32_from_the_rows_where_it_is_faster(monkeypatch, 
     assert calls == {torch.float32: [], torch.bfloat16: [4, 9], torch.float16: [2, 3, 4, 9]}[dtype]
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+def test_bf16_products_on_packed_weights_equal_torchs(monkeypatch) -> None:
+    """Where the CPU multiplies bf16 natively (forced here: ``_packs_products``) a bf16 runner packs its weights
+    for oneDNN once and its products below the float32 rows run on them (not under --compile frozen, never in
+    float32): the same logits as torch's kernel, one session or several; weights that would take more than
+    PACKED_MAX_MEMORY_SHARE of the memory stay unpacked."""
+    from spec_helpers import tiny_llama
+
+    monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 6})  # past it: float32 (not packed)
+    monkeypatch.setattr(fast_llama, "_packs_products", lambda device, dtype: False)
+    plain = FastLlamaRunner(tiny_llama(seed=5).to(torch.bfloat16))
+    monkeypatch.setattr(fast_llama, "_packs_products", lambda device, dtype: dtype == torch.bfloat16)
+    packed = FastLlamaRunner(tiny_llama(seed=5).to(torch.bfloat16))
+    assert packed.packed and not plain.packed
+    assert all(hasattr(w, fast_llama._PACKED) for layer in packed.layers for w in (layer[1], layer[3], layer[6], layer[7]))
+    assert not FastLlamaRunner(tiny_llama(seed=5).float()).packed
+    calls, pointwise = [], torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        calls.append(x.shape[0])
+        return pointwise(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    for rows in (1, 3, 9):
+        got, want = [], []
+        for runner, out in ((packed, got), (plain, want)):
+            caches = [runner.new_cache() for _ in prompts]
+            for cache, prompt in zip(caches, prompts, strict=True):
+                runner.forward(cache, prompt, range(len(prompt)))
+            ids = [list(range(10, 10 + rows)), list(range(20, 20 + rows))]
+            starts = [len(p) for p in prompts]
+            out.append(runner.forward(caches[0], ids[0], range(starts[0], starts[0] + rows)))
+            out.append(runner.forward_batch(caches, ids[0] + ids[1], [*range(starts[0] + rows, starts[0] + 2 * rows),
+                                                                       *range(starts[1], starts[1] + rows)],
+                                            [rows, rows], [None, None]))
+        for g, w in zip(got, want, strict=True):
+            assert fast_llama.relative_error(g, w) <= 1e-2 and bool((g.argmax(-1) == w.argmax(-1)).all())
+    assert calls and max(calls) < 6 and 1 in calls and 3 in calls  # 2 x 9 rows: float32, as before
+    small = [torch.zeros(64, 32, dtype=torch.bfloat16).t()]
+    assert not fast_llama.pack_weights(small, memory_bytes=64 * 32 * 2 * 7)
+    assert not hasattr(small[0], fast_llama._PACKED)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "out", "bias"), [(2, 300, False), (17, 1000, True), (5, 7, True)])
 def test_half_precision_products_through_float32_equal_the_half_kernel(monkeypatch, dtype, rows, out, bias) -> None:
