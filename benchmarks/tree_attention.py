@@ -171,12 +171,11 @@ def run_point(batch: int, prefix: int, nodes: int, args, rng: random.Random, dev
         errors.append(float(err.max()))
     row = {"batch": batch, "prefix": prefix, "nodes": nodes, "kv_bytes": point["kv_bytes"],
            "max_abs_err": max(errors), "kv_splits": splits}
-    timed = [("kernel", kernel), ("sdpa_loop", sdpa_loop), ("sdpa_batched", sdpa_batched)]
-    for name, fn in timed + ([("kernel_split", kernel_split)] if splits > 1 else []):
+    split = [("kernel_split", kernel_split)] if splits > 1 else []  # K = 1: the kernel's launch again
+    for name, fn in [("kernel", kernel), ("sdpa_loop", sdpa_loop), ("sdpa_batched", sdpa_batched), *split]:
         row[f"{name}_ms"] = time_ms(fn, device, args)
-    row.setdefault("kernel_split_ms", row["kernel_ms"])  # K = 1: the same launch
-    for name, fn in (("kernel", kernel), ("sdpa_batched", sdpa_batched)) + ((("kernel_split", kernel_split),)
-                                                                             if splits > 1 else ()):
+    row.setdefault("kernel_split_ms", row["kernel_ms"])
+    for name, fn in [("kernel", kernel), ("sdpa_batched", sdpa_batched), *split]:
         row[f"{name}_graph_ms"] = graph_ms(fn, device, args)
     row.setdefault("kernel_split_graph_ms", row["kernel_graph_ms"])
     row["bound_ms"] = point["kv_bytes"] / bandwidth * 1e3

@@ -196,11 +196,11 @@ def _share(linears: Sequence[torch.nn.Module], weight_t: torch.Tensor, bias: tor
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ weight_t [in, out] (+ bias): through float32 or the weight's oneDNN-packed copy where those
     are faster (CPU, half precision; not while torch.compile traces)."""
-    rows = 2 if x.dtype in _UPCAST_DTYPES else _NATIVE_UPCAST_ROWS.get(x.dtype, _NEVER)
-    if x.shape[0] >= rows and x.device.type == "cpu" and not torch.compiler.is_compiling():
-        return _linear_upcast(x, weight_t, bias)
-    if _PACKING[0] and (packed := getattr(weight_t, _PACKED, None)) is not None and not torch.compiler.is_compiling():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if x.shape[0] >= (2 if x.dtype in _UPCAST_DTYPES else _NATIVE_UPCAST_ROWS.get(x.dtype, _NEVER)):
+            return _linear_upcast(x, weight_t, bias)
+        if _PACKING[0] and (packed := getattr(weight_t, _PACKED, None)) is not None:  # (CPU weights only)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
 
 
@@ -801,7 +801,8 @@ class FastLlamaRunner(ModelRunner):
         # bf16 products on oneDNN-packed weights where the CPU multiplies bf16 natively (``_PACKED``); not under
         # --compile frozen, whose stack packs its own
         self.packed = mode != "frozen" and _packs_products(self.device, self.dtype) and pack_weights(
-            [w for layer in self.layers for w in (layer[1], layer[3], layer[6], layer[7])] + [self.lm_head])
+            [w for _, qkv_w, _, o_w, _, _, gate_up, down in self.layers for w in (qkv_w, o_w, gate_up, down)]
+            + [self.lm_head])
         self._kernels = self._load_kernels() if self.attention == "triton" else None
         if self._kernels is not None and self.device.type == "cuda":
             t0 = time.perf_counter()
