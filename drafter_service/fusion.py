@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -161,6 +162,10 @@ class FusedProposer(Proposer):
     def feedback_window(self) -> tuple[int, int] | None:
         return next((m.feedback_window for m in self.members if m.feedback_window is not None), None)
 
+    @property
+    def feedback_features(self) -> bool:  # a Falcon member reads the target's features
+        return any(m.feedback_features for m in self.members)
+
     def prepare(self, state: DraftSessionState) -> None:
         state.scratch[self.name] = deque(maxlen=self.max_pending)
         for member in self.members:
@@ -226,10 +231,28 @@ def parse_members(members: str | Sequence[str] | None) -> list[str]:
     return names
 
 
-def fused_proposer(members: str | Sequence[str] | None = None, min_score: float = 0.1, **resources) -> FusedProposer:
+def member_options(names: Sequence[str], given: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each member's own options among ``given``: ``NAME.OPTION`` keys (``falcon.head=DIR``), by member name;
+    ValueError for a key naming no member."""
+    own: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for key, value in given.items():
+        if "." not in key:
+            continue
+        member, _, option = key.partition(".")
+        if member not in own or not option:
+            raise ValueError(f"fused option {key!r} names no member option: MEMBER.OPTION with MEMBER one of "
+                             f"{'+'.join(names)}")
+        own[member][option] = value
+    return own
+
+
+def fused_proposer(members: str | Sequence[str] | None = None, min_score: float = 0.1, **given) -> FusedProposer:
     """``min_score`` 0.1: with 24 nodes, nodes below it cost more verify time than they return
-    (measured with `specmesh bench` on the stdlib pair)."""
+    (measured with `specmesh bench` on the stdlib pair). ``given``: the host's resources, which every member
+    gets, and members' own options as ``NAME.OPTION`` (``fused:members=copy+falcon,falcon.head=DIR``)."""
     names = parse_members(members)
+    own = member_options(names, given)
+    resources = {key: value for key, value in given.items() if "." not in key}
     if resources.get("draft_runner") is None and any(n.startswith("draft_model") for n in names):
         raise ValueError(f"fused members {'+'.join(names)} include a draft model, and there is none (--draft DIR)")
-    return FusedProposer([make_proposer(name, **resources) for name in names], min_score=float(min_score))
+    return FusedProposer([make_proposer(name, **resources, **own[name]) for name in names], min_score=float(min_score))

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from drafter_service.arguments import add_members_argument, add_store_argument
 from drafter_service.draft_kv import DraftKV, add_draft_kv_argument, draft_kv
 from drafter_service.drafter import LocalDrafter
+from drafter_service.fusion import parse_members
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, proposer_names, proposer_spec
 from specmesh import metrics, models, serving, tracing
@@ -394,14 +395,19 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
     missing = [n for n in names if n in needs_draft and draft_dir is None]
     if missing:
         raise SystemExit(f"specmesh drafter: {', '.join(missing)} need a draft model (--draft DIR)")
-    missing = [n for n in names if n in needs_target and target_dir is None]
+    try:
+        members = parse_members(args.members) if "fused" in names else []  # what fused drafts with (needs too)
+    except ValueError as exc:
+        raise SystemExit(f"specmesh drafter: {exc}") from None
+    missing = [n for n in dict.fromkeys([*names, *members]) if n in needs_target and target_dir is None]
     if missing:  # a Falcon head shares the target's embedding and LM head, and reads the verifier's features of it
         raise SystemExit(f"specmesh drafter: {', '.join(missing)} needs the target model it drafts for: --target DIR "
                          "(the checkpoint the verifiers serve; its embedding and LM head are shared)")
-    if args.falcon and "falcon" not in names:
-        raise SystemExit("specmesh drafter: --falcon is for the falcon proposer (--proposers ... falcon)")
+    if args.falcon and "falcon" not in names and "falcon" not in members:
+        raise SystemExit("specmesh drafter: --falcon is for the falcon proposer (--proposers ... falcon, or "
+                         "fused with --members ...+falcon)")
     draft_runner = tables = None
-    shares_target = target_dir is not None and bool(needs_target & set(names))  # load its tables
+    shares_target = target_dir is not None and bool(needs_target & {*names, *members})  # load its tables
     if draft_dir is not None or shares_target:
         models.bound_kernel_caches()  # before the first product: a drafter's shapes would fill them (models.py)
         models.set_threads(args.threads)
@@ -426,11 +432,13 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
             raise SystemExit(f"specmesh drafter: the draft's vocabulary ({vocab}) differs from the target's "
                              f"({target_vocab})")
         vocab = target_vocab
-    if "falcon" in names and not args.falcon:
+    if ("falcon" in names or "falcon" in members) and not args.falcon:
         log.warning("falcon: no --falcon head given: an untrained head drafts (valid trees, rarely accepted)")
     default = args.default_proposer or (DEFAULT_PROPOSER if DEFAULT_PROPOSER in names else names[0])
-    options = {"fused": {"members": args.members} if args.members else {},
-               "falcon": {"head": args.falcon} if args.falcon else {}}
+    falcon = {"head": args.falcon} if args.falcon else {}
+    options = {"fused": {**({"members": args.members} if args.members else {}),  # a falcon member: the same head
+                         **({f"falcon.{k}": v for k, v in falcon.items()} if "falcon" in members else {})},
+               "falcon": falcon}
     try:
         grammar = None
         model_dir = target_dir or draft_dir

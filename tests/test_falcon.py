@@ -289,6 +289,36 @@ def test_falcon_greedy_equals_ar(target, runners, trained_heads, backend, k, bud
     assert accepted > 0  # the trees were (partly) accepted: not vacuous
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
+def test_fused_with_a_falcon_member_greedy_equals_ar(target, runners, trained_heads, overlap):
+    """A trained head as a member of fused (``fused:members=copy+falcon,falcon.head=DIR``): greedy == AR, the
+    head's nodes are accepted, and the target's features reach it through the fused proposer."""
+    from drafter_service.fusion import fused_proposer
+
+    runner = runners["fast"]
+    # copy: one chain, and no node left out by its score (the tiny head's q is low), so the head's nodes are used
+    proposer = fused_proposer("copy+falcon", min_score=0.0, target_runner=runner,
+                              **{"falcon.head": str(trained_heads[1]), "copy.max_matches": 1})
+    falcon = proposer.members[1]
+    assert isinstance(falcon, FalconProposer) and falcon.head.config.k == 1 and proposer.feedback_features
+    received, observe = [], falcon.observe
+
+    def spy(state, feedback):
+        received.append(sum(f.rows.shape[0] for f in feedback.features))
+        observe(state, feedback)
+
+    falcon.observe = spy
+    engine = _engine(runner, proposer, (16, 6), overlap)
+    accepted = Counter()
+    for prompt in PROMPTS[:4]:
+        res = engine.generate(prompt, greedy(MAX_NEW))
+        assert res.token_ids == naive_greedy(target, prompt, MAX_NEW)
+        assert res.stats.num_draft_errors == 0
+        for s in res.stats.steps:
+            accepted.update(s.accepted_sources)
+    assert accepted["falcon"] > 0 and sum(received) >= 4 * MAX_NEW // 2
+
+
 def test_trees_honour_budgets_and_stop_rule(runners):
     proposer = falcon_proposer(target_runner=runners["fast"], k=2)
     drafter = LocalDrafter(proposer)
@@ -471,4 +501,19 @@ def test_drafter_server_refuses_falcon_without_its_target():
 
     args = argparse.Namespace(proposers=["falcon"], draft="none", target=None, falcon=None, command="drafter")
     with pytest.raises(SystemExit, match="--target DIR"):
+        server.build_servicer(args)
+
+
+def test_drafter_server_needs_the_target_for_a_falcon_member_too():
+    import argparse
+
+    from drafter_service import server
+
+    args = argparse.Namespace(proposers=["fused"], members="copy+falcon", draft="none", target=None, falcon=None,
+                              command="drafter")
+    with pytest.raises(SystemExit, match="falcon needs the target model"):
+        server.build_servicer(args)
+    args = argparse.Namespace(proposers=["fused"], members="copy+recycling", draft="none", target=None, falcon="/h",
+                              command="drafter")
+    with pytest.raises(SystemExit, match="--falcon is for the falcon proposer"):
         server.build_servicer(args)

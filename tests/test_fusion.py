@@ -11,6 +11,8 @@ from drafter_service.fusion import (
     AcceptanceCalibration,
     FusedProposer,
     fuse_trees,
+    fused_proposer,
+    member_options,
     parse_members,
     tree_outcomes,
 )
@@ -133,6 +135,19 @@ def test_parse_members():
     for bad in ("", "a+a", "fused+copy"):
         with pytest.raises(ValueError):
             parse_members(bad)
+
+
+def test_members_take_their_own_options():
+    prop = fused_proposer("copy+prompt_lookup_tree", **{"copy.max_matches": 2, "copy.min_match": 2})
+    copy = prop.members[0]
+    assert (copy.max_matches, copy.min_match) == (2, 2)
+    assert member_options(["copy", "retrieval"], {"copy.max_match": 4, "store": None}) == {
+        "copy": {"max_match": 4}, "retrieval": {}}
+    with pytest.raises(ValueError, match="names no member"):
+        fused_proposer("copy+recycling", **{"falcon.head": "/x"})
+    with pytest.raises(ValueError, match="copy has no option"):
+        fused_proposer("copy", **{"copy.nope": 1})
+    assert not prop.feedback_features
 
 
 def test_sampled_members_lose_their_distributions():

@@ -47,8 +47,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     add_members_argument(p)
     p.add_argument("--falcon", default=None, metavar="DIR",
                    help="a trained Falcon head (`specmesh train-falcon`) for the target: drafts with the falcon "
-                        "proposer and this head in this process (with --server the drafter replica holds the head: "
-                        "`specmesh drafter --target DIR --falcon DIR`; ask for --proposer falcon)")
+                        "proposer and this head in this process, or as a member of fused (--members ...+falcon; "
+                        "with --server the drafter replica holds the head: `specmesh drafter --target DIR --falcon "
+                        "DIR`; ask for --proposer falcon)")
     p.add_argument("--proposer", default=None, choices=proposer_names() + ["none"], metavar="NAME",
                    help="how drafts are made, with its default budget (nodes x depth): " + proposers_help() +
                         f"; 'none' = plain autoregressive decoding (default: {DEFAULT_PROPOSER}: "
@@ -128,8 +129,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"specmesh generate: {exc}") from None
     proposer = args.proposer or ("falcon" if getattr(args, "falcon", None) else DEFAULT_PROPOSER)
-    if getattr(args, "falcon", None) and proposer != "falcon":
-        raise SystemExit("specmesh generate: --falcon is for --proposer falcon")
+    if proposer == "fused":
+        from drafter_service.fusion import parse_members
+
+        try:
+            falcon_member = "falcon" in parse_members(args.members)
+        except ValueError as exc:
+            raise SystemExit(f"specmesh generate: {exc}") from None
+    else:
+        falcon_member = False
+    if getattr(args, "falcon", None) and proposer != "falcon" and not falcon_member:
+        raise SystemExit("specmesh generate: --falcon is for --proposer falcon (or fused with --members ...+falcon)")
     if getattr(args, "falcon", None) and args.server:  # the head is loaded where it drafts
         raise SystemExit("specmesh generate: with --server the drafter replica holds the Falcon head (`specmesh "
                          "drafter --proposers falcon --target DIR --falcon DIR`): ask for it with --proposer falcon")
@@ -267,7 +277,7 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
     stack = load_stack(args)
     options = {"members": args.members} if args.members else {}
     if getattr(args, "falcon", None):
-        options["head"] = args.falcon
+        options["head" if args.proposer != "fused" else "falcon.head"] = args.falcon
 
     def engine(name: str, **extra):
         """A fresh engine, so no run drafts from what an earlier one taught a learning proposer."""
