@@ -213,6 +213,7 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
 _PACKED = "_specmesh_onednn_packed"
 _PACKING = [False]  # whether any runner packed its weights (one list lookup per product until one does)
 PACKED_MAX_MEMORY_SHARE = 1 / 8
+PACK_ROWS_HINT = 16  # the batch size oneDNN is told to expect (the packed layout serves any row count)
 
 
 def _packs_products(device: torch.device, dtype: torch.dtype) -> bool:
@@ -233,9 +234,6 @@ def pack_weights(weights: Sequence[torch.Tensor], memory_bytes: int | None = Non
         setattr(weight_t, _PACKED, torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), PACK_ROWS_HINT))
     _PACKING[0] = True
     return True
-
-
-PACK_ROWS_HINT = 16  # the batch size oneDNN is told to expect (the packed layout serves any row count)
 
 
 # Without native bf16 (AVX-512-BF16, AMX), torch 2.13's CPU GEMM in bfloat16 takes a slow path: on this project's
