@@ -277,7 +277,7 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
     stack = load_stack(args)
     options = {"members": args.members} if args.members else {}
     if getattr(args, "falcon", None):
-        options["head" if args.proposer != "fused" else "falcon.head"] = args.falcon
+        options["falcon.head" if proposer == "fused" else "head"] = args.falcon  # a member's, or its own
 
     def engine(name: str, **extra):
         """A fresh engine, so no run drafts from what an earlier one taught a learning proposer."""
