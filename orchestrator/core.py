@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from orchestrator.drafter_link import DrafterLink, PendingDraft
 from orchestrator.engine import GenerationResult, StepEvent, emitted_logprobs
 from orchestrator.overlap import predraft_budget, reusable_subtree
+from orchestrator.policy import reads_ranks
 from orchestrator.remote_loop import RemoteStepLoop
 from orchestrator.requests import Method, Predraft, Request, RequestOutput, Status
 from orchestrator.stats import RequestStats, StepStats
@@ -432,6 +433,7 @@ class EngineCore:
         step = StepStats(
             num_proposed=tree.num_nodes, tree_depth=tree.max_depth, num_accepted=result.num_accepted,
             accepted_sources=tuple(tree.sources[i] for i in result.accepted_nodes) if tree.sources else (),
+            accepted_ranks=tree.path_ranks(result.accepted_nodes) if reads_ranks(request.method.policy) else None,
             proposed_sources=tree.sources, draft_seconds=draft_seconds, verify_seconds=result.seconds,
             draft_error=request.link.take_errors(), budget=(budget.max_nodes, budget.max_depth),
             step_seconds=time.perf_counter() - step_started,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.drafter_link import DrafterCandidate, DrafterLink
 from orchestrator.overlap import predraft_budget, reusable_subtree
-from orchestrator.policy import SpeculationPolicy, StaticPolicy
+from orchestrator.policy import SpeculationPolicy, StaticPolicy, reads_ranks
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.stopping import StopChecker
 from orchestrator.tracing_steps import PREFILL_SPAN, STEP_SPAN, step_attributes, step_start_attributes
@@ -259,6 +259,7 @@ class _Request:
             tree_depth=tree.max_depth,
             num_accepted=verified.num_accepted,
             accepted_sources=tuple(tree.sources[i] for i in verified.accepted_nodes) if tree.sources else (),
+            accepted_ranks=tree.path_ranks(verified.accepted_nodes) if reads_ranks(self.engine.policy) else None,
             proposed_sources=tree.sources,
             verify_seconds=verified.seconds,
             draft_error=self.link.take_errors(),

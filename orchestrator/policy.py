@@ -8,8 +8,10 @@ The engine asks for a budget in one of three phases:
   starts on the first token(s) while the drafter drafts on behind them.
 - ``predraft``: drafted while the verifier checks the current tree; its cost is hidden.
 
-StaticPolicy asks for the same budget every step. AdaptivePolicy picks the depth that maximises committed
-tokens per second under the request's measured acceptance and costs (pure functions below, then the class).
+StaticPolicy asks for the same budget every step. AdaptivePolicy picks the budget that maximises committed
+tokens per second under the request's measured acceptance and costs: drafting in sequence, a node count, each
+node priced by how often nodes of its rank are accepted; overlapped, the depths (pure functions below, then the
+class).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import fmean, median
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from drafter_service.proposer import proposer_spec
 from orchestrator.stats import RequestStats, StepStats
@@ -37,6 +39,12 @@ DEFAULT_RESTART_DEPTH = 0
 
 class SpeculationPolicy(Protocol):
     def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget: ...
+
+
+def reads_ranks(policy: SpeculationPolicy) -> bool:
+    """Whether ``policy`` reads ``StepStats.accepted_ranks`` (a policy says so with a true ``reads_ranks``
+    attribute): the engines compute them (TokenTree.path_ranks, ~15 µs a tree) only then."""
+    return bool(getattr(policy, "reads_ranks", False))
 
 
 def depth_limit(max_depth: int, remaining_tokens: int) -> int:
@@ -194,6 +202,72 @@ def choose_depth(
     return next(d for d, r in enumerate(rates) if r >= best * (1 - _TIE))
 
 
+def rank_acceptance(
+    steps: Sequence[StepStats], max_nodes: int, prior: float = 0.6, prior_weight: float = 2.0
+) -> tuple[list[float], list[float]]:
+    """([max_nodes] p, [max_nodes] sent), indexed by a node's rank in its tree (``TokenTree.path_ranks``: the order
+    in which a best-first drafter spends its budget).
+
+    p[k] = P(the rank-k node is on the accepted path | the tree has more than k nodes);
+    sent[k] = P(the drafter sends more than k nodes | the budget allows more than k) (copy proposers send
+    fewer, or none, when nothing matches). A budget of n nodes then commits 1 + sum_{k<n} sent[k] p[k] tokens a
+    step in expectation (a node's chance to be on the accepted path, summed over the nodes) and has the verifier
+    check sum_{k<n} sent[k] nodes: EAGLE-2's view that a node is worth its path's acceptance, whatever the
+    tree's shape. Each estimate is shrunk towards the one of the rank before it (p[0] towards ``prior``,
+    sent[0] towards 1) with ``prior_weight`` pseudo-steps, so a rank not tried yet inherits the one above it
+    (the policy bounds how far it trusts that: ``AdaptivePolicy``'s growth cap). A step without
+    ``accepted_ranks`` counts its accepted nodes as the top ranks (right for chains)."""
+    trees, budgets, sents = [0] * (max_nodes + 1), [0] * (max_nodes + 1), [0] * (max_nodes + 1)  # by size
+    hits = [0] * max_nodes
+    for s in steps:
+        n, budget = min(s.num_proposed, max_nodes), min(s.budget[0], max_nodes)
+        trees[n] += 1
+        budgets[budget] += 1
+        sents[min(n, budget)] += 1
+        for r in range(s.num_accepted) if s.accepted_ranks is None else s.accepted_ranks:
+            if r < max_nodes:
+                hits[r] += 1
+    tried, asked, got = [0] * (max_nodes + 1), [0] * (max_nodes + 1), [0] * (max_nodes + 1)
+    for k in range(max_nodes - 1, -1, -1):  # suffix sums: steps with more than k nodes, budgets of more than k
+        tried[k], asked[k], got[k] = tried[k + 1] + trees[k + 1], asked[k + 1] + budgets[k + 1], got[k + 1] + sents[k + 1]
+    p, sent, mean_p, mean_s = [], [], prior, 1.0
+    for k in range(max_nodes):
+        mean_p = (hits[k] + prior_weight * mean_p) / (tried[k] + prior_weight)
+        mean_s = (got[k] + prior_weight * mean_s) / (asked[k] + prior_weight)
+        p.append(mean_p)
+        sent.append(mean_s)
+    return p, sent
+
+
+def depth_per_node(steps: Sequence[StepStats], prior: float = 1.0) -> float:
+    """Levels per node of the drafter's trees (1 for chains; a wide tree less), so that an n-node budget's
+    drafting is priced at about n * this levels; ``prior`` before any tree."""
+    nodes = sum(s.num_proposed for s in steps)
+    return sum(s.tree_depth for s in steps) / nodes if nodes else prior
+
+
+def choose_nodes(
+    p: Sequence[float],
+    sent: Sequence[float],
+    verify_cost: Callable[[float], float],  # nodes checked -> seconds
+    draft_cost: Callable[[int], float],  # budgeted nodes -> seconds of drafting
+    overhead: float,
+    max_nodes: int,
+) -> int:
+    """argmax over n in 0..max_nodes of (1 + sum_{k<n} sent[k] p[k]) / (overhead + verify_cost(sum_{k<n} sent[k])
+    + draft_cost(n)): committed tokens per second of a sequential step with an n-node budget (``rank_acceptance``).
+    0 (plain decoding) when speculation does not pay; the smaller budget on ties."""
+    best, choice, tokens, rows = -1.0, 0, 1.0, 0.0
+    for n in range(max_nodes + 1):
+        if n:
+            tokens += sent[n - 1] * p[n - 1]
+            rows += sent[n - 1]
+        rate = tokens / (overhead + verify_cost(rows) + draft_cost(n))
+        if rate > best * (1 + _TIE):
+            best, choice = rate, n
+    return choice
+
+
 def fill_ratio(steps: Sequence[StepStats], prior_nodes: float = 4.0) -> float:
     """Share of the budgeted nodes the drafter really proposed (prompt lookup proposes fewer, or none when
     nothing matches), shrunk towards 1 with ``prior_nodes`` pseudo-nodes; the verifier pays for these."""
@@ -289,6 +363,7 @@ class AdaptivePolicy:
     draft_cost_ratio: float = 0.1  # before any drafted tree: a draft level costs this share of a verification
     probe_every: int = 4  # 0 = never probe
     max_stop: float = 0.1  # cap on Budget.min_path_prob (draft probabilities are not calibrated acceptance rates)
+    reads_ranks: ClassVar[bool] = True  # the sequential steps' node choice (rank_acceptance)
 
     def __post_init__(self) -> None:
         if min(self.max_nodes, self.max_depth) < 0 or self.window < 1 or self.prior_weight <= 0:
@@ -316,11 +391,11 @@ class AdaptivePolicy:
 
         model = (costs.verify, costs.draft_per_level, costs.overhead, verified_nodes, phase, limit)
         if phase == "sequential":
-            depth = choose_depth(alpha, *model)
-        else:  # the overlapped loop: restarts and ahead steps are chosen together, for the steady state
-            guess = bonus_guess_rate(steps, self.prior_acceptance, self.prior_weight)
-            restart, ahead = choose_overlap(alpha, guess, costs, verified_nodes, limit)
-            depth = restart if phase == "restart" else ahead
+            return self._sequential_budget(steps, costs, limit, deadline)
+        # the overlapped loop: restarts and ahead steps are chosen together, for the steady state
+        guess = bonus_guess_rate(steps, self.prior_acceptance, self.prior_weight)
+        restart, ahead = choose_overlap(alpha, guess, costs, verified_nodes, limit)
+        depth = restart if phase == "restart" else ahead
         if depth == 0:
             if self._probe_due(steps) and choose_depth([1.0] * limit, *model) > 0:
                 depth = min(PROBE_DEPTH, limit)
@@ -331,6 +406,33 @@ class AdaptivePolicy:
         per_token = seconds / expected_tokens(alpha, depth)
         threshold = stop_threshold(node_cost(costs, depth, nodes, hidden), per_token, self.max_stop)
         return Budget(nodes, depth, deadline, threshold)
+
+    def _sequential_budget(self, steps: Sequence[StepStats], costs: CostModel, limit: int,
+                           deadline: float | None) -> Budget:
+        """Draft-then-verify: the node count with the best committed tokens per second (``choose_nodes``), the
+        tree's shape left to the drafter (depth up to the node count)."""
+        p, sent = rank_acceptance(steps, self.max_nodes, self.prior_acceptance, self.prior_weight)
+        levels = depth_per_node(steps)
+
+        def depth(n: int) -> int:  # levels an n-node budget's tree is expected to take
+            return min(limit, max(1, round(levels * n))) if n else 0
+
+        def draft(n: int) -> float:
+            return costs.draft_per_level * depth(n)
+
+        # ranks past the largest budget of the window were never tried: at most double it (a slow start)
+        grow = min(self.max_nodes, max(2 * PROBE_DEPTH, 2 * max((s.budget[0] for s in steps), default=0)))
+        nodes = choose_nodes(p, sent, costs.verify, draft, costs.overhead, grow)
+        if nodes == 0:
+            ones = [1.0] * self.max_nodes
+            if self._probe_due(steps) and choose_nodes(ones, ones, costs.verify, draft, costs.overhead,
+                                                       self.max_nodes) > 0:
+                return Budget(self.nodes(min(PROBE_DEPTH, limit)), min(PROBE_DEPTH, limit), deadline)
+            return Budget(0, 0, deadline)
+        tokens = 1.0 + sum(s * a for s, a in zip(sent[:nodes], p[:nodes], strict=True))
+        seconds = costs.overhead + costs.verify(sum(sent[:nodes])) + draft(nodes)
+        threshold = stop_threshold(node_cost(costs, depth(nodes), nodes, False), seconds / tokens, self.max_stop)
+        return Budget(nodes, min(limit, nodes), deadline, threshold)
 
     def _probe_due(self, steps: Sequence[StepStats]) -> bool:
         recent = steps[-self.probe_every:] if self.probe_every else ()
@@ -376,6 +478,10 @@ class LoadAwarePolicy:
     window: int = 32
     prior_acceptance: float = 0.6
     prior_weight: float = 4.0
+
+    @property
+    def reads_ranks(self) -> bool:
+        return reads_ranks(self.inner)
 
     def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget:
         budget = self.inner.next_budget(stats, remaining_tokens, phase)

@@ -28,6 +28,9 @@ class StepStats:
     ahead_confirmed: bool = False  # the verifier accepted the whole line drafted ahead on (usable if the bonus was guessed)
     batch_sessions: int = 1  # sessions the verifier verified in the same forward as this step
     draft_cpu_seconds: float = 0.0  # CPU time this process spent drafting since the previous step (~0 if remote)
+    # rank of each accepted node among the tree's nodes by path probability (TokenTree.path_ranks); None = not
+    # recorded, read as the top num_accepted ranks (a chain's accepted nodes are its first ones)
+    accepted_ranks: tuple[int, ...] | None = None
 
 
 @dataclass

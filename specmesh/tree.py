@@ -94,6 +94,25 @@ class TokenTree:
         """[num_nodes, num_nodes] bool; mask[i, j] = j is i or an ancestor of i."""
         return ancestor_mask(self.parents.tolist())
 
+    def path_ranks(self, nodes: Sequence[int]) -> tuple[int, ...]:
+        """Rank of each of ``nodes`` among the tree's nodes by path probability (the product of the draft
+        probabilities from the root down to the node), most probable first; ties go to the shallower node,
+        then the lower index. Best-first drafters keep the top ranks of a larger tree (a child never ranks
+        above its parent, as its path probability is at most its parent's), so rank k is the (k+1)-th node
+        a budget buys. A chain's ranks are its node indices."""
+        if not nodes:
+            return ()
+        if self.is_chain and bool((self.draft_probs <= 1.0).all()):
+            return tuple(int(i) for i in nodes)
+        path = self.draft_probs.astype(np.float64)  # parents come first: one pass
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                path[i] *= path[p]
+        order = np.lexsort((np.arange(self.num_nodes), self.depth, -path))
+        rank = np.empty(self.num_nodes, np.int64)
+        rank[order] = np.arange(self.num_nodes)
+        return tuple(int(rank[i]) for i in nodes)
+
     def position_ids(self, prefix_len: int) -> np.ndarray:
         """[num_nodes]; ``prefix_len`` counts every committed token, including the last one."""
         return prefix_len + self.depth

@@ -26,7 +26,7 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
 from orchestrator.core import EngineCore
 from orchestrator.drafter_link import only
-from orchestrator.policy import StaticPolicy
+from orchestrator.policy import AdaptivePolicy, StaticPolicy
 from orchestrator.requests import CoreEngine, Method, QueueOutput
 from specmesh.contract import CapacityError
 from specmesh.sampling import SamplingParams
@@ -110,6 +110,34 @@ def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend, ove
         if overlap and proposer in ("prompt_lookup_tree", "copy"):  # cheap drafts, ready before the forward ends
             assert any(s.predrafted and s.num_accepted for o in outputs for s in o.result.stats.steps), \
                 "no tree drafted ahead was ever used"
+        assert_idle(core)
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("proposer", ["prompt_lookup_tree", "fused", "draft_model_tree"])
+def test_adaptive_sequential_steps_equal_ar_and_record_their_accepted_ranks(model_sets, ar_reference, proposer):
+    """The adaptive policy's node counts change the trees, never the output; its steps carry the accepted
+    nodes' ranks (each path's ranks rising, all within the tree), a static policy's none."""
+    kind = "random" if proposer_spec(proposer).needs_draft_model else "cyclic"
+    ms = model_sets(kind)
+    prop = make_proposer(proposer, draft_runner=ms.runner("near", "fast"))
+    core = EngineCore(LocalVerifier(ms.runner("target", "fast"), feedback_topk=prop.feedback_topk,
+                                    lookahead=window_for(prop)))
+    adaptive = Method(only(LocalDrafter(prop), proposer), AdaptivePolicy(16, 8), prop.feedback_features)
+    try:
+        outputs = run_all(core, adaptive, PROMPTS, greedy(MAX_NEW))
+        steps = [s for out in outputs for s in out.result.stats.steps]
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out.tokens == ar_reference(kind, "fast", prompt, MAX_NEW)
+        assert all(s.accepted_ranks is not None and len(s.accepted_ranks) == s.num_accepted for s in steps)
+        assert all(list(s.accepted_ranks) == sorted(set(s.accepted_ranks)) and max(s.accepted_ranks) < s.num_proposed
+                   for s in steps if s.num_accepted)
+        if proposer != "draft_model_tree":  # whether a draft model's levels pay here depends on this machine's timing
+            assert sum(s.num_accepted for s in steps) > 0
+        static, _, _ = method_of(proposer, ms.runner("near", "fast"))
+        out = run_all(core, static, PROMPTS[:2], greedy(MAX_NEW))[0]
+        assert all(s.accepted_ranks is None for s in out.result.stats.steps)
         assert_idle(core)
     finally:
         core.close()

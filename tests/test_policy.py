@@ -20,8 +20,10 @@ from orchestrator.policy import (
     batch_goodput_depth,
     bonus_guess_rate,
     choose_depth,
+    choose_nodes,
     choose_overlap,
     conditional_acceptance,
+    depth_per_node,
     expected_tokens,
     fill_ratio,
     fit_costs,
@@ -29,6 +31,7 @@ from orchestrator.policy import (
     nodes_at,
     nodes_for_depth,
     overlap_rate,
+    rank_acceptance,
     step_time,
     stop_threshold,
 )
@@ -228,6 +231,117 @@ def test_predraft_counterexample_when_drafting_outlasts_verification():
     assert _choose([1.0] * 8, costs, "predraft") == 2
 
 
+# ------------------------------------------------------------------ node choice (sequential steps)
+def test_rank_acceptance_is_the_prior_without_data():
+    assert rank_acceptance([], 4, prior=0.7) == ([0.7] * 4, [1.0] * 4)
+    assert rank_acceptance([], 0) == ([], [])
+
+
+def test_rank_acceptance_counts_tried_sent_and_accepted_ranks():
+    steps = [_step(2, 2, nodes=6, budget=(8, 4), accepted_ranks=(0, 3)),  # a tree: its 1st and 4th best nodes
+             _step(1, 0, nodes=2, budget=(8, 4), accepted_ranks=()),
+             _step(0, 0, nodes=0, budget=(8, 4))]  # nothing matched: no tree
+    p, sent = rank_acceptance(steps, 8, prior=0.5, prior_weight=1e-9)
+    assert p[:6] == pytest.approx([0.5, 0.0, 0.0, 1.0, 0.0, 0.0], abs=1e-6)  # ranks 0-1 tried twice, 2-5 once
+    assert p[6:] == pytest.approx([0.0, 0.0], abs=1e-6)  # never tried: the rank before's estimate
+    assert sent == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 0.0, 0.0], abs=1e-6)
+    # without recorded ranks the accepted nodes are the top ones (a chain's)
+    assert rank_acceptance([_step(3, 2)], 3, prior_weight=1e-9)[0] == pytest.approx([1.0, 1.0, 0.0], abs=1e-6)
+    # shrinkage: each rank towards the one before it
+    p, _ = rank_acceptance([_step(1, 1, nodes=1)], 2, prior=0.5, prior_weight=1.0)
+    assert p == pytest.approx([0.75, 0.75])
+
+
+def test_rank_acceptance_converges_to_the_true_rates():
+    rng = np.random.default_rng(3)
+    truth = np.array([0.8, 0.5, 0.3, 0.2, 0.1, 0.05])
+    steps = []
+    for _ in range(4000):
+        n = int(rng.integers(0, 7))
+        ranks = tuple(int(k) for k in np.flatnonzero(rng.random(n) < truth[:n]))
+        steps.append(_step(n, len(ranks), nodes=n, budget=(6, 6), accepted_ranks=ranks))
+    p, sent = rank_acceptance(steps, 6)
+    assert p == pytest.approx(truth, abs=0.04)
+    assert sent == pytest.approx([(6 - k) / 7 for k in range(6)], abs=0.04)  # n uniform on 0..6, budget 6
+
+
+def test_depth_per_node():
+    assert depth_per_node([]) == 1.0
+    assert depth_per_node([_step(4, 0, nodes=8), _step(2, 0, nodes=8), _step(0, 0)]) == pytest.approx(6 / 16)
+
+
+def _node_rate(p, sent, costs: CostModel, draft, n):
+    rows = sum(sent[:n])
+    return (1 + sum(s * a for s, a in zip(sent[:n], p[:n], strict=True))) / (
+        costs.overhead + costs.verify(rows) + draft(n))
+
+
+@given(costs_st, st.integers(0, 16), st.data())
+def test_choose_nodes_is_the_best_rate(costs, max_nodes, data):
+    p = data.draw(st.lists(st.floats(0.0, 1.0), min_size=max_nodes, max_size=max_nodes))
+    sent = data.draw(st.lists(st.floats(0.0, 1.0), min_size=max_nodes, max_size=max_nodes))
+    levels = data.draw(st.floats(0.1, 1.0))
+
+    def draft(n):
+        return costs.draft_per_level * max(1, round(levels * n)) if n else 0.0
+
+    n = choose_nodes(p, sent, costs.verify, draft, costs.overhead, max_nodes)
+    rates = [_node_rate(p, sent, costs, draft, k) for k in range(max_nodes + 1)]
+    assert rates[n] >= max(rates) * (1 - 1e-9)
+    assert all(r < rates[n] * (1 + 1e-9) for r in rates[:n])  # no smaller budget does as well
+    higher = [min(1.0, a + 0.2) for a in p]
+    assert choose_nodes(higher, sent, costs.verify, draft, costs.overhead, max_nodes) >= n or not costs.verify_per_node
+
+
+def test_choose_nodes_extremes():
+    costs = CostModel(0.01, 0.0005, 0.0, 0.0)
+    assert choose_nodes([0.0] * 8, [1.0] * 8, costs.verify, lambda n: 0.0, 0.0, 8) == 0
+    assert choose_nodes([1.0] * 8, [1.0] * 8, costs.verify, lambda n: 0.0, 0.0, 8) == 8
+    # a node pays while its acceptance beats its cost over the seconds per committed token
+    p = [0.9, 0.6, 0.3, 0.04, 0.02, 0.01]
+    assert choose_nodes(p, [1.0] * 6, costs.verify, lambda n: 0.0, 0.0, 6) == 3
+
+
+def test_sequential_trees_at_most_double_the_largest_budget_of_the_window():
+    """Ranks never tried inherit the last tried one's estimate; the policy trusts that for one doubling."""
+    policy = AdaptivePolicy(max_nodes=24, max_depth=12, window=8)
+    history = [_step(3, 3, nodes=3, budget=(3, 3), verify=0.0103) for _ in range(8)]  # all accepted, cheap
+    assert policy.next_budget(_stats(history), 100).max_nodes == 6
+    history += [_step(6, 6, nodes=6, budget=(6, 6), verify=0.0106)]
+    assert policy.next_budget(_stats(history), 100).max_nodes == 12
+    assert policy.next_budget(_stats([_step(1, 1, nodes=1, budget=(1, 1))] * 8), 100).max_nodes == 2 * PROBE_DEPTH
+
+
+@pytest.mark.parametrize("true_p, per_node", [([0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0], 0.0008),
+                                              ([0.5, 0.2, 0.1, 0.05] + [0.01] * 8, 0.0008),
+                                              ([0.95] * 12, 0.0001), ([0.1] * 12, 0.003)])
+def test_sequential_steps_settle_near_the_best_node_count(true_p, per_node):
+    """Simulated requests whose tree nodes are accepted with known per-rank rates: the node counts the policy
+    settles on commit nearly as many tokens per second as the best count under the true model."""
+    rng = np.random.default_rng(11)
+    truth = CostModel(0.010, per_node, 0.0002, 0.0005)
+    policy = AdaptivePolicy(max_nodes=12, max_depth=6)
+    stats = RequestStats()
+    for _ in range(300):
+        budget = policy.next_budget(stats, 10_000)
+        nodes, depth = budget.max_nodes, min(budget.max_depth, (budget.max_nodes + 1) // 2)  # a 2-wide tree
+        ranks = tuple(int(k) for k in np.flatnonzero(rng.random(nodes) < np.asarray(true_p[:nodes])))
+        verify, draft = truth.verify(nodes) * rng.uniform(0.95, 1.05), truth.draft_per_level * depth
+        stats.steps.append(StepStats(
+            nodes, depth, len(ranks), (), (), draft, verify, budget=(nodes, budget.max_depth),
+            step_seconds=verify + draft + truth.overhead, wait_seconds=draft, accepted_ranks=ranks,
+        ))
+    steps, every = stats.steps, policy.probe_every
+    probes = {i for i in range(every, len(steps)) if all(s.budget[1] == 0 for s in steps[i - every:i])}
+    chosen = [s.num_proposed for i, s in enumerate(steps) if i >= len(steps) - 100 and i not in probes]
+
+    def draft(n):
+        return truth.draft_per_level * ((n + 1) // 2)
+
+    rates = [_node_rate(true_p, [1.0] * 12, truth, draft, n) for n in range(13)]
+    assert np.mean([rates[n] for n in chosen]) >= 0.95 * max(rates), (chosen, rates)
+
+
 # ------------------------------------------------------------------ stop threshold
 @given(st.floats(0.0, 10.0), st.floats(1e-6, 10.0), st.floats(0.0, 1.0), st.floats(0.0, 10.0))
 def test_stop_threshold_in_range_and_monotone_in_cost(cost, per_token, max_stop, extra):
@@ -271,7 +385,11 @@ def test_next_budget_respects_caps_and_the_end(steps, remaining, phase, caps, ma
 @pytest.mark.parametrize("phase", PHASES)
 def test_first_step_speculates(phase):
     budget = AdaptivePolicy(max_nodes=16, max_depth=8, draft_timeout_s=0.5).next_budget(RequestStats(), 100, phase)
-    assert 0 < budget.max_depth <= 8 and budget.max_nodes == 2 * budget.max_depth
+    assert 0 < budget.max_depth <= 8
+    if phase == "sequential":  # a node count (at first at most 2 * PROBE_DEPTH); the drafter shapes the tree
+        assert budget.max_nodes == budget.max_depth == 2 * PROBE_DEPTH
+    else:  # a depth, with the caps' nodes per level
+        assert budget.max_nodes == 2 * budget.max_depth
     assert budget.deadline is not None and budget.deadline > time.monotonic()
 
 

@@ -114,6 +114,28 @@ def test_main_path_follows_the_most_likely_child_to_a_leaf(tree: TokenTree):
     assert path == (tree.path_to(path[-1]) if path else [])
 
 
+@SETTINGS
+@given(trees())
+def test_path_ranks_order_nodes_by_path_probability(tree: TokenTree):
+    """Rank = place in the order of (path probability descending, depth, index); a child never ranks above
+    its parent; a chain's ranks are its indices."""
+    parents = tree.parents.tolist()
+    path = []  # products from the root down (the implementation's order: subnormal probabilities round alike)
+    for i in range(len(tree)):
+        prob = 1.0
+        for j in [*reversed(ref_ancestors(parents, i)), i]:
+            prob *= float(tree.draft_probs[j])
+        path.append(prob)
+    depth = [len(ref_ancestors(parents, i)) for i in range(len(tree))]
+    order = sorted(range(len(tree)), key=lambda i: (-path[i], depth[i], i))
+    ranks = tree.path_ranks(range(len(tree)))
+    assert list(ranks) == [order.index(i) for i in range(len(tree))]
+    assert all(ranks[i] > ranks[p] for i, p in enumerate(parents) if p >= 0)
+    assert tree.path_ranks([]) == ()
+    chain = TokenTree.chain(tree.tokens.tolist(), tree.draft_probs.tolist())
+    assert chain.path_ranks(range(len(chain))) == tuple(range(len(chain)))
+
+
 def ref_descendants(parents: list[int], node: int) -> list[int]:
     """Proper descendants of ``node`` in index order, by walking every node's parent links."""
     return [i for i in range(len(parents)) if node in ref_ancestors(parents, i)]
