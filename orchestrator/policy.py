@@ -382,17 +382,17 @@ class AdaptivePolicy:
         if limit == 0:
             return Budget(0, 0, deadline)
         steps = stats.steps[-self.window:]
-        alpha = conditional_acceptance(steps, limit, self.prior_acceptance, self.prior_weight)
         costs = fit_costs(steps, self.draft_cost_ratio)
+        if phase == "sequential":
+            return self._sequential_budget(steps, costs, limit, deadline)
+        # the overlapped loop: restarts and ahead steps are chosen together, for the steady state
+        alpha = conditional_acceptance(steps, limit, self.prior_acceptance, self.prior_weight)
         fill = fill_ratio(steps)
 
         def verified_nodes(depth: int) -> float:  # what a budget of this depth costs the verifier
             return self.nodes(depth) * fill
 
         model = (costs.verify, costs.draft_per_level, costs.overhead, verified_nodes, phase, limit)
-        if phase == "sequential":
-            return self._sequential_budget(steps, costs, limit, deadline)
-        # the overlapped loop: restarts and ahead steps are chosen together, for the steady state
         guess = bonus_guess_rate(steps, self.prior_acceptance, self.prior_weight)
         restart, ahead = choose_overlap(alpha, guess, costs, verified_nodes, limit)
         depth = restart if phase == "restart" else ahead
