@@ -348,6 +348,54 @@ def test_half_precision_products_through_float32_equal_the_half_kernel(monkeypat
     assert not calls  # one row: the half-precision kernel
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_products_through_float32_use_the_runners_float32_copies(monkeypatch, dtype) -> None:
+    """A half-precision runner whose products go through float32 (forced here) keeps float32 copies of its layer
+    weights and output layer (``_FLOAT32``) and multiplies by them: the same logits as converting each weight per
+    call, one session or a batch with a prompt chunk; none in float32 or past the memory share
+    (``keep_float32_copies``)."""
+    from spec_helpers import tiny_llama
+
+    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
+    monkeypatch.setattr(fast_llama, "_packs_products", lambda device, dtype: False)
+    keep = fast_llama.keep_float32_copies
+    monkeypatch.setattr(fast_llama, "keep_float32_copies", lambda weights, memory_bytes=None: False)
+    plain = FastLlamaRunner(tiny_llama(seed=7).to(dtype))
+    monkeypatch.setattr(fast_llama, "keep_float32_copies", keep)
+    copied = FastLlamaRunner(tiny_llama(seed=7).to(dtype))
+    assert copied.float32_copies and not plain.float32_copies
+    weights = [w for layer in copied.layers for w in (layer[1], layer[3], layer[6], layer[7])] + [copied.lm_head]
+    for w in weights:
+        w32 = getattr(w, fast_llama._FLOAT32)
+        assert w32.dtype == torch.float32 and w32.shape == w.shape and torch.equal(w32, w.float())
+    assert not FastLlamaRunner(tiny_llama(seed=7).float()).float32_copies
+    calls, upcast = [], fast_llama._linear_upcast
+
+    def spy(x, weight_t, bias):
+        calls.append(hasattr(weight_t, fast_llama._FLOAT32))
+        return upcast(x, weight_t, bias)
+
+    monkeypatch.setattr(fast_llama, "_linear_upcast", spy)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    outs = []
+    for runner in (copied, plain):
+        caches = [runner.new_cache() for _ in prompts]
+        first = runner.forward(caches[0], prompts[0], range(len(prompts[0])))
+        batch = runner.forward_batch(caches, [11, 12, 13] + prompts[1], [8, 9, 10, *range(len(prompts[1]))],
+                                     [3, len(prompts[1])], [None, None])
+        outs.append((first, batch))
+    for got, want in zip(outs[0], outs[1], strict=True):
+        assert fast_llama.relative_error(got, want) <= 1e-2 and bool((got.argmax(-1) == want.argmax(-1)).all())
+    assert any(calls) and not all(calls)  # the copied runner's products by its copies, the plain one's converted
+    small = [torch.zeros(64, 32, dtype=dtype).t()]
+    assert not fast_llama.keep_float32_copies(small, memory_bytes=64 * 32 * 4 * 7)
+    assert not hasattr(small[0], fast_llama._FLOAT32)
+    assert fast_llama.keep_float32_copies(small, memory_bytes=64 * 32 * 4 * 8)
+    assert torch.equal(getattr(small[0], fast_llama._FLOAT32), small[0].float())
+    setattr(small[0], fast_llama._FLOAT32, torch.ones(32, 64))  # what is multiplied is the copy
+    assert torch.equal(upcast(torch.ones(3, 32, dtype=dtype), small[0], None), torch.full((3, 64), 32.0, dtype=dtype))
+
 def test_greedy_equals_ar_through_the_blocked_output_layer(monkeypatch) -> None:
     """A float32 target whose tree steps' logits come from the blocked output layer (its one-row AR steps from
     the whole matrix) keeps greedy speculative output equal to AR, for a tree proposer and a chain."""
