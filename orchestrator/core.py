@@ -89,7 +89,8 @@ class EngineCore:
         ``decode``: token ids -> text, for stop strings; ``max_batch_tokens``: rows of one forward (prompt
         chunks fill what the running requests leave); ``max_waiting``: requests waiting for KV blocks before
         the next is refused (both: in process; a replica has its own); ``costs``: the forward's measured costs,
-        for load-aware policies (a replica's: what it reported)."""
+        for load-aware policies (in process: refitted to the loop's own steps, ``StepCosts``; a replica's: what it
+        reported)."""
         self.verifier = verifier
         self.info = verifier.info
         self.decode = decode
@@ -103,8 +104,8 @@ class EngineCore:
             self.costs = costs or verifier.costs
             self.loop = RemoteStepLoop(verifier, self, name)
         else:
-            self.costs = costs
             self.loop = StepLoop(verifier, max_batch_tokens, max_waiting, costs=costs, driver=self, name=name)
+            self.costs = self.loop.costs  # refitted to the loop's steps as they run (``StepCosts``)
         self.stats = self.loop.stats  # what /metrics and benchmarks read (VerifierMetrics)
 
     # --------------------------------------------------------------- front end

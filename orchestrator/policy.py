@@ -24,7 +24,7 @@ from typing import ClassVar, Literal, Protocol
 
 from drafter_service.proposer import proposer_spec
 from orchestrator.stats import RequestStats, StepStats
-from specmesh.contract import Budget, VerifyCosts
+from specmesh.contract import Budget, ForwardCosts
 
 Phase = Literal["sequential", "restart", "predraft"]
 
@@ -445,7 +445,7 @@ def nodes_at(depth: int, max_nodes: int, max_depth: int) -> int:
     return 0 if depth == 0 else max(depth, max_nodes * depth // max(max_depth, 1))
 
 
-def batch_goodput_depth(alpha: Sequence[float], costs: VerifyCosts, sessions: int, max_nodes: int,
+def batch_goodput_depth(alpha: Sequence[float], costs: ForwardCosts, sessions: int, max_nodes: int,
                         max_depth: int, fill: float = 1.0, draft_per_level: float = 0.0) -> int:
     """The depth (0..max_depth) maximising the batch's committed tokens per second when all ``sessions``
     verify trees of that size in one forward: sessions * E[tokens(d)] / costs.seconds(sessions,
@@ -467,13 +467,13 @@ def batch_goodput_depth(alpha: Sequence[float], costs: VerifyCosts, sessions: in
 class LoadAwarePolicy:
     """Another policy's budget, capped at the depth that maximises the verifier's goodput at its current
     batch (``batch_goodput_depth``), with the request's own acceptance (``conditional_acceptance``) and the
-    verifier's measured costs (``VerifyCosts``). The batch is the one the request's last step was verified
+    verifier's measured costs (``ForwardCosts``: in process refitted to its steps). The batch is the one the request's last step was verified
     in. A request alone on its verifier keeps the inner budget, so a seeded request that runs alone
     reproduces exactly whatever the deployment (under load its trees, hence its random stream, depend on
     the others; its distribution never does)."""
 
     inner: SpeculationPolicy
-    costs: VerifyCosts
+    costs: ForwardCosts
     drafting_shares_cores: bool = False  # drafters run on the verifier's cores (embedded): their time counts
     window: int = 32
     prior_acceptance: float = 0.6
@@ -506,7 +506,7 @@ def draft_cpu_per_level(steps: Sequence[StepStats]) -> float:
     return sum(s.draft_cpu_seconds for s in steps) / levels if levels else 0.0
 
 
-def load_aware(policy: SpeculationPolicy, costs: VerifyCosts | None,
+def load_aware(policy: SpeculationPolicy, costs: ForwardCosts | None,
                drafting_shares_cores: bool = False) -> SpeculationPolicy:
     """``policy`` capped by the verifier's load when the verifier measured its costs (else as it is);
     ``drafting_shares_cores``: drafters and verifier in one process (their drafting time counts too)."""

@@ -236,6 +236,13 @@ class VerifyCosts:
         return self.base + self.per_session * sessions + self.per_row * rows
 
 
+class ForwardCosts(Protocol):
+    """What a load-aware policy reads of a verifier's costs: a ``VerifyCosts`` as measured, or one refitted to the
+    verifier's steps as it serves (``StepCosts``, verifier_service/costs.py)."""
+
+    def seconds(self, sessions: int, rows: int) -> float: ...
+
+
 class Verifier(Protocol):
     info: ModelInfo
 

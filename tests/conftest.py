@@ -24,6 +24,8 @@ set_hypothesis_home_dir(tempfile.mkdtemp(prefix="specmesh-hypothesis-"))  # not 
 
 # no example database on disk (nothing written outside tests/), no wall-clock deadlines on a busy box
 settings.register_profile("specmesh", database=None, deadline=None)
+# `pytest --hypothesis-profile stress` (DEVELOPERS.md): 50x the examples, to hunt a property's rare counterexample
+settings.register_profile("stress", settings.get_profile("specmesh"), max_examples=5000)
 settings.load_profile("specmesh")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `pytest` without -m

@@ -26,11 +26,12 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
 from orchestrator.core import EngineCore
 from orchestrator.drafter_link import only
-from orchestrator.policy import AdaptivePolicy, StaticPolicy
+from orchestrator.policy import AdaptivePolicy, StaticPolicy, load_aware
 from orchestrator.requests import CoreEngine, Method, QueueOutput
-from specmesh.contract import CapacityError
+from specmesh.contract import CapacityError, VerifyCosts
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
+from verifier_service.costs import StepCosts
 from verifier_service.verifier import LocalVerifier
 
 PROMPTS = make_prompts(8, seed=17, max_len=40)
@@ -114,6 +115,31 @@ def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend, ove
     finally:
         core.close()
 
+
+
+def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_sets, ar_reference):
+    """An engine core given the forward's profiled costs refits them to its own steps (``StepCosts``): the load-aware
+    policy of its requests holds that object, every step without a prompt chunk is observed (with its sessions,
+    rows and time), the refit is reported where a replica reports its costs, and output is unchanged."""
+    ms = model_sets("cyclic")
+    local = LocalVerifier(ms.runner("target", "fast"))
+    profile = VerifyCosts(1.0, 0.0, 1e-3)  # far off: a second a step
+    core = EngineCore(local, costs=profile)
+    try:
+        assert isinstance(core.costs, StepCosts) and core.costs is core.loop.costs and core.costs.profile is profile
+        prop = make_proposer("prompt_lookup_tree")
+        policy = load_aware(StaticPolicy(8, 8), core.costs)
+        assert policy.costs is core.costs
+        method = Method(only(LocalDrafter(prop), "prompt_lookup_tree"), policy)
+        outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        chunked = core.stats.steps - core.costs.observed
+        assert core.costs.observed >= core.costs.refit_every and 0 < chunked <= len(PROMPTS)  # prefills: not observed
+        assert core.costs.seconds(2, 4) < 0.5 * profile.seconds(2, 4)  # a tiny model's step, not a second
+        assert (core.costs.base, core.costs.per_row) == (core.costs.current.base, core.costs.current.per_row)
+    finally:
+        core.close()
 
 @pytest.mark.parametrize("proposer", ["prompt_lookup_tree", "fused", "draft_model_tree"])
 def test_adaptive_sequential_steps_equal_ar_and_record_their_accepted_ranks(model_sets, ar_reference, proposer):

@@ -37,7 +37,7 @@ from orchestrator.policy import (
 )
 from orchestrator.stats import RequestStats, StepStats
 from specmesh.contract import VerifyCosts
-from verifier_service.verifier import fit_verify_costs
+from verifier_service.costs import MAX_FACTOR, StepCosts, fit_verify_costs, refit_costs
 
 PHASES = ("sequential", "restart", "predraft")
 
@@ -566,6 +566,75 @@ def test_fit_verify_costs_recovers_exact_costs(base, per_session, per_row):
     for b, rows, seconds in points:
         assert fitted.seconds(b, rows) == pytest.approx(seconds, rel=1e-6, abs=1e-12)
     assert min(fitted.base, fitted.per_session, fitted.per_row) >= 0
+
+
+
+def test_step_costs_follow_the_steps_where_the_verifier_runs():
+    """``StepCosts`` refits the start-up profile to the verifier's own steps: where the steps run (16 sessions,
+    16-24 rows) its line converges to theirs, the profile's off by 9-15 % there; at other batch sizes it carries
+    the correction over in the profile's shape; steps it cannot use (no rows, no time) are ignored, and nothing
+    changes before the first refit."""
+    profile = VerifyCosts(0.035, 0.001, 0.003)  # SmolLM2's start-up profile: 100 ms for 16 one-row sessions
+    truth = VerifyCosts(0.020, 0.0015, 0.0052)  # its steps at 300 positions: 109 ms, 5.2 ms a row
+    costs = StepCosts(profile, window=64, refit_every=8)
+    rng = np.random.default_rng(0)
+    for _ in range(7):
+        costs.observe(16, 16, truth.seconds(16, 16))
+    assert costs.current is profile and costs.seconds(16, 16) == profile.seconds(16, 16)
+    costs.observe(0, 0, 0.1)
+    costs.observe(16, 20, 0.0)
+    assert costs.observed == 7
+    for _ in range(200):
+        rows = int(rng.integers(16, 25))
+        costs.observe(16, rows, truth.seconds(16, rows) * (1 + rng.normal(0, 0.02)))
+    for rows in (16, 20, 24):  # the steps' line, not the profile's
+        assert costs.seconds(16, rows) == pytest.approx(truth.seconds(16, rows), rel=0.03)
+        assert abs(profile.seconds(16, rows) / truth.seconds(16, rows) - 1) > 0.08
+    assert costs.per_row == pytest.approx(truth.per_row, rel=0.1)  # the slope, where the steps vary their rows
+    # another batch size: the profile's fixed and per-session parts scaled alike
+    assert costs.base / profile.base == pytest.approx(costs.per_session / profile.per_session)
+    assert min(costs.base, costs.per_session, costs.per_row) >= 0
+    # steps of one size only: the total there from the steps, the split between rows and the rest from the profile
+    flat = StepCosts(profile, refit_every=8)
+    for _ in range(64):
+        flat.observe(16, 16, truth.seconds(16, 16))
+    assert flat.seconds(16, 16) == pytest.approx(truth.seconds(16, 16), rel=0.02)
+    assert flat.per_row > profile.per_row and flat.base > profile.base  # both parts scaled up
+    assert flat.per_row / profile.per_row == pytest.approx(flat.base / profile.base, rel=0.05)
+    # a factor beyond MAX_FACTOR is held there
+    slow = StepCosts(profile, refit_every=8)
+    for rows in range(16, 80):
+        slow.observe(16, rows, 10 * truth.seconds(16, rows))
+    assert slow.per_row == pytest.approx(MAX_FACTOR * profile.per_row) and slow.base == pytest.approx(
+        MAX_FACTOR * profile.base)
+
+
+@given(st.floats(1e-3, 1e-1), st.floats(0, 1e-2), st.floats(1e-4, 1e-2), st.floats(0.001, 2.0))
+def test_refit_costs_with_the_profile_alone_or_its_own_steps_is_the_profile(base, per_session, per_row, weight):
+    """The refit's prior is the profile itself: with no steps, or with steps the profile predicts exactly, the
+    refit is the profile (up to rounding)."""
+    profile = VerifyCosts(base, per_session, per_row)
+    steps = [(s, r, profile.seconds(s, r)) for s, r in ((16, 16), (16, 24), (4, 12))]
+    for fitted in (refit_costs(profile, [], weight), refit_costs(profile, steps, weight)):
+        for sessions, rows in ((1, 1), (8, 64), (16, 20), (64, 64)):
+            assert fitted.seconds(sessions, rows) == pytest.approx(profile.seconds(sessions, rows), rel=1e-6)
+
+
+def test_a_load_aware_policy_reads_the_refitted_costs():
+    """The policy holds the ``StepCosts`` the verifier's loop refits: once the steps show rows cost more than the
+    profile said, the same acceptance buys a smaller tree (here none)."""
+    profile = VerifyCosts(0.035, 0.001, 0.0015)
+    costs = StepCosts(profile, refit_every=4)
+    policy = LoadAwarePolicy(StaticPolicy(16, 8), costs)
+    steps = RequestStats(steps=[_step(6, 2, nodes=16, batch_sessions=16) for _ in range(10)])
+    before = policy.next_budget(steps, 100)
+    expensive = VerifyCosts(0.03, 0.001, 0.005)
+    for i in range(64):
+        rows = 16 + 8 * (i % 3)
+        costs.observe(16, rows, expensive.seconds(16, rows))
+    assert costs.per_row == pytest.approx(expensive.per_row, rel=0.02)
+    after = policy.next_budget(steps, 100)
+    assert before.max_depth > 0 and after.max_depth == 0
 
 
 def test_drafting_on_the_verifier_cores_counts_under_load():

@@ -27,6 +27,7 @@ from test_remote_core import ServerThread
 from drafter_service.proposer import proposer_names, proposer_spec
 from orchestrator.core import EngineCore
 from specmesh import rpc
+from specmesh.contract import SessionPreemptedError
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from verifier_service.remote import VerifierClient
@@ -119,7 +120,8 @@ def test_cancelling_preempted_requests_frees_everything(model_sets):
 
 def test_a_replicas_callers_equal_ar_under_preemption(model_sets, ar_reference):
     """Over gRPC: an engine core on a replica whose pool is small; the replica preempts its callers' sessions
-    (their Verifys wait for them to resume) and every request still gets its AR greedy output."""
+    (a VerifyBatch item whose session is preempted ends at once and is sent again) and every request still gets
+    its AR greedy output."""
     runner = model_sets("cyclic").runner("target", "fast")
     step_loop = StepLoop(small_verifier(runner))
     server = ServerThread(VerifierServicer(step_loop))
@@ -142,6 +144,35 @@ def test_a_replicas_callers_equal_ar_under_preemption(model_sets, ar_reference):
     allocator = step_loop.verifier.allocator
     assert allocator.num_free == allocator.num_blocks
 
+
+
+def test_a_verify_that_does_not_wait_never_waits_even_sent_again_at_once(model_sets):
+    """A Verify submitted not to wait (a VerifyBatch item) ends with SessionPreemptedError when its session is
+    preempted, and so does the same session's next one when it comes back before the step that ended the first is
+    over (here from the first's answer, on the loop's thread). It used to wait for the session to resume: one
+    core's scheduling made a replica's callers do this on every run, and a batch whose other sessions held the
+    blocks that session needed never came back."""
+    runner = model_sets("cyclic").runner("target", "fast")
+    loop = StepLoop(small_verifier(runner, spare_blocks=1))
+    try:
+        loop.submit_prefill("a", [3 + i * 7 % 90 for i in range(40)], greedy(MAX_NEW)).result(30)
+        loop.submit_prefill("b", [5 + i * 11 % 90 for i in range(24)], greedy(MAX_NEW)).result(30)
+        again = []
+
+        def send_again(future):
+            if isinstance(future.exception(), SessionPreemptedError):
+                again.extend(loop.submit_verifies([("b", TokenTree.empty())], wait_if_preempted=False))
+
+        # a's tree needs more blocks than are free: b, admitted last, is preempted out of this step
+        first = loop.submit_verifies([("a", TokenTree.chain(list(range(10, 10 + TREE)))), ("b", TokenTree.empty())],
+                                     wait_if_preempted=False)
+        first[1].add_done_callback(send_again)
+        first[0].result(30)
+        assert isinstance(first[1].exception(30), SessionPreemptedError)
+        assert loop.stats.preemptions == 1 and len(again) == 1
+        assert isinstance(again[0].exception(30), SessionPreemptedError)  # not a result after b resumed
+    finally:
+        loop.close()
 
 def test_the_context_served_is_what_one_request_can_hold(model_sets):
     runner = model_sets("cyclic").runner("target", "fast")

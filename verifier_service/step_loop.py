@@ -57,6 +57,7 @@ from specmesh.metrics import COUNT_BUCKETS, SECONDS_BUCKETS, Buckets
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
+from verifier_service.costs import StepCosts
 
 if TYPE_CHECKING:  # the loop only calls it: importing it (torch) is its owner's business
     from verifier_service.verifier import LocalVerifier
@@ -213,13 +214,14 @@ class StepLoop:
         """``max_batch_tokens``: rows of one forward (prompt chunks fill what the trees leave); ``max_waiting``:
         sessions waiting for KV blocks before the next is refused; ``max_wait_ms``: the longest wait for a
         straggling Verify; ``costs``: the forward's measured costs (``LocalVerifier.profile_costs``), which the
-        orchestrator's load-aware policy sizes trees with (None: not measured, trees not capped by load);
+        orchestrator's load-aware policy sizes trees with (None: not measured, trees not capped by load), kept
+        as ``self.costs``, a ``StepCosts`` refitted to the steps this loop runs (verifier_service/costs.py);
         ``driver``: the requests stepped without calls (at most one; None: calls only)."""
         if max_batch_tokens < 1 or max_waiting < 0:
             raise ValueError(f"max_batch_tokens must be >= 1 and max_waiting >= 0, got {max_batch_tokens}, "
                              f"{max_waiting}")
         self.verifier = verifier
-        self.costs = costs
+        self.costs = None if costs is None else costs if isinstance(costs, StepCosts) else StepCosts(costs)
         self.driver = driver
         self.info = verifier.info
         self.max_tree_nodes = verifier.max_tree_nodes
@@ -244,7 +246,9 @@ class StepLoop:
         self._resuming: set[str] = set()
         self._parked: dict[str, tuple[TokenTree, Future]] = {}
         self._owners: dict[str, SessionOwner] = {}
-        self._no_wait: set[str] = set()  # sessions whose pending Verify ends instead of waiting if preempted
+        # the Verifys (their futures) that end instead of waiting if their session is preempted: per call, not per
+        # session, as the call that ended so may be sent again before the step that ended it is over
+        self._no_wait: set[Future] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -294,7 +298,7 @@ class StepLoop:
                 else:
                     self._verifies[session_id] = (tree, future)
                     if not wait_if_preempted:
-                        self._no_wait.add(session_id)
+                        self._no_wait.add(future)
                 futures.append(future)
             self._cond.notify()
         return futures
@@ -447,6 +451,7 @@ class StepLoop:
                 for calls in (self._verifies, self._parked):
                     _, verify = calls.pop(session_id, (None, None))
                     if verify is not None:
+                        self._no_wait.discard(verify)
                         _settle(verify, exc=exc)
                 self._forget(session_id)
         for owner, exc in gone:
@@ -473,8 +478,8 @@ class StepLoop:
     def _steppable_calls(self) -> bool:
         """Under the lock: a caller's Verify (new, or parked while its session was preempted) can step, or one that
         does not wait for its preempted session has to be answered."""
-        return any(sid not in self._paused and sid not in self._resuming or sid in self._no_wait
-                   for calls in (self._verifies, self._parked) for sid in calls)
+        return any(sid not in self._paused and sid not in self._resuming or future in self._no_wait
+                   for calls in (self._verifies, self._parked) for sid, (_, future) in calls.items())
 
     def _fits(self, blocks: int) -> bool:
         """Whether ``blocks`` are free with the watermark to spare (all of them when no session holds any)."""
@@ -577,13 +582,15 @@ class StepLoop:
             if out:
                 rows = sum(tree.num_nodes + 1 for _, tree in stepping)
             self.stats.record(seconds, len(stepping), rows, len(prefills), chunk_tokens, len(firsts))
+            if self.costs is not None and not prefills:  # (a prompt chunk's rows cost what the line does not model)
+                self.costs.observe(len(stepping), rows, seconds)
         if out:  # the preempted sessions' results: their trees step again once they resume
             ran = iter(results)
             results = [_PREEMPTED if sid in out else next(ran) for sid, _ in verifies]
         if self.driver is not None:
             self.driver.commit(results[: len(driven)])
         for (session_id, (tree, future)), result in zip(calls.items(), results[len(driven) :], strict=True):
-            if result is _PREEMPTED and session_id not in self._no_wait:
+            if result is _PREEMPTED and future not in self._no_wait:
                 with self._cond:
                     self._parked[session_id] = (tree, future)
             elif isinstance(result, Exception):
@@ -592,7 +599,7 @@ class StepLoop:
                 _settle(future, result)
         if self._no_wait:
             with self._cond:
-                self._no_wait.difference_update(calls)
+                self._no_wait.difference_update(future for _, future in calls.values())
         self._prefilled(prefills, firsts)
         self._resumed(prefills)
 
@@ -604,14 +611,16 @@ class StepLoop:
         for sid in calls:
             del self._parked[sid]
         for sid, (tree, future) in list(self._verifies.items()):
-            if sid in waiting and sid in self._no_wait:  # preempted: its caller sends it again later
+            if sid in waiting and future in self._no_wait:  # preempted: its caller sends it again later
                 del self._verifies[sid]
-                self._no_wait.discard(sid)
+                self._no_wait.discard(future)
                 _settle(future, exc=_PREEMPTED)
             elif sid not in waiting:
                 del self._verifies[sid]
                 if _claim(future):
                     calls[sid] = (tree, future)
+                else:  # its caller cancelled it
+                    self._no_wait.discard(future)
         return calls
 
     def _make_room(self, verifies: Sequence[tuple[str, TokenTree]], prefills: Sequence[str]) -> set[str]:
@@ -660,7 +669,6 @@ class StepLoop:
         self._paused.pop(session_id, None)
         self._resuming.discard(session_id)
         self._owners.pop(session_id, None)
-        self._no_wait.discard(session_id)
 
     def _prefilled(self, prefills: list[str], firsts: dict[str, int] | Exception) -> None:
         """Tell the owners of the step's prompt chunks whose prefill finished (or failed with the step)."""
@@ -698,5 +706,6 @@ class StepLoop:
         self._prefilling.clear()
         self._verifies.clear()
         self._parked.clear()
+        self._no_wait.clear()
         self._releases.clear()
         self._soon.clear()

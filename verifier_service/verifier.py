@@ -61,6 +61,7 @@ from verifier_service.arguments import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_PREFILL_CHUNK,
 )
+from verifier_service.costs import fit_verify_costs
 from verifier_service.decisions import Decisions, HostCopy, Item, packed_runs
 from verifier_service.lookahead import (
     LookaheadConfig,
@@ -136,22 +137,6 @@ def served_positions(model_positions: int, num_blocks: int, block_size: int, max
         raise ValueError(f"a KV pool of {num_blocks} blocks of {block_size} tokens cannot hold one request with "
                          f"a tree of {max_tree_nodes} nodes; raise --kv-cache-gb")
     return min(model_positions, fits)
-
-
-def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
-    """Least squares of seconds = base + per_session * sessions + per_row * rows over (sessions, rows,
-    seconds) points, each coefficient kept >= 0 (a negative one is dropped and the rest refitted)."""
-    data = np.asarray(points, np.float64)
-    columns = [np.ones(len(data)), data[:, 0], data[:, 1]]
-    keep = [0, 1, 2]
-    while True:
-        design = np.stack([columns[k] for k in keep], axis=1)
-        coef, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    values = dict.fromkeys(range(3), 0.0) | {k: max(0.0, float(c)) for k, c in zip(keep, coef, strict=True)}
-    return VerifyCosts(values[0], values[1], values[2])
 
 
 log = logging.getLogger(__name__)
