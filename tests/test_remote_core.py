@@ -20,10 +20,12 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import make_proposer
 from orchestrator.core import EngineCore
 from orchestrator.drafter_link import only
-from orchestrator.policy import StaticPolicy
+from orchestrator.policy import StaticPolicy, load_aware
 from orchestrator.requests import Method
 from specmesh import rpc
+from specmesh.contract import VerifyCosts
 from specmesh.v1 import verifier_pb2_grpc
+from verifier_service.costs import ReportedCosts
 from verifier_service.remote import VerifierClient
 from verifier_service.server import VerifierServicer
 from verifier_service.step_loop import StepLoop
@@ -80,6 +82,37 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
 
+
+
+def test_a_replicas_callers_follow_its_refitted_costs(model_sets, ar_reference):
+    """A replica refits its profiled costs to its steps (``StepCosts``) and reports the current fit in every
+    VerifyBatch answer; its client holds it as one ``ReportedCosts`` that the engine core's load-aware policies
+    keep, so they follow the refits (here from a profile far off: a second a step) without asking ``Info`` again."""
+    runner = model_sets("cyclic").runner("target", "fast")
+    profile = VerifyCosts(1.0, 0.0, 1e-3)
+    step_loop = StepLoop(LocalVerifier(runner), costs=profile)
+    server = ServerThread(VerifierServicer(step_loop))
+    client = VerifierClient(server.address, rpc.Security(), call_timeout=30)
+    core = None
+    try:
+        client.fetch_info(timeout=30)
+        assert isinstance(client.costs, ReportedCosts) and client.costs.current == profile
+        core = EngineCore(client)
+        assert core.costs is client.costs and load_aware(StaticPolicy(4, 4), core.costs).costs is client.costs
+        method, _, _ = method_of("prompt_lookup_tree")
+        outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        assert step_loop.costs.observed >= step_loop.costs.refit_every
+        # the last answer's fit (answers of steps in flight together may land out of order: not always the newest)
+        for costs in (step_loop.costs, client.costs):
+            assert costs.current != profile and costs.seconds(2, 4) < 0.5 * profile.seconds(2, 4)
+    finally:
+        if core is not None:
+            core.close()
+        client.close()
+        server.stop()
+        step_loop.close()
 
 @pytest.mark.parametrize("replica", [CountingReplica, OlderReplica])
 @pytest.mark.parametrize("proposer", [None, "prompt_lookup_tree"])

@@ -11,9 +11,11 @@ against the whole step's time, so a wrong line sizes every tree wrong.
 
 ``StepCosts`` keeps the profile and refits it every ``refit_every`` steps to the last ``window`` steps that ran
 no prompt chunk (a chunk's rows cost what the line does not model): two factors, one on the profile's fixed and
-per-session part and one on its per-row part (``refit_costs``), shrunk lightly towards 1 (``prior_weight``). Where the verifier has run, its steps decide the step's time and, where their rows vary,
-a row's cost; the profile's shape carries that to batch sizes not seen. Steps are observed on the verifier's loop thread and read there (and on the engine
-core's drafting thread: a refit swaps one immutable ``VerifyCosts``).
+per-session part and one on its per-row part (``refit_costs``), shrunk lightly towards 1 (``prior_weight``). Where
+the verifier has run, its steps decide the step's time and, where their rows vary, a row's cost; the profile's
+shape carries that to batch sizes not seen. A replica reports its current fit in every VerifyBatch answer, and its
+callers hold it as ``ReportedCosts``. Both are ``LiveCosts``: policies keep the object, and a refit swaps its one
+immutable ``VerifyCosts`` (steps are observed on the loop's thread; the engine core's drafting thread reads too).
 """
 
 from __future__ import annotations
@@ -74,29 +76,13 @@ def refit_costs(profile: VerifyCosts, steps: Sequence[tuple[int, int, float]], p
     return VerifyCosts(a * profile.base, a * profile.per_session, float(b) * profile.per_row)
 
 
-class StepCosts:
-    """A verifier's forward costs: the start-up ``profile`` refitted to its recent steps (module doc). Reads like
-    a ``VerifyCosts`` (``seconds``, ``base``, ``per_session``, ``per_row``: the current fit's)."""
+class LiveCosts:
+    """Forward costs that change while they are held (a policy keeps the object, not a copy): reads like a
+    ``VerifyCosts`` (``seconds``, ``base``, ``per_session``, ``per_row``: ``current``'s), and a change swaps
+    ``current`` for another immutable ``VerifyCosts``, so a reader on another thread sees one fit or the other."""
 
-    def __init__(self, profile: VerifyCosts, window: int = 256, refit_every: int = 16,
-                 prior_weight: float = 0.01) -> None:
-        self.profile = profile
-        self.current = profile
-        self.refit_every, self.prior_weight = refit_every, prior_weight
-        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self._since = 0
-        self.observed = 0  # steps observed in all
-
-    def observe(self, sessions: int, rows: int, seconds: float) -> None:
-        """A step that verified ``rows`` rows of ``sessions`` sessions (no prompt chunk) in ``seconds``."""
-        if sessions < 1 or rows < sessions or not seconds > 0:
-            return
-        self._steps.append((sessions, rows, seconds))
-        self.observed += 1
-        self._since += 1
-        if self._since >= self.refit_every:
-            self._since = 0
-            self.current = refit_costs(self.profile, self._steps, self.prior_weight)
+    def __init__(self, costs: VerifyCosts) -> None:
+        self.current = costs
 
     def seconds(self, sessions: int, rows: int) -> float:
         return self.current.seconds(sessions, rows)
@@ -114,4 +100,39 @@ class StepCosts:
         return self.current.per_row
 
     def __repr__(self) -> str:
+        return f"{type(self).__name__}(current={self.current})"
+
+
+class StepCosts(LiveCosts):
+    """A verifier's forward costs: the start-up ``profile`` refitted to its recent steps (module doc)."""
+
+    def __init__(self, profile: VerifyCosts, window: int = 256, refit_every: int = 16,
+                 prior_weight: float = 0.01) -> None:
+        super().__init__(profile)
+        self.profile = profile
+        self.refit_every, self.prior_weight = refit_every, prior_weight
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._since = 0
+        self.observed = 0  # steps observed in all
+
+    def observe(self, sessions: int, rows: int, seconds: float) -> None:
+        """A step that verified ``rows`` rows of ``sessions`` sessions (no prompt chunk) in ``seconds``."""
+        if sessions < 1 or rows < sessions or not seconds > 0:
+            return
+        self._steps.append((sessions, rows, seconds))
+        self.observed += 1
+        self._since += 1
+        if self._since >= self.refit_every:
+            self._since = 0
+            self.current = refit_costs(self.profile, self._steps, self.prior_weight)
+
+    def __repr__(self) -> str:
         return f"StepCosts(current={self.current}, profile={self.profile}, observed={self.observed})"
+
+
+class ReportedCosts(LiveCosts):
+    """A replica's forward costs as its callers hold them: what its ``Info`` said, then what each of its VerifyBatch
+    answers says (its ``StepCosts``' current fit: ``update``)."""
+
+    def update(self, costs: VerifyCosts) -> None:
+        self.current = costs

@@ -35,6 +35,7 @@ from specmesh.wire import (
     sampling_to_proto,
     tree_to_proto,
 )
+from verifier_service.costs import ReportedCosts
 
 log = logging.getLogger("specmesh.remote_verifier")
 RELEASE_TIMEOUT = 5.0  # Release runs even after the request's deadline passed
@@ -47,7 +48,7 @@ class VerifierClient(rpc.ReplicaChannel):
                          [(VERIFIER_SERVICE, "Info"), (VERIFIER_SERVICE, "Release")])
         self.call_timeout = call_timeout
         self.info: ModelInfo | None = None
-        self.costs: VerifyCosts | None = None  # the replica's measured forward costs (load-aware trees)
+        self.costs: ReportedCosts | None = None  # the replica's measured forward costs (load-aware trees)
 
     def fetch_info(self, timeout: float) -> verifier_pb2.VerifierInfo:
         """Wait up to ``timeout`` s for the replica to come up; remembers its ModelInfo."""
@@ -57,9 +58,19 @@ class VerifierClient(rpc.ReplicaChannel):
         except grpc.RpcError as exc:
             raise rpc.UpstreamError(f"verifier {self.address}", exc.code(), exc.details()) from None
         self.info = ModelInfo(msg.vocab_size, msg.max_positions, tuple(msg.eos_token_ids))
-        measured = msg.cost_base_s or msg.cost_per_session_s or msg.cost_per_row_s
-        self.costs = VerifyCosts(msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s) if measured else None
+        self.note_costs(msg)
         return msg
+
+    def note_costs(self, msg: verifier_pb2.VerifierInfo | verifier_pb2.VerifyBatchResponse) -> None:
+        """The replica's forward costs as ``msg`` reports them (its refitted ``StepCosts``), into ``self.costs``: the
+        object its callers' load-aware policies hold. Nothing when it reports none (not measured)."""
+        if not (msg.cost_base_s or msg.cost_per_session_s or msg.cost_per_row_s):
+            return
+        costs = VerifyCosts(msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s)
+        if self.costs is None:
+            self.costs = ReportedCosts(costs)
+        else:
+            self.costs.update(costs)
 
     def bind(self, deadline: float | None) -> RemoteVerifier:
         if self.info is None:
@@ -122,7 +133,9 @@ class RemoteVerifier:
         return verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree), trace_context=trace_context)
 
     def batch_results(self, msg: verifier_pb2.VerifyBatchResponse, num_items: int) -> list[VerifyResult | Exception]:
-        """A VerifyBatch's answers in its items' order: each a result, or what that item's failure stands for."""
+        """A VerifyBatch's answers in its items' order: each a result, or what that item's failure stands for. The
+        replica's costs it reports go to the client (``note_costs``)."""
+        self.client.note_costs(msg)
         if len(msg.items) != num_items:
             exc = rpc.UpstreamError(f"verifier {self.client.address}", grpc.StatusCode.INTERNAL,
                                     f"VerifyBatch answered {len(msg.items)} items of {num_items}")

@@ -214,6 +214,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         waits = [tree if isinstance(tree, Exception) else next(futures) for tree in trees]
         results = await asyncio.gather(*(_outcome(w) for w in waits))
         response = verifier_pb2.VerifyBatchResponse()
+        if (costs := self.verifier.costs) is not None:  # the current fit: the callers' policies follow it
+            response.cost_base_s, response.cost_per_session_s, response.cost_per_row_s = (
+                costs.base, costs.per_session, costs.per_row)
         for key, item, tree, result in zip(keys, request.items, trees, results, strict=True):
             outcome = response.items.add()
             span = tracing.remote_span(item.trace_context, VERIFY_ITEM_SPAN, arrived_ns,

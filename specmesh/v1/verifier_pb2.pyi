@@ -65,10 +65,16 @@ class VerifyOutcome(_message.Message):
     def __init__(self, result: _Optional[_Union[VerifyResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VerifyBatchResponse(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "cost_base_s", "cost_per_session_s", "cost_per_row_s")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COST_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_SESSION_S_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_ROW_S_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyOutcome]
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ...) -> None: ...
+    cost_base_s: float
+    cost_per_session_s: float
+    cost_per_row_s: float
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ..., cost_base_s: _Optional[float] = ..., cost_per_session_s: _Optional[float] = ..., cost_per_row_s: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted_nodes", "tokens", "seconds", "feedback", "batch_sessions", "features", "logprobs")
