@@ -30,15 +30,13 @@ from specmesh.contract import VerifyCosts
 MAX_FACTOR = 8.0  # the refit scales the profile's parts by at most this either way (``refit_costs``)
 
 
-def fit_verify_costs(points: Sequence[tuple[int, int, float]], weights: Sequence[float] | None = None) -> VerifyCosts:
+def fit_verify_costs(points: Sequence[tuple[int, int, float]]) -> VerifyCosts:
     """Least squares of seconds = base + per_session * sessions + per_row * rows over (sessions, rows, seconds)
-    points (each weighted by ``weights``, default 1), every coefficient >= 0: the best fit over the subsets of
-    coefficients left free (the rest 0) whose free ones come out >= 0 (exact non-negative least squares for three
-    unknowns)."""
+    points, every coefficient >= 0: the best fit over the subsets of coefficients left free (the rest 0) whose
+    free ones come out >= 0 (exact non-negative least squares for three unknowns)."""
     data = np.asarray(points, np.float64)
-    scale = np.sqrt(np.ones(len(data)) if weights is None else np.asarray(weights, np.float64))
-    design = np.stack([np.ones(len(data)), data[:, 0], data[:, 1]], axis=1) * scale[:, None]
-    target = data[:, 2] * scale
+    design = np.stack([np.ones(len(data)), data[:, 0], data[:, 1]], axis=1)
+    target = data[:, 2]
     best, best_error = np.zeros(3), float(target @ target)
     for free in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]):
         coef, *_ = np.linalg.lstsq(design[:, free], target, rcond=None)
@@ -57,8 +55,9 @@ def refit_costs(profile: VerifyCosts, steps: Sequence[tuple[int, int, float]], p
     of seconds = a (base + per_session * sessions) + b per_row * rows over ``steps`` (sessions, rows, seconds),
     with a and b shrunk towards 1 (each as if ``prior_weight`` steps of the profile's mean predicted time had
     said so) and kept within [1 / max_factor, max_factor]. Steps of one size fix the total there and, through
-    the prior, scale both parts alike; steps whose rows vary at a batch size fix the slope too. The profile's
-    shape carries the correction to batch sizes not seen."""
+    the prior, move both factors the same way (each in proportion to its part's share of the step); steps whose
+    rows vary at a batch size fix the slope too. The profile's shape carries the correction to batch sizes not
+    seen."""
     if not steps:
         return profile
     data = np.asarray(steps, np.float64)
