@@ -839,8 +839,8 @@ class FastLlamaRunner(ModelRunner):
         weights = [w for _, qkv_w, _, o_w, _, _, gate_up, down in self.layers for w in (qkv_w, o_w, gate_up, down)]
         self.packed = mode != "frozen" and _packs_products(self.device, self.dtype) and pack_weights(
             weights + [self.lm_head])
-        # float32 copies of the layers' weights where some products run through float32 (``_FLOAT32``); not under
-        # --compile on, whose compiled layers multiply in the weights' own dtype
+        # float32 copies of the layers' and the output layer's weights where some products run through float32
+        # (``_FLOAT32``); not under --compile on, whose compiled layers multiply in the weights' own dtype
         self.float32_copies = mode != "on" and _upcasts_products(self.device, self.dtype) and keep_float32_copies(
             weights + [self.lm_head])
         self._kernels = self._load_kernels() if self.attention == "triton" else None

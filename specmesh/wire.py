@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specmesh.contract import Budget, TokenLogprobs
+from specmesh.contract import Budget, TokenLogprobs, VerifyCosts
 from specmesh.feedback import DraftFeedback, TargetFeatures, VerifyFeedback
 from specmesh.sampling import DEFAULT_MJSD_THRESHOLD, SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
@@ -146,6 +146,20 @@ def budget_from_proto(msg: common_pb2.Budget, now: float) -> Budget:
         raise ValueError(f"budget timeout_ms must be >= 0 (0 = no deadline), got {msg.timeout_ms}")
     deadline = now + msg.timeout_ms / 1000.0 if msg.timeout_ms > 0 else None
     return Budget(msg.max_nodes, msg.max_depth, deadline, msg.min_path_prob)
+
+
+# --------------------------------------------------------------------- costs
+def costs_into_proto(costs: VerifyCosts | None, msg: verifier_pb2.VerifierInfo | verifier_pb2.VerifyBatchResponse) -> None:
+    """A replica's forward costs into ``msg``'s ``cost_*_s`` fields (left 0, "not measured", when ``costs`` is None)."""
+    if costs is not None:
+        msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s = costs.base, costs.per_session, costs.per_row
+
+
+def costs_from_proto(msg: verifier_pb2.VerifierInfo | verifier_pb2.VerifyBatchResponse) -> VerifyCosts | None:
+    """The forward costs ``msg`` reports; None when it reports none (every field 0: not measured)."""
+    if not (msg.cost_base_s or msg.cost_per_session_s or msg.cost_per_row_s):
+        return None
+    return VerifyCosts(msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s)
 
 
 # ------------------------------------------------------------------ feedback

@@ -22,16 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from spec_helpers import greedy
 from test_engine_core import MAX_NEW, PROMPTS, Collect, assert_idle, method_of, run_all
-from test_remote_core import ServerThread
+from test_remote_core import replica_core
 
 from drafter_service.proposer import proposer_names, proposer_spec
 from orchestrator.core import EngineCore
-from specmesh import rpc
 from specmesh.contract import SessionPreemptedError
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
-from verifier_service.remote import VerifierClient
-from verifier_service.server import VerifierServicer
 from verifier_service.step_loop import StepLoop
 from verifier_service.verifier import LocalVerifier
 
@@ -124,23 +121,12 @@ def test_a_replicas_callers_equal_ar_under_preemption(model_sets, ar_reference):
     its AR greedy output."""
     runner = model_sets("cyclic").runner("target", "fast")
     step_loop = StepLoop(small_verifier(runner))
-    server = ServerThread(VerifierServicer(step_loop))
-    client = VerifierClient(server.address, rpc.Security(), call_timeout=60)
-    core = None
-    try:
-        client.fetch_info(timeout=30)
-        core = EngineCore(client)
+    with replica_core(step_loop, call_timeout=60) as (_, core):
         for proposer in (None, "prompt_lookup_tree"):
             outputs = run_all(core, method_of(proposer)[0], PROMPTS, greedy(MAX_NEW), stagger=0.0)
             for prompt, out in zip(PROMPTS, outputs, strict=True):
                 assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW), proposer
         assert step_loop.stats.preemptions > 0, "the replica's pool never ran short"
-    finally:
-        if core is not None:
-            core.close()
-        client.close()
-        server.stop()
-        step_loop.close()
     allocator = step_loop.verifier.allocator
     assert allocator.num_free == allocator.num_blocks
 

@@ -8,8 +8,10 @@ A remote drafter that is late holds back its own request only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import Counter
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -83,6 +85,26 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
+@contextlib.contextmanager
+def replica_core(step_loop: StepLoop, servicer: VerifierServicer | None = None,
+                 call_timeout: float = 30) -> Iterator[tuple[VerifierClient, EngineCore]]:
+    """An engine core over ``step_loop`` served by ``servicer`` (a plain ``VerifierServicer`` by default) on a
+    replica in this process: yields its (client, core), and closes the core, the client, the server and the step loop
+    after, whatever happened."""
+    server = ServerThread(servicer or VerifierServicer(step_loop))
+    client = VerifierClient(server.address, rpc.Security(), call_timeout=call_timeout)
+    core = None
+    try:
+        client.fetch_info(timeout=30)
+        core = EngineCore(client)
+        yield client, core
+    finally:
+        if core is not None:
+            core.close()
+        client.close()
+        server.stop()
+        step_loop.close()
+
 
 def test_a_replicas_callers_follow_its_refitted_costs(model_sets, ar_reference):
     """A replica refits its profiled costs to its steps (``StepCosts``) and reports the current fit in every
@@ -91,13 +113,8 @@ def test_a_replicas_callers_follow_its_refitted_costs(model_sets, ar_reference):
     runner = model_sets("cyclic").runner("target", "fast")
     profile = VerifyCosts(1.0, 0.0, 1e-3)
     step_loop = StepLoop(LocalVerifier(runner), costs=profile)
-    server = ServerThread(VerifierServicer(step_loop))
-    client = VerifierClient(server.address, rpc.Security(), call_timeout=30)
-    core = None
-    try:
-        client.fetch_info(timeout=30)
+    with replica_core(step_loop) as (client, core):
         assert isinstance(client.costs, ReportedCosts) and client.costs.current == profile
-        core = EngineCore(client)
         assert core.costs is client.costs and load_aware(StaticPolicy(4, 4), core.costs).costs is client.costs
         method, _, _ = method_of("prompt_lookup_tree")
         outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
@@ -107,12 +124,7 @@ def test_a_replicas_callers_follow_its_refitted_costs(model_sets, ar_reference):
         # the last answer's fit (answers of steps in flight together may land out of order: not always the newest)
         for costs in (step_loop.costs, client.costs):
             assert costs.current != profile and costs.seconds(2, 4) < 0.5 * profile.seconds(2, 4)
-    finally:
-        if core is not None:
-            core.close()
-        client.close()
-        server.stop()
-        step_loop.close()
+
 
 @pytest.mark.parametrize("replica", [CountingReplica, OlderReplica])
 @pytest.mark.parametrize("proposer", [None, "prompt_lookup_tree"])
@@ -120,12 +132,7 @@ def test_remote_core_steps_in_one_call_and_equals_ar(model_sets, ar_reference, r
     runner = model_sets("cyclic").runner("target", "fast")
     step_loop = StepLoop(LocalVerifier(runner))
     servicer = replica(step_loop)
-    server = ServerThread(servicer)
-    client = VerifierClient(server.address, rpc.Security(), call_timeout=30)
-    core = None
-    try:
-        client.fetch_info(timeout=30)
-        core = EngineCore(client)
+    with replica_core(step_loop, servicer) as (_, core):
         method, _, _ = method_of(proposer)
         outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
         for prompt, out in zip(PROMPTS, outputs, strict=True):
@@ -139,12 +146,6 @@ def test_remote_core_steps_in_one_call_and_equals_ar(model_sets, ar_reference, r
         else:  # asked once (the steps ready meanwhile wait for the answer), then one Verify per request and step
             assert servicer.calls["VerifyBatch"] == 1
             assert servicer.calls["Verify"] == request_steps
-    finally:
-        if core is not None:
-            core.close()
-        client.close()
-        server.stop()
-        step_loop.close()
 
 
 class GatedDrafter:
@@ -178,18 +179,15 @@ def test_a_late_remote_tree_holds_no_other_request(model_sets, ar_reference, ove
     output. (The steps used to move together: every one waited for the late tree, up to the drafter's deadline.)"""
     runner = model_sets("cyclic").runner("target", "fast")
     step_loop = StepLoop(LocalVerifier(runner))
-    server = ServerThread(CountingReplica(step_loop))
-    client = VerifierClient(server.address, rpc.Security(), call_timeout=30)
     gate = threading.Event()
     policy = StaticPolicy(8, 8)
 
     def method(drafter) -> Method:  # as serve runs remote drafters: on the drafting pool
         return Method(only(drafter, "remote"), policy, strict=True, overlap=overlap, background=True)
 
-    core = None
-    try:
-        client.fetch_info(timeout=30)
-        core = EngineCore(client)
+    with contextlib.ExitStack() as stack:
+        stack.callback(gate.set)  # first of all on the way out: a failed assertion leaves no proposal waiting
+        _, core = stack.enter_context(replica_core(step_loop, CountingReplica(step_loop)))
         gated = GatedDrafter(LocalDrafter(make_proposer("prompt_lookup_tree")), gate, held)
         slow = Collect()
         core.submit(PROMPTS[0], greedy(MAX_NEW), method(gated), slow)
@@ -206,10 +204,3 @@ def test_a_late_remote_tree_holds_no_other_request(model_sets, ar_reference, ove
             assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
             assert not any(s.draft_error for s in out.result.stats.steps)
         assert any(s.num_accepted for out in fast for s in out.result.stats.steps)  # speculation ran
-    finally:
-        gate.set()
-        if core is not None:
-            core.close()
-        client.close()
-        server.stop()
-        step_loop.close()

@@ -20,7 +20,6 @@ from specmesh.contract import (
     SessionPreemptedError,
     TokenLogprobs,
     UnknownSessionError,
-    VerifyCosts,
     VerifyResult,
 )
 from specmesh.feedback import TargetFeatures
@@ -29,6 +28,7 @@ from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import (
     VERIFIER_SERVICE,
+    costs_from_proto,
     features_from_proto,
     feedback_from_proto,
     logprobs_from_proto,
@@ -64,9 +64,8 @@ class VerifierClient(rpc.ReplicaChannel):
     def note_costs(self, msg: verifier_pb2.VerifierInfo | verifier_pb2.VerifyBatchResponse) -> None:
         """The replica's forward costs as ``msg`` reports them (its refitted ``StepCosts``), into ``self.costs``: the
         object its callers' load-aware policies hold. Nothing when it reports none (not measured)."""
-        if not (msg.cost_base_s or msg.cost_per_session_s or msg.cost_per_row_s):
+        if (costs := costs_from_proto(msg)) is None:
             return
-        costs = VerifyCosts(msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s)
         if self.costs is None:
             self.costs = ReportedCosts(costs)
         else:

@@ -38,6 +38,7 @@ from specmesh.tree import InvalidTreeError, TokenTree
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import (
     VERIFIER_SERVICE,
+    costs_into_proto,
     features_to_proto,
     feedback_to_proto,
     logprobs_to_proto,
@@ -214,9 +215,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         waits = [tree if isinstance(tree, Exception) else next(futures) for tree in trees]
         results = await asyncio.gather(*(_outcome(w) for w in waits))
         response = verifier_pb2.VerifyBatchResponse()
-        if (costs := self.verifier.costs) is not None:  # the current fit: the callers' policies follow it
-            response.cost_base_s, response.cost_per_session_s, response.cost_per_row_s = (
-                costs.base, costs.per_session, costs.per_row)
+        costs_into_proto(self.verifier.costs, response)  # the current fit: the callers' policies follow it
         for key, item, tree, result in zip(keys, request.items, trees, results, strict=True):
             outcome = response.items.add()
             span = tracing.remote_span(item.trace_context, VERIFY_ITEM_SPAN, arrived_ns,
@@ -253,7 +252,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.ReleaseResponse()
 
     async def Info(self, request, context):
-        info, costs = self.verifier.info, self.verifier.costs
+        info = self.verifier.info
         allocator = self.verifier.verifier.allocator
         msg = verifier_pb2.VerifierInfo(
             vocab_size=info.vocab_size,
@@ -267,8 +266,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             kv_block_size=allocator.block_size,
             num_waiting=self.verifier.num_waiting,
         )
-        if costs is not None:
-            msg.cost_base_s, msg.cost_per_session_s, msg.cost_per_row_s = costs.base, costs.per_session, costs.per_row
+        costs_into_proto(self.verifier.costs, msg)
         return msg
 
     # -------------------------------------------------------------- internals
