@@ -50,6 +50,7 @@ from specmesh.tree import TokenTree
 
 SYNC_TAIL = 64  # a context edit is assumed to touch at most this many last tokens before a full compare
 WALK_BELOW = 16  # match lengths of fewer candidates are walked on the host (match_lengths)
+GROUP_ON_HOST_BELOW = 64  # fewer candidates are ranked and grouped in Python (numpy's calls cost more there)
 
 
 # ------------------------------------------------------------------ pure core
@@ -109,6 +110,9 @@ def copy_continuations(
 
 def rank_candidates(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Candidate order: longest match first, then most recent. [num_candidates] indices."""
+    if ends.shape[0] < GROUP_ON_HOST_BELOW:
+        keys = list(zip(lengths.tolist(), ends.tolist(), strict=True))
+        return np.asarray(sorted(range(len(keys)), key=lambda i: keys[i], reverse=True), np.int64)
     return np.lexsort((-ends, -lengths))
 
 
@@ -118,6 +122,16 @@ def group_continuations(
 ) -> tuple[np.ndarray, np.ndarray]:  # [num_distinct, depth] int64, [num_distinct] float64
     """The distinct continuations in order of their best-ranked candidate, each with its candidates'
     summed weight (a loop copied from hundreds of earlier periods is one continuation)."""
+    if conts.shape[0] < GROUP_ON_HOST_BELOW:  # a dict keeps the first-seen order and sums in it, as bincount does
+        groups: dict[tuple[int, ...], list] = {}
+        for i, (row, weight) in enumerate(zip(conts.tolist(), weights.tolist(), strict=True)):
+            group = groups.get(key := tuple(row))
+            if group is None:
+                groups[key] = [i, weight]
+            else:
+                group[1] += weight
+        firsts, sums = zip(*groups.values(), strict=True) if groups else ((), ())
+        return conts[list(firsts)].reshape(len(firsts), conts.shape[1]), np.asarray(sums, np.float64)
     conts = np.ascontiguousarray(conts)
     keys = conts.view(np.dtype((np.void, conts.dtype.itemsize * conts.shape[1]))).ravel()
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from drafter_service.proposer import DraftSessionState, Proposer, make_proposer, proposer_names, proposer_spec
-from drafter_service.tree_builders import best_paths_tree
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
 from specmesh.tree import TokenTree
@@ -66,15 +65,46 @@ class AcceptanceCalibration:
         h, t = (hits[b], self._trials[source][b]) if hits is not None else (0.0, 0.0)
         return (h + self.prior_weight * draft_prob) / (t + self.prior_weight)
 
+    def estimates(self, sources: Sequence[str], draft_probs: np.ndarray) -> np.ndarray:
+        """``estimate`` of every node at once: [n] sources (or () = all ""), [n] draft probabilities -> [n]."""
+        probs = np.clip(np.asarray(draft_probs, np.float64), 0.0, 1.0)
+        n = probs.shape[0]
+        names = set(sources) if sources else {""}
+        out = np.empty(n)
+        for source in names:
+            where = slice(None) if len(names) == 1 else np.asarray([s == source for s in sources])
+            p = probs[where]
+            hits = self._hits.get(source)
+            if hits is None:
+                h = t = 0.0
+            else:
+                b = np.minimum(self.buckets - 1, (p * self.buckets).astype(np.int64))
+                h, t = hits[b], self._trials[source][b]
+            out[where] = (h + self.prior_weight * p) / (t + self.prior_weight)
+        return out
+
     def observe(self, source: str, draft_prob: float, accepted: bool) -> None:
+        self.observe_many(source, [draft_prob], [accepted])
+
+    def observe_many(self, source: str, draft_probs: Sequence[float], accepted: Sequence[bool]) -> None:
+        """``observe`` of each (draft probability, outcome) in order, in one update: each observation forgets the
+        earlier ones by ``decay``, so the i-th of n weighs decay^(n-1-i) and the counts before all of them decay^n."""
+        n = len(draft_probs)
+        if not n:
+            return
         if source not in self._hits:
             self._hits[source], self._trials[source] = np.zeros(self.buckets), np.zeros(self.buckets)
-        hits, trials = self._hits[source], self._trials[source]
-        hits *= self.decay
-        trials *= self.decay
-        b = self._bucket(min(1.0, max(0.0, float(draft_prob))))
-        hits[b] += float(accepted)
-        trials[b] += 1.0
+        add_hits, add_trials = [0.0] * self.buckets, [0.0] * self.buckets
+        weight = 1.0
+        for prob, ok in zip(reversed(draft_probs), reversed(accepted), strict=True):  # the newest weighs 1
+            b = self._bucket(min(1.0, max(0.0, float(prob))))
+            add_trials[b] += weight
+            if ok:
+                add_hits[b] += weight
+            weight *= self.decay
+        for counts, added in ((self._hits[source], add_hits), (self._trials[source], add_trials)):
+            counts *= weight  # decay ** n
+            counts += added
 
     def table(self) -> dict[str, list[tuple[float, float]]]:
         """source -> per bucket (observed acceptance, weight of evidence); for logs and tests."""
@@ -104,29 +134,63 @@ def fuse_trees(trees: Sequence[TokenTree], calibration: AcceptanceCalibration, b
                min_score: float = 0.0) -> TokenTree:
     """Merge ``trees`` into one of at most ``budget.max_nodes`` nodes and ``budget.max_depth`` levels,
     keeping the nodes of highest estimated path acceptance (see the module docstring), none whose
-    estimate is below ``min_score`` or ``budget.min_path_prob``."""
+    estimate is below ``min_score`` or ``budget.min_path_prob``.
+
+    The union is a trie of integer nodes, numbered in first-seen order (so parents first), each keyed by
+    (parent node, token); the kept nodes are the best by (score, shallower, first seen), as
+    ``best_paths_tree`` ranks paths."""
     if budget.is_zero:
         return TokenTree.empty()
-    miss: dict[tuple[int, ...], float] = {}  # path -> P(every member proposing it is wrong), first-seen order
-    best: dict[tuple[int, ...], tuple[float, str]] = {}  # path -> (best member estimate, its source)
+    node_of: dict[tuple[int, int], int] = {}  # (parent node or -1, token) -> trie node
+    parent: list[int] = []  # per trie node
+    token: list[int] = []
+    depth: list[int] = []
+    miss: list[float] = []  # P(every member proposing it is wrong)
+    best: list[float] = []  # the best member estimate ...
+    best_source: list[str] = []  # ... and its source
     for tree in trees:
-        keys: list[tuple[int, ...]] = []
-        for i in range(tree.num_nodes):
-            parent = int(tree.parents[i])
-            key = (keys[parent] if parent >= 0 else ()) + (int(tree.tokens[i]),)
-            keys.append(key)
-            if len(key) > budget.max_depth:
+        n = tree.num_nodes
+        if not n:
+            continue
+        estimates = calibration.estimates(tree.sources, tree.draft_probs).tolist()
+        sources = tree.sources or ("",) * n
+        here = [-1] * n  # the tree's node -> its trie node
+        level = [0] * n
+        for i, (par, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
+            d = level[i] = level[par] + 1 if par >= 0 else 1
+            if d > budget.max_depth:
                 continue
-            source = tree.sources[i] if tree.sources else ""
-            est = calibration.estimate(source, float(tree.draft_probs[i]))
-            miss[key] = miss.get(key, 1.0) * (1.0 - est)
-            if est > best.get(key, (-1.0, ""))[0]:
-                best[key] = (est, source)
-    score: dict[tuple[int, ...], float] = {}
-    for key in sorted(miss, key=len):  # parents first
-        score[key] = (score[key[:-1]] if len(key) > 1 else 1.0) * (1.0 - miss[key])
-    scored = {key: (score[key], max(1e-6, 1.0 - m), best[key][1]) for key, m in miss.items()}
-    return best_paths_tree(scored, budget.max_nodes, max(min_score, budget.min_path_prob))
+            key = (here[par] if par >= 0 else -1, tok)
+            u = node_of.get(key)
+            if u is None:
+                u = node_of[key] = len(miss)
+                parent.append(key[0])
+                token.append(tok)
+                depth.append(d)
+                miss.append(1.0)
+                best.append(-1.0)
+                best_source.append("")
+            here[i] = u
+            est = estimates[i]
+            miss[u] *= 1.0 - est
+            if est > best[u]:
+                best[u], best_source[u] = est, sources[i]
+    if not miss:
+        return TokenTree.empty()
+    score = [0.0] * len(miss)
+    for u, (par, m) in enumerate(zip(parent, miss, strict=True)):  # parents first
+        score[u] = (score[par] if par >= 0 else 1.0) * (1.0 - m)
+    scores, depths = np.asarray(score), np.asarray(depth)
+    ranked = np.lexsort((np.arange(len(score)), depths, -scores))
+    kept = ranked[scores[ranked] >= max(min_score, budget.min_path_prob)][: budget.max_nodes]
+    kept = kept[np.lexsort((kept, depths[kept]))].tolist()  # parents first, as first seen within a level
+    new_index = {u: i for i, u in enumerate(kept)}
+    return TokenTree(
+        np.asarray([token[u] for u in kept], np.int64).reshape(len(kept)),
+        np.asarray([new_index[parent[u]] if parent[u] >= 0 else -1 for u in kept], np.int64).reshape(len(kept)),
+        np.asarray([max(1e-6, 1.0 - miss[u]) for u in kept], np.float64).reshape(len(kept)),
+        tuple(best_source[u] for u in kept),
+    )
 
 
 ANCHOR = 8  # committed tokens before a hypothesis compared too when checking a drafted tree still applies
@@ -181,6 +245,7 @@ class FusedProposer(Proposer):
         pending: deque[_Drafted] = state.scratch.setdefault(self.name, deque(maxlen=self.max_pending))
         keep: list[_Drafted] = []
         tokens = state.tokens
+        outcomes: dict[str, tuple[list[float], list[bool]]] = {}  # source -> its nodes' (draft probs, outcomes)
         for drafted in pending:
             lo = drafted.length - len(drafted.tail)
             if drafted.length > len(tokens) or tuple(tokens[lo : drafted.length]) != drafted.tail:
@@ -190,9 +255,13 @@ class FusedProposer(Proposer):
                 continue
             truth = tokens[drafted.length : committed]
             for tree in drafted.trees:
+                probs = tree.draft_probs
                 for node, accepted in tree_outcomes(tree, truth):
-                    source = tree.sources[node] if tree.sources else ""
-                    self.calibration.observe(source, float(tree.draft_probs[node]), accepted)
+                    probs_of, accepted_of = outcomes.setdefault(tree.sources[node] if tree.sources else "", ([], []))
+                    probs_of.append(float(probs[node]))
+                    accepted_of.append(accepted)
+        for source, (probs_of, accepted_of) in outcomes.items():  # each source's in order, in one update
+            self.calibration.observe_many(source, probs_of, accepted_of)
         pending.clear()
         pending.extend(keep)
 

@@ -48,9 +48,18 @@ class RankHitRates:
         self.hits = np.zeros(self.k + 1)
 
     def observe(self, rank: int | None) -> None:
-        self.hits *= self.decay
-        self.total = self.total * self.decay + 1.0
-        self.hits[self.k if rank is None else rank] += 1.0
+        self.observe_many([rank])
+
+    def observe_many(self, ranks: list[int | None]) -> None:
+        """``observe`` each rank in order, in one update (the i-th of n weighs decay^(n-1-i))."""
+        added = [0.0] * (self.k + 1)
+        weight = 1.0
+        for rank in reversed(ranks):  # the newest weighs 1
+            added[self.k if rank is None else rank] += weight
+            weight *= self.decay
+        self.total = self.total * weight + sum(self.decay**i for i in range(len(ranks)))
+        self.hits *= weight  # decay ** n
+        self.hits += added
 
     def rates(self) -> np.ndarray:
         """[k] estimated hit rate per rank."""
@@ -64,7 +73,7 @@ class AdjacencyTable:
     def __init__(self, k: int, max_entries: int = 1 << 20) -> None:
         self.k = k
         self.max_entries = max_entries
-        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._rows: OrderedDict[int, list[int]] = OrderedDict()
         self.hit_rates = RankHitRates(k)
         self._lock = threading.Lock()
 
@@ -72,19 +81,26 @@ class AdjacencyTable:
         return len(self._rows)
 
     def get(self, token: int) -> np.ndarray | None:
+        """[k] the successors of ``token``, best first; None when it has no row."""
+        row = self._rows.get(token)
+        return None if row is None else np.asarray(row, np.int64)
+
+    def successors(self, token: int) -> list[int] | None:
+        """``get`` as the list the table keeps (read it, never change it)."""
         return self._rows.get(token)
 
     def update(self, inputs: np.ndarray, topk: np.ndarray) -> None:
         """inputs: [rows] the token of each verified row; topk: [rows, >= 1] the target's successors."""
-        topk = topk[:, : self.k]
+        rows_in = topk[:, : self.k].tolist()
         with self._lock:
-            for token, succ in zip(inputs.tolist(), topk, strict=True):
+            ranks: list[int | None] = []
+            for token, succ in zip(inputs.tolist(), rows_in, strict=True):
                 old = self._rows.get(token)
                 if old is not None:  # how well would the old entry have predicted the target's top-1?
-                    where = np.flatnonzero(old == succ[0])
-                    self.hit_rates.observe(int(where[0]) if where.size else None)
+                    ranks.append(old.index(succ[0]) if succ[0] in old else None)
                     self._rows.move_to_end(token)
-                self._rows[token] = succ.copy()
+                self._rows[token] = succ
+            self.hit_rates.observe_many(ranks)
             while len(self._rows) > self.max_entries:
                 self._rows.popitem(last=False)
 
@@ -102,10 +118,10 @@ def expand_tree(table: AdjacencyTable, last_token: int, budget: Budget, source: 
 
     def push_children(parent: int, token: int, score: float, depth: int) -> None:
         nonlocal tie
-        succ = table.get(token)
+        succ = table.successors(token)
         if succ is None or depth >= budget.max_depth:
             return
-        for rank, nxt in enumerate(succ.tolist()):
+        for rank, nxt in enumerate(succ):
             heapq.heappush(heap, (-score * rates[rank], tie, parent, depth, nxt, rank))
             tie += 1
 

@@ -25,7 +25,9 @@ from drafter_service.copy_proposer import (
     CopyIndex,
     CopyProposer,
     _match_lengths_walk,
+    group_continuations,
     match_lengths,
+    rank_candidates,
 )
 from drafter_service.proposer import DraftSessionState, make_proposer
 from specmesh.contract import Budget
@@ -260,3 +262,26 @@ def test_repeated_turn_is_copied_and_accepted():
     assert node_path(first_tree, first_tree.main_path()[-1]) == answer[1:9]  # the copy, proposed whole
     assert expected == answer and first.num_accepted == 8  # ... and accepted whole
     assert res.stats.tau > 6
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=3, max_size=3), st.integers(1, 8)), min_size=1,
+                max_size=80), st.data())
+def test_ranking_and_grouping_on_the_host_equal_numpys(rows, data):
+    """Below GROUP_ON_HOST_BELOW candidates the copy proposer ranks and groups them in Python: the same order,
+    continuations and summed weights as numpy's path, which serves more candidates."""
+    import drafter_service.copy_proposer as cp
+
+    conts = np.asarray([r for r, _ in rows], np.int64)
+    lengths = np.asarray([n for _, n in rows], np.int64)
+    ends = np.asarray(data.draw(st.permutations(range(100)))[: len(rows)], np.int64)
+    results = []
+    for below in (0, 1 << 30):  # numpy's path, then the host's
+        saved, cp.GROUP_ON_HOST_BELOW = cp.GROUP_ON_HOST_BELOW, below
+        try:
+            order = rank_candidates(ends, lengths)
+            results.append((order.tolist(), *(a.tolist() for a in group_continuations(conts[order],
+                                                                                      lengths[order].astype(float)))))
+        finally:
+            cp.GROUP_ON_HOST_BELOW = saved
+    assert results[0] == results[1]

@@ -17,7 +17,7 @@ from drafter_service.fusion import (
     tree_outcomes,
 )
 from drafter_service.proposer import DraftSessionState, Proposer
-from drafter_service.tree_builders import TreeBuilder
+from drafter_service.tree_builders import TreeBuilder, best_paths_tree
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
 from specmesh.sampling import SamplingParams
@@ -64,6 +64,75 @@ def test_fused_tree_keeps_the_best_scored_nodes_of_the_union(a, b, max_nodes, ma
 
     if got and union - got:
         assert min(score(p) for p in got) >= max(score(p) for p in union - got) - 1e-12
+
+
+def _fuse_by_paths(trees, calibration, budget, min_score=0.0):
+    """fuse_trees as it was first written (path tuples, one estimate at a time, ``best_paths_tree``): the
+    reference the trie version must equal node for node."""
+    if budget.is_zero:
+        return TokenTree.empty()
+    miss, best = {}, {}
+    for tree in trees:
+        keys = []
+        for i in range(tree.num_nodes):
+            parent = int(tree.parents[i])
+            key = (keys[parent] if parent >= 0 else ()) + (int(tree.tokens[i]),)
+            keys.append(key)
+            if len(key) > budget.max_depth:
+                continue
+            source = tree.sources[i] if tree.sources else ""
+            est = calibration.estimate(source, float(tree.draft_probs[i]))
+            miss[key] = miss.get(key, 1.0) * (1.0 - est)
+            if est > best.get(key, (-1.0, ""))[0]:
+                best[key] = (est, source)
+    score = {}
+    for key in sorted(miss, key=len):
+        score[key] = (score[key[:-1]] if len(key) > 1 else 1.0) * (1.0 - miss[key])
+    scored = {key: (score[key], max(1e-6, 1.0 - m), best[key][1]) for key, m in miss.items()}
+    return best_paths_tree(scored, budget.max_nodes, max(min_score, budget.min_path_prob))
+
+
+member_st = st.tuples(paths_st, st.sampled_from(["a", "b", "c"]), st.floats(0.0, 1.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(member_st, max_size=4), st.integers(0, 12), st.integers(0, 6), st.floats(0.0, 0.5),
+       st.lists(st.tuples(st.sampled_from(["a", "b"]), st.floats(0.0, 1.0), st.booleans()), max_size=30),
+       st.booleans())
+def test_fused_tree_equals_the_path_reference(members, max_nodes, max_depth, min_score, evidence, mixed):
+    """The trie version of fuse_trees keeps the nodes, order, draft probabilities and sources the path version
+    kept, with a calibration that has seen evidence, members of several sources, and a member tree whose nodes
+    name different sources."""
+    cal = AcceptanceCalibration()
+    for source, prob, ok in evidence:
+        cal.observe(source, prob, ok)
+    trees = [_tree(paths, source, prob) for paths, source, prob in members]
+    if mixed and trees and trees[0].num_nodes:
+        t = trees[0]
+        trees[0] = TokenTree(t.tokens, t.parents, t.draft_probs, tuple("ab"[i % 2] for i in range(t.num_nodes)))
+    budget = Budget(max_nodes, max_depth)
+    got, want = fuse_trees(trees, cal, budget, min_score), _fuse_by_paths(trees, cal, budget, min_score)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.parents.tolist() == want.parents.tolist()
+    assert got.draft_probs.tolist() == want.draft_probs.tolist()
+    assert got.sources == want.sources
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans()), max_size=40), st.floats(0.9, 1.0))
+def test_observing_many_at_once_equals_one_at_a_time(outcomes, decay):
+    one, many = AcceptanceCalibration(decay=decay), AcceptanceCalibration(decay=decay)
+    one.observe("x", 0.5, True)
+    many.observe("x", 0.5, True)
+    for prob, ok in outcomes:
+        one.observe("x", prob, ok)
+    many.observe_many("x", [p for p, _ in outcomes], [ok for _, ok in outcomes])
+    for (h1, t1), (h2, t2) in zip(one.table()["x"], many.table()["x"], strict=True):
+        assert t1 == pytest.approx(t2, rel=1e-12, abs=1e-12)
+        assert h1 == pytest.approx(h2, rel=1e-9, abs=1e-12) or (np.isnan(h1) and np.isnan(h2))
+    probs = np.linspace(0, 1, 11)
+    assert many.estimates(["x"] * 11, probs).tolist() == pytest.approx([many.estimate("x", p) for p in probs])
+    assert many.estimates((), probs).tolist() == [many.estimate("", p) for p in probs]
 
 
 def test_agreement_between_members_ranks_first():

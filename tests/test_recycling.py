@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_service.proposer import DraftSessionState, make_proposer
-from drafter_service.recycling import AdjacencyTable, expand_tree
+from drafter_service.recycling import AdjacencyTable, RankHitRates, expand_tree
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback, VerifyFeedback
 from specmesh.sampling import SamplingParams
@@ -28,6 +28,27 @@ def test_update_replaces_rows_and_counts_the_rank_of_the_targets_top1():
     assert table.get(1).tolist() == [7, 6, 5]
     assert table.hit_rates.hits[1] > 0 and table.hit_rates.hits[3] > 0  # rank 1 hit, one miss
     assert table.hit_rates.hits[0] == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(0, 3)), max_size=40), st.floats(0.9, 1.0))
+def test_rank_rates_observed_at_once_equal_one_at_a_time(ranks, decay):
+    """An update's ranks are counted in one go (``observe_many``): the same counts as one at a time."""
+    one, many = RankHitRates(4, decay), RankHitRates(4, decay)
+    one.observe(2)
+    many.observe(2)
+    for rank in ranks:
+        one.observe(rank)
+    many.observe_many(ranks)
+    assert np.allclose(one.hits, many.hits, rtol=1e-12, atol=1e-12)
+    assert np.isclose(one.total, many.total, rtol=1e-12) and np.allclose(one.rates(), many.rates(), rtol=1e-12)
+
+
+def test_a_row_repeated_in_one_update_is_judged_against_the_one_before_it():
+    table = _table({1: [2, 3, 4]})
+    table.update(np.array([1, 1]), np.array([[3, 9, 8], [8, 5, 6]]))  # rank 1 of the old row, then rank 2 of that one
+    assert table.get(1).tolist() == [8, 5, 6]
+    assert table.hit_rates.hits[1] > 0 and table.hit_rates.hits[2] > 0 and table.hit_rates.hits[3] == 0
 
 
 def test_table_is_bounded_least_recently_updated_out():
