@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
-from drafter_service.tree_builders import TreeBuilder
 from specmesh.contract import Budget, common_prefix_len
 from specmesh.tree import TokenTree
 
@@ -153,22 +152,30 @@ def copy_tree(
     paths = conts[:max_paths, :depth]  # [num_paths, depth]
     # agree[p, c, d]: continuation c starts with path p's first d + 1 tokens
     agree = np.logical_and.accumulate(conts[None, :, :depth] == paths[:, None, :], axis=2)
-    prefix_weight = np.einsum("pcd,c->pd", agree, weights)  # [num_paths, depth]
-    share = prefix_weight / weights.sum()  # the path probability of each path's prefix
-    builder = TreeBuilder()
-    for p, row in enumerate(paths.tolist()):
-        node = -1
-        for d, tok in enumerate(row):
-            child = builder.find(node, tok)
+    # the path probability of each path's prefix: [num_paths, depth], as lists (read one at a time below)
+    share = (np.matmul(agree.transpose(0, 2, 1), weights) / weights.sum()).tolist()
+    min_share, max_nodes = budget.min_path_prob, budget.max_nodes
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node: TreeBuilder's work, inlined
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    for row, shares in zip(paths.tolist(), share, strict=True):
+        node, above = -1, 1.0
+        for tok, here in zip(row, shares, strict=True):
+            child = index.get((node, tok))
             if child is None:
-                if len(builder) >= budget.max_nodes:
+                if len(tokens) >= max_nodes:
                     break
-                child = builder.add(node, tok, share[p, d] / (share[p, d - 1] if d else 1.0), source)
-            node = child
-            if share[p, d] < budget.min_path_prob:  # SpecDec++ stop rule
+                child = index[node, tok] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                probs.append(min(1.0, here / above))
+            node, above = child, here
+            if here < min_share:  # SpecDec++ stop rule
                 break
-    tree = builder.build()
-    return TokenTree(tree.tokens, tree.parents, np.minimum(tree.draft_probs, 1.0), tree.sources)
+    n = len(tokens)
+    return TokenTree(np.asarray(tokens, np.int64).reshape(n), np.asarray(parents, np.int64).reshape(n),
+                     np.asarray(probs, np.float64).reshape(n), (source,) * n)
 
 
 # ------------------------------------------------------------------ per-session index

@@ -116,11 +116,14 @@ def tree_outcomes(tree: TokenTree, truth: Sequence[int]) -> list[tuple[int, bool
     """(node, accepted) for every node of ``tree`` whose parent lies on the path ``truth`` spells (the
     root counts as on it) and whose position ``truth`` covers; nodes below a miss are not judged."""
     out: list[tuple[int, bool]] = []
+    if not tree.num_nodes:
+        return out
+    tokens = tree.tokens.tolist()
     node, depth = -1, 0
     while depth < len(truth):
-        nxt = None
+        nxt, want = None, int(truth[depth])
         for child in tree.children_of(node):
-            hit = int(tree.tokens[child]) == int(truth[depth])
+            hit = tokens[child] == want
             out.append((child, hit))
             if hit and nxt is None:
                 nxt = child

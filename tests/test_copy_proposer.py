@@ -25,14 +25,17 @@ from drafter_service.copy_proposer import (
     CopyIndex,
     CopyProposer,
     _match_lengths_walk,
+    copy_tree,
     group_continuations,
     match_lengths,
     rank_candidates,
 )
 from drafter_service.proposer import DraftSessionState, make_proposer
+from drafter_service.tree_builders import TreeBuilder
 from specmesh.contract import Budget
 from specmesh.fast_llama import make_runner
 from specmesh.sampling import SamplingParams
+from specmesh.tree import TokenTree
 
 SETTINGS = settings(max_examples=300, deadline=None)
 
@@ -285,3 +288,41 @@ def test_ranking_and_grouping_on_the_host_equal_numpys(rows, data):
         finally:
             cp.GROUP_ON_HOST_BELOW = saved
     assert results[0] == results[1]
+
+
+def _copy_tree_by_builder(conts, weights, max_paths, budget, source):
+    """copy_tree as first written (einsum, then TreeBuilder node by node): the reference for the inlined one."""
+    depth = min(budget.max_depth, conts.shape[1])
+    paths = conts[:max_paths, :depth]
+    agree = np.logical_and.accumulate(conts[None, :, :depth] == paths[:, None, :], axis=2)
+    share = np.einsum("pcd,c->pd", agree, weights) / weights.sum()
+    builder = TreeBuilder()
+    for p, row in enumerate(paths.tolist()):
+        node = -1
+        for d, tok in enumerate(row):
+            child = builder.find(node, tok)
+            if child is None:
+                if len(builder) >= budget.max_nodes:
+                    break
+                child = builder.add(node, tok, share[p, d] / (share[p, d - 1] if d else 1.0), source)
+            node = child
+            if share[p, d] < budget.min_path_prob:
+                break
+    tree = builder.build()
+    return TokenTree(tree.tokens, tree.parents, np.minimum(tree.draft_probs, 1.0), tree.sources)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=6, max_size=6), st.integers(1, 32)), min_size=1,
+                max_size=20, unique_by=lambda r: tuple(r[0])),
+       st.integers(1, 8), st.integers(0, 24), st.integers(1, 8), st.sampled_from([0.0, 0.05, 0.2, 0.5]))
+def test_copy_tree_equals_the_builder_reference(rows, max_paths, max_nodes, max_depth, min_path_prob):
+    """The inlined tree building keeps the nodes, parents, draft probabilities and sources of the TreeBuilder
+    version (integer-valued weights, as match lengths are: the sums are exact in either order)."""
+    conts = np.asarray([r for r, _ in rows], np.int64)
+    weights = np.asarray([w for _, w in rows], np.float64)
+    budget = Budget(max_nodes, max_depth, None, min_path_prob)
+    got = copy_tree(conts, weights, max_paths, budget, "copy")
+    want = _copy_tree_by_builder(conts, weights, max_paths, budget, "copy")
+    assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+    assert got.draft_probs.tolist() == want.draft_probs.tolist() and got.sources == want.sources
