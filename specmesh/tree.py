@@ -70,17 +70,20 @@ class TokenTree:
     @cached_property
     def is_chain(self) -> bool:
         """Every node is the child of the one before it (the empty tree included): one line of tokens."""
-        return bool((self.parents == np.arange(-1, self.num_nodes - 1)).all())
+        n = self.num_nodes
+        if n < HOST_CHECK_BELOW:  # a small tree's parents compared on the host: a third of numpy's two calls
+            return self.parents.tolist() == list(range(-1, n - 1))
+        return bool((self.parents == np.arange(-1, n - 1)).all())
 
     @cached_property
     def depth(self) -> np.ndarray:
         """[num_nodes] int64; children of the root have depth 0."""
         if self.is_chain:
             return np.arange(self.num_nodes, dtype=np.int64)
-        depth = np.zeros(self.num_nodes, np.int64)
-        for i, p in enumerate(self.parents.tolist()):
-            depth[i] = 0 if p < 0 else depth[p] + 1
-        return depth
+        depth: list[int] = []
+        for i, p in enumerate(self.parents.tolist()):  # a parent after its child (an invalid tree) reads as depth 0
+            depth.append(0 if p < 0 else (depth[p] if p < i else 0) + 1)
+        return np.asarray(depth, np.int64).reshape(self.num_nodes)
 
     @property
     def max_depth(self) -> int:
