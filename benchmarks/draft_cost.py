@@ -118,12 +118,9 @@ def replay(name: str, prompts: list[list[int]], outputs: list[list[int]], topk_r
             done += len(new)
             feedback = DraftFeedback(len(context), verified)
         drafter.close(sid)
-    flush = getattr(getattr(proposer, "learner", None), "flush", None)
-    for member in getattr(proposer, "members", ()):
-        if (learner := getattr(member, "learner", None)) is not None:
-            flush = learner.flush
-    if flush is not None:  # what the proposer's n-gram learner still has to add is its cost too
-        flush()
+    for part in (proposer, *getattr(proposer, "members", ())):  # what n-gram learners still have to add costs too
+        if (learner := getattr(part, "learner", None)) is not None:
+            learner.flush()
     cpu_s = time.process_time() - cpu_started
     steps = len(step_us)
     out = {
@@ -134,8 +131,7 @@ def replay(name: str, prompts: list[list[int]], outputs: list[list[int]], topk_r
     }
     if parts:
         out["parts_us_per_step"] = {label: seconds * 1e6 / steps for label, seconds in sorted(parts.items())}
-        members = sum(v for label, v in parts.items() if label != "calibrate")
-        out["parts_us_per_step"]["merge and rest"] = out["us_per_step"] - (members + parts["calibrate"]) * 1e6 / steps
+        out["parts_us_per_step"]["merge and rest"] = out["us_per_step"] - sum(parts.values()) * 1e6 / steps
     return out
 
 

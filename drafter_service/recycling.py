@@ -52,12 +52,13 @@ class RankHitRates:
 
     def observe_many(self, ranks: list[int | None]) -> None:
         """``observe`` each rank in order, in one update (the i-th of n weighs decay^(n-1-i))."""
-        added = [0.0] * (self.k + 1)
+        added, added_total = [0.0] * (self.k + 1), 0.0
         weight = 1.0
         for rank in reversed(ranks):  # the newest weighs 1
             added[self.k if rank is None else rank] += weight
+            added_total += weight
             weight *= self.decay
-        self.total = self.total * weight + sum(self.decay**i for i in range(len(ranks)))
+        self.total = self.total * weight + added_total
         self.hits *= weight  # decay ** n
         self.hits += added
 
