@@ -191,9 +191,17 @@ class EngineCore:
 
     def draft(self) -> list[tuple[str, TokenTree]]:
         """The step's first half (a ``StepLoop``'s, one step at a time): ``begin_step``, kept for ``commit``."""
-        step = self.begin_step()
+        # on a GPU the pre-drafts start once the step's forward is queued (``waiting``); on the CPU, here
+        step = self.begin_step(launch=not getattr(self.verifier, "asynchronous", False))
         self._step = step
         return step.verifies if step is not None else []
+
+    def waiting(self) -> None:
+        """The forward of the step ``draft`` began is queued on the device: the drafting thread starts on the next
+        trees (``launch``), so that its Python does not take turns at the interpreter lock with the step's host
+        work (with a GPU's verifier; with the CPU's they started at ``draft``: nothing left to do)."""
+        if self._step is not None:
+            self.launch(self._step)
 
     def commit(self, results: Sequence[VerifyResult | Exception]) -> None:
         """The step's second half, after the forward: ``end_step`` of the step ``draft`` began."""
@@ -201,22 +209,34 @@ class EngineCore:
         if step is not None:
             self.end_step(step, results)
 
-    def begin_step(self) -> Step | None:
-        """Every running request that can step (``pending``), with its tree; (overlap) the drafting thread started
-        on their next trees, to run while the forward does. None when none can. A remote loop may have several
+    def begin_step(self, launch: bool = True) -> Step | None:
+        """Every running request that can step (``pending``), with its tree; (overlap) their next trees planned,
+        drafted ahead on the drafting thread while the forward runs: from here, or (``launch`` False) from
+        ``launch``, once the forward is on the device. None when none can. A remote loop may have several
         steps out at once, each of other requests: a request whose remote drafter is late waits for its tree
         without holding the others (``late``)."""
         started, started_ns = time.perf_counter(), time.time_ns()
         running, drafts = self._draft_all()  # the requests that step and their (tree, budget, draft seconds)
         if not running:
             return None
-        ahead = self._start_predrafts(running, drafts)  # drafting thread: next trees, on this step's main lines
+        jobs = self._plan_predrafts(running, drafts)  # next trees, on this step's main lines
         for request in running:
             request.in_step = True
             request.step_started_ns = started_ns
-        step = Step(running, drafts, started, started_ns, ahead)
+        step = Step(running, drafts, started, started_ns, jobs)
         self._steps.add(step)
+        if launch:
+            self.launch(step)
         return step
+
+    def launch(self, step: Step) -> None:
+        """Start the drafting thread on ``step``'s pre-drafts (once; nothing if none)."""
+        jobs, step.jobs = step.jobs, []
+        if not jobs:
+            return
+        if self._drafting is None:
+            self._drafting = ThreadPoolExecutor(1, thread_name_prefix="core-drafting")
+        step.ahead = self._drafting.submit(_draft_ahead, jobs)
 
     def end_step(self, step: Step, results: Sequence[VerifyResult | Exception]) -> None:
         """After the forward: per request of ``step``, commit, feedback, stream, stop checks."""
@@ -315,11 +335,11 @@ class EngineCore:
             pass
 
     # ------------------------------------------------------------ PEARL overlap
-    def _start_predrafts(self, running: list[Request], drafts) -> Future | None:
-        """Start drafting, on the drafting thread, the next tree of every overlapping request, from its committed
-        tokens + this step's tree's main line (one call for all of them; the links run inline there). Only that
-        thread touches those requests' links until ``_join_predrafts``. A background link's request (a remote
-        drafter) is asked from here: its call runs on the drafting pool, and one hop fewer is ~0.1 ms a step."""
+    def _plan_predrafts(self, running: list[Request], drafts) -> list[Request]:
+        """The requests whose next tree the drafting thread drafts ahead (``launch``), from its committed tokens +
+        this step's tree's main line (one call for all of them; the links run inline there). Only that thread
+        touches those requests' links until ``_join_predrafts``. A background link's request (a remote drafter)
+        is asked from here: its call runs on the drafting pool, and one hop fewer is ~0.1 ms a step."""
         jobs = []
         for request, (tree, _, _) in zip(running, drafts, strict=True):
             if not (request.method.overlap and request.link.active) or request.ahead is not None:
@@ -336,16 +356,13 @@ class EngineCore:
         inline = [r for r in jobs if r.method.background]
         if inline:
             _draft_ahead(inline)
-        jobs = [r for r in jobs if not r.method.background]
-        if not jobs:
-            return None
-        if self._drafting is None:
-            self._drafting = ThreadPoolExecutor(1, thread_name_prefix="core-drafting")
-        return self._drafting.submit(_draft_ahead, jobs)
+        return [r for r in jobs if not r.method.background]
 
     def _join_predrafts(self, step: Step) -> None:
         """The step's forward is over: a greedy request's pre-draft stops where it is (its contents never change
-        greedy output); a sampled one runs to its budget (a seed then reproduces). Waits for the drafting thread."""
+        greedy output); a sampled one runs to its budget (a seed then reproduces). Waits for the drafting thread.
+        Pre-drafts never launched (the forward failed first, or the verifier does not call ``waiting``) start now."""
+        self.launch(step)
         for request in step.requests:
             if request.ahead is not None and request.sampling.greedy:
                 request.ahead.stop.set()
@@ -559,13 +576,15 @@ def draft_batch(items: Sequence[tuple[Request, Budget, list[int], threading.Even
 @dataclass(eq=False)
 class Step:
     """One step begun (``begin_step``) and not ended: its requests, their (tree, budget, draft seconds), when it
-    began, and the drafting thread's job for their next trees (None: none)."""
+    began, the requests whose next trees are to be drafted ahead (until ``launch``), and the drafting thread's
+    job for them (None: none, or not launched)."""
 
     requests: list[Request]
     drafts: list[tuple[TokenTree, Budget, float]]
     started: float
     started_ns: int
-    ahead: Future | None
+    jobs: list[Request]
+    ahead: Future | None = None
 
     @property
     def verifies(self) -> list[tuple[str, TokenTree]]:

@@ -32,6 +32,7 @@ from specmesh.fast_llama import FastKVCache
 from specmesh.model_runner import tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, ancestor_mask
+from verifier_service.decisions import HostCopy
 from verifier_service.step_loop import StepLoop
 from verifier_service.verifier import LocalVerifier
 
@@ -203,6 +204,32 @@ def test_step_isolates_a_bad_request(model_sets):
     assert isinstance(results[0], ValueError) and isinstance(results[1], UnknownSessionError)
     assert len(results[2].tokens) == 1
     assert verifier.cache_length("a") == len(PROMPTS[0])  # untouched by its failed step
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["cpu", "queued"])
+def test_waiting_is_called_once_when_the_host_only_waits(model_sets, monkeypatch, asynchronous):
+    """A step calls ``waiting`` once, after its host work: before the forward where the forward runs in the call
+    (the CPU), after the forward and before the one host copy where it is queued (a GPU); a step with no rows
+    never calls it. (PEARL's drafting thread starts there: orchestrator/core.py ``EngineCore.waiting``.)"""
+    runner = model_sets("cyclic").runner("target", "fast")
+    verifier = LocalVerifier(runner, max_tree_nodes=4)
+    verifier.asynchronous = asynchronous  # the order of the calls only: the CPU runs the forward either way
+    events: list[str] = []
+    forward = runner.forward_batch
+    monkeypatch.setattr(runner, "forward_batch", lambda *a, **k: (events.append("forward"), forward(*a, **k))[1])
+    fetch = HostCopy.fetch
+    monkeypatch.setattr(HostCopy, "fetch", lambda self: (events.append("copy"), fetch(self))[1])
+    want = ["forward", "waiting", "copy"] if asynchronous else ["waiting", "forward", "copy"]
+    verifier.admit("a", PROMPTS[0], greedy(MAX_NEW))
+    firsts, _ = verifier.step(["a"], (), lambda: events.append("waiting"))  # the prompt: one chunk
+    assert "a" in firsts and events == want
+    for tree in (TokenTree.empty(), TokenTree.chain([1, 2, 3])):
+        events.clear()
+        verifier.step((), [("a", tree)], lambda: events.append("waiting"))
+        assert events == want
+    events.clear()
+    _, results = verifier.step((), [("nobody", TokenTree.empty())], lambda: events.append("waiting"))
+    assert isinstance(results[0], UnknownSessionError) and "waiting" not in events
 
 
 # ----------------------------------------------------------------- pool

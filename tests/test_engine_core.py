@@ -141,6 +141,49 @@ def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_set
     finally:
         core.close()
 
+
+@pytest.mark.parametrize(("asynchronous", "calls_waiting"), [(False, True), (True, True), (True, False)],
+                         ids=["cpu", "gpu", "gpu-never-waiting"])
+def test_pre_drafts_start_once_the_step_only_waits(model_sets, ar_reference, monkeypatch, asynchronous,
+                                                   calls_waiting):
+    """PEARL's drafting thread starts on a step's next trees: with a GPU's verifier, from inside its step once the
+    forward is queued (``waiting``), not before its host work (the two would take turns at the interpreter lock);
+    with the CPU's, where the forward runs in the call, at the top of the step. A verifier that never calls
+    ``waiting`` still gets every pre-draft (started when the step commits). The output is AR's each time."""
+    ms = model_sets("cyclic")
+    method, topk, window = method_of("prompt_lookup_tree", overlap=True)
+    verifier = LocalVerifier(ms.runner("target", "fast"), feedback_topk=topk, lookahead=window)
+    verifier.asynchronous = asynchronous  # where the calls come; the CPU runs the forward either way
+    core = EngineCore(verifier)
+    events: list[str] = []
+    step = verifier.step
+
+    def stepping(prefills, verifies, waiting=None):
+        events.append("step")
+        try:
+            return step(prefills, verifies, waiting if calls_waiting else None)
+        finally:
+            events.append("stepped")
+
+    monkeypatch.setattr(verifier, "step", stepping)
+    launch = core.launch
+    monkeypatch.setattr(core, "launch", lambda s: (events.append("launch") if s.jobs else None, launch(s))[1])
+    try:
+        outputs = run_all(core, method, PROMPTS[:3], greedy(MAX_NEW))
+        for prompt, out in zip(PROMPTS[:3], outputs, strict=True):
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        assert any(s.predrafted and s.num_accepted for o in outputs for s in o.result.stats.steps)
+        launched = [i for i, e in enumerate(events) if e == "launch"]
+        assert launched, "nothing was drafted ahead"
+        for i in launched:  # before the step (CPU), inside it (waiting), or after it (commit)
+            if not asynchronous:
+                assert events[i + 1] == "step"
+            else:
+                assert events[i - 1] == ("step" if calls_waiting else "stepped")
+    finally:
+        core.close()
+
+
 @pytest.mark.parametrize("proposer", ["prompt_lookup_tree", "fused", "draft_model_tree"])
 def test_adaptive_sequential_steps_equal_ar_and_record_their_accepted_ranks(model_sets, ar_reference, proposer):
     """The adaptive policy's node counts change the trees, never the output; its steps carry the accepted

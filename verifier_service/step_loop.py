@@ -101,6 +101,10 @@ class StepDriver(Protocol):
         """Each of its decoding sessions and its tree for this step, drafted now or ahead (it may start drafting
         the next step's trees elsewhere, to run while the forward does)."""
 
+    def waiting(self) -> None:
+        """The step's forward is on the device and the loop thread only waits for it (``LocalVerifier.step``'s
+        ``waiting``): start what should run meanwhile. Called at most once per ``draft``."""
+
     def commit(self, results: Sequence[VerifyResult | Exception]) -> None:
         """The forward is over: the result of each session ``draft`` returned, in its order (an exception: that
         session's alone, or the step's failure for all)."""
@@ -572,7 +576,8 @@ class StepLoop:
         chunk_tokens = sum(self.verifier.next_chunk(sid) for sid in prefills)
         started = time.perf_counter()
         try:
-            firsts, results = self.verifier.step(prefills, stepping)
+            firsts, results = self.verifier.step(prefills, stepping,
+                                                 self.driver.waiting if self.driver is not None else None)
         except Exception as exc:  # a model failure: every session of the step gets it
             log.exception("batched step failed")
             firsts, results = exc, [exc] * len(stepping)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -230,6 +230,9 @@ class LocalVerifier:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.runner = runner
         self.info = runner.info
+        # whether the forward is queued to run asynchronously to the host (CUDA), or runs in the call (the CPU):
+        # where ``step`` calls its ``waiting``
+        self.asynchronous = runner.device.type != "cpu"
         self.max_tree_nodes = max_tree_nodes
         self.feedback_topk = min(feedback_topk, runner.info.vocab_size)
         self.grammar_tokenizer = grammar_tokenizer
@@ -398,11 +401,18 @@ class LocalVerifier:
 
     @torch.inference_mode()
     def step(
-        self, prefills: Sequence[str], verifies: Sequence[tuple[str, TokenTree]]
+        self, prefills: Sequence[str], verifies: Sequence[tuple[str, TokenTree]],
+        waiting: Callable[[], None] | None = None,
     ) -> tuple[dict[str, int], list[VerifyResult | Exception]]:
         """One forward over the next prompt chunk of each session in ``prefills`` (admitted, still prefilling)
         and the trees of ``verifies``. Returns the first token of every prefill that finished, and per verify
-        its result or the exception it raised alone (an invalid tree, an unknown session)."""
+        its result or the exception it raised alone (an invalid tree, an unknown session).
+
+        ``waiting`` is called once the step's host work is done and the host would only wait for the device
+        (at most once; not at all for a step with no rows): on the CPU before the forward, whose operators run
+        without the interpreter lock; on a GPU (``asynchronous``) once the forward and the decisions are queued,
+        before the step's one copy. Work that another thread starts there (PEARL's drafting ahead) does not take
+        turns at the lock with this step's host work."""
         start_time = time.perf_counter()
         rows: list[_Row] = []
         results: list[VerifyResult | Exception | None] = [None] * len(verifies)
@@ -458,6 +468,8 @@ class LocalVerifier:
             hidden_index = hidden_index.to(self.runner.device, non_blocking=True)
             cu = np.cumsum([0] + [b - a for a, b in spans])
             span_start = {id(r): int(cu[i]) for i, r in enumerate(asking)}
+        if waiting is not None and not self.asynchronous:
+            waiting()  # the CPU forward's operators release the interpreter lock
         logits = self.runner.forward_batch(
             [row.session.cache for row in rows], pack(ids), pack(positions),
             [row.num_new for row in rows], attends, logit_index.to(self.runner.device, non_blocking=True),
@@ -501,6 +513,8 @@ class LocalVerifier:
             topk_handle = copy.add(torch.topk(logits, self.feedback_topk, dim=-1).indices)  # [R, k]
         decisions = Decisions([Item(s.sampling, s.generator, tree, first) for s, tree, first in accepting],
                               logits, argmax_device, copy, self._shared_generator)
+        if waiting is not None and self.asynchronous:
+            waiting()  # everything is queued on the device: the host only waits from here
         copy.fetch()  # the step's one device-to-host transfer
         argmax = copy[argmax_handle].astype(np.int64)  # [R]: every greedy decision and window
         topk = None if topk_handle is None else copy[topk_handle].astype(np.int64)
