@@ -17,7 +17,11 @@ verifier's mean batch (Verify calls per forward, embedded only),
 and the speed against ``ar`` at the same N and against the method itself at the lowest N.
 Greedy outputs are checked against the ``ar`` output of the same prompt at N = 1. Every
 level starts from a fresh drafter (in this process; a remote drafter keeps what it
-learned), since the same prompts run at every level.
+learned), since the same prompts run at every level. Before each level a warm-up, untimed, runs
+its first N prompts at N in flight for ``WARMUP_TOKENS`` tokens each: the first forwards of a batch
+shape allocate and page in, and on a GPU capture the CUDA graphs of their buckets (what the
+measured level still captures is in ``graph_captures`` / ``graph_capture_s``): a level measures a
+server that has been running, not its first steps.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from specmesh.app.bench_runners import MethodSpec, asked_sampling
 from specmesh.sampling import SamplingParams
 
 PROFILE_ROWS = 30  # operators per table of --profile
+WARMUP_TOKENS = 16  # new tokens per request of the warm-up before each level
 
 # yields (tokens in the chunk, tree nodes verified in its step, or None for the prefill's chunk)
 Streamer = Callable[[list[int], SamplingParams], Iterator[tuple[list[int], int | None]]]
@@ -279,12 +284,13 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
             records, wall = run_level_on_core(engine, spec, level_prompts, sampling, n, bar)
             return records, wall, core_figures(before, core_counters(engine.core, runners), wall)
 
-        warm = dataclasses.replace(base, max_new_tokens=min(16, prompts[0][2]))
-        level(1, prompts[:1], warm)  # warm-up: the first forwards allocate, page in
+        warm = dataclasses.replace(base, max_new_tokens=min(WARMUP_TOKENS, prompts[0][2]))
         # the draft model's KV pool in this process (drafter_service/draft_kv.py): caches emptied for room, and
         # sessions that drafted nothing for want of blocks, per level
         kv = draft_kv(stack.draft_runner) if not spec.is_grpc and getattr(stack, "draft_runner", None) else None
         for n in levels:
+            # warm-up at this N: the first forwards of its batch shapes allocate, page in and (CUDA) capture graphs
+            level(n, prompts[:n], warm)
             kv_before = (kv.evictions, kv.starved) if kv is not None else None
             with (tqdm(total=len(prompts), desc=f"{spec.label} x{n}", unit="req", leave=False) as bar,
                   profiled(getattr(args, "profile", None), f"{spec.label}_x{n}")):
