@@ -98,12 +98,81 @@ def conditional_acceptance(
         for j in range(min(s.tree_depth, s.num_accepted + 1, max_depth)):
             tried[j] += 1
             accepted[j] += j < s.num_accepted
+    return shrunk_rates(tried, accepted, prior, prior_weight)
+
+
+def shrunk_rates(tried: Sequence[int], accepted: Sequence[int], prior: float, prior_weight: float) -> list[float]:
+    """Per position, accepted / tried shrunk towards the position before it (the first towards ``prior``) with
+    ``prior_weight`` pseudo-trials: ``conditional_acceptance``'s estimate from its counts."""
     alpha, mean = [], prior
     for t, a in zip(tried, accepted, strict=True):
         if t + prior_weight > 0:
             mean = (a + prior_weight * mean) / (t + prior_weight)
         alpha.append(mean)
     return alpha
+
+
+class StepWindow:
+    """The counts the load-aware cap reads of a request's last ``size`` steps, kept up to date as steps are
+    appended (``sync``: the new steps in, the ones that left the window out), so that a step's budget costs
+    O(depth) rather than a pass over the window for every request of every step. The counts are integers: the
+    estimates equal a pass's (``conditional_acceptance``, ``fill_ratio``) exactly.
+
+    A step tried draft positions 1..m, m = min(tree depth, accepted + 1), and had 1..min(m, accepted) accepted:
+    ``tried_end[m]`` / ``accepted_end[k]`` count the steps whose runs end there, so the tried count of position
+    j + 1 is the number of runs that end past j (for any depth cap: a cap only cuts runs at positions past it)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._steps: list[StepStats] | None = None  # the list synced with (a new list: counted afresh)
+        self._seen = 0  # its steps taken in
+        self.tried_end: list[int] = [0]
+        self.accepted_end: list[int] = [0]
+        self.asked = self.got = self.levels = 0  # budgeted nodes (of steps with a budget), nodes sent, levels
+
+    def sync(self, steps: list[StepStats]) -> None:
+        """Take in the steps appended since the last call and let out those that left the window."""
+        n, seen, size = len(steps), self._seen, self.size
+        if steps is not self._steps or n < seen:
+            self.__init__(size)
+            self._steps, seen = steps, 0
+        for s in steps[max(0, seen - size) : min(seen, max(0, n - size))]:
+            self._count(s, -1)
+        for s in steps[max(seen, n - size) :]:
+            self._count(s, 1)
+        self._seen = n
+
+    def _count(self, s: StepStats, sign: int) -> None:
+        accepted = s.num_accepted
+        m = min(s.tree_depth, accepted + 1)
+        if m > 0:
+            if m >= len(self.tried_end):
+                grow = m + 1 - len(self.tried_end)
+                self.tried_end += [0] * grow
+                self.accepted_end += [0] * grow
+            self.tried_end[m] += sign
+            self.accepted_end[min(m, accepted)] += sign
+        nodes, depth = s.budget
+        if nodes > 0:
+            self.asked += sign * nodes
+            self.got += sign * s.num_proposed
+        self.levels += sign * depth
+
+    def acceptance(self, max_depth: int, prior: float, prior_weight: float) -> list[float]:
+        """``conditional_acceptance`` of the window's steps."""
+        tried, accepted = [0] * max_depth, [0] * max_depth
+        t = sum(self.tried_end[max_depth + 1 :])  # runs that end past the cap count at every position under it
+        a = sum(self.accepted_end[max_depth + 1 :])
+        for j in range(max_depth - 1, -1, -1):
+            if j + 1 < len(self.tried_end):
+                t += self.tried_end[j + 1]
+                a += self.accepted_end[j + 1]
+            tried[j], accepted[j] = t, a
+        return shrunk_rates(tried, accepted, prior, prior_weight)
+
+    def fill(self, prior_nodes: float = 4.0) -> float:
+        """``fill_ratio`` of the window's steps."""
+        return (self.got + prior_nodes) / (self.asked + prior_nodes)
 
 
 def expected_tokens(alpha: Sequence[float], depth: int) -> float:
@@ -453,11 +522,15 @@ def batch_goodput_depth(alpha: Sequence[float], costs: ForwardCosts, sessions: i
     Every session's extra rows slow the whole step, so at a large batch trees shrink unless they are
     accepted well enough to pay for that. ``draft_per_level``: CPU seconds of one drafted level when every
     session's drafting runs on the verifier's cores (one process): sessions * depth of them join the step."""
-    best, best_rate = 0, 0.0
-    for depth in range(max_depth + 1):
-        rows = sessions * (1 + fill * nodes_at(depth, max_nodes, max_depth))
-        seconds = costs.seconds(sessions, rows) + sessions * depth * draft_per_level
-        rate = expected_tokens(alpha, depth) / seconds
+    # (runs per request and step under load: expected_tokens and nodes_at written out, a level at a time)
+    rate = 1.0 / costs.seconds(sessions, sessions)  # depth 0: the bonus token alone
+    best, best_rate = 0, (rate if rate > 0.0 else 0.0)
+    tokens, path, per_level = 1.0, 1.0, max(max_depth, 1)
+    for depth in range(1, max_depth + 1):
+        path *= alpha[depth - 1]
+        tokens += path  # expected_tokens(alpha, depth)
+        rows = sessions * (1 + fill * max(depth, max_nodes * depth // per_level))  # nodes_at(depth, ...)
+        rate = tokens / (costs.seconds(sessions, rows) + sessions * depth * draft_per_level)
         if rate > best_rate * (1 + 1e-9):  # a deeper tree must gain more than rounding
             best, best_rate = depth, rate
     return best
@@ -488,11 +561,16 @@ class LoadAwarePolicy:
         sessions = stats.steps[-1].batch_sessions if stats.steps else 1
         if budget.max_depth == 0 or sessions <= 1:
             return budget
-        steps = stats.steps[-self.window:]
-        alpha = conditional_acceptance(steps, budget.max_depth, self.prior_acceptance, self.prior_weight)
-        draft = draft_cpu_per_level(steps) if self.drafting_shares_cores else 0.0
+        window = stats.derived.get(("load_aware", self.window))
+        if window is None:
+            window = stats.derived[("load_aware", self.window)] = StepWindow(self.window)
+        window.sync(stats.steps)  # the last ``window`` steps' counts, updated with the steps since the last call
+        alpha = window.acceptance(budget.max_depth, self.prior_acceptance, self.prior_weight)
+        draft = 0.0
+        if self.drafting_shares_cores and window.levels:  # draft_cpu_per_level of the window's steps
+            draft = sum(s.draft_cpu_seconds for s in stats.steps[-self.window:]) / window.levels
         depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
-                                    fill_ratio(steps), draft)
+                                    window.fill(), draft)
         if depth >= budget.max_depth:
             return budget
         return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,

@@ -41,6 +41,9 @@ class RequestStats:
     num_generated: int = 0
     steps: list[StepStats] = field(default_factory=list)
     acceptance: str = "exact"  # how the verifier accepted drafts (SamplingParams.acceptance): "exact" | "mjsd"
+    # what policies derive from ``steps`` and keep up to date as steps are appended (orchestrator/policy.py's
+    # StepWindow), by the policy's key: per request, so no policy holds state of its own
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def lossy(self) -> bool:

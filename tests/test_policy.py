@@ -17,6 +17,7 @@ from orchestrator.policy import (
     CostModel,
     LoadAwarePolicy,
     StaticPolicy,
+    StepWindow,
     batch_goodput_depth,
     bonus_guess_rate,
     choose_depth,
@@ -542,6 +543,59 @@ def test_free_rows_keep_the_whole_tree_and_costly_rows_drop_it():
     # on the measured CPU costs: a well-accepted proposer keeps a tree at 16 sessions, a poor one does not
     assert batch_goodput_depth([0.9] * 8, CPU_LIKE, 16, 16, 8) > 0
     assert batch_goodput_depth([0.3] * 8, CPU_LIKE, 16, 16, 8) == 0
+
+
+def _goodput_depth_by_passes(alpha, costs, sessions, max_nodes, max_depth, fill=1.0, draft_per_level=0.0) -> int:
+    """``batch_goodput_depth`` as first written (one ``expected_tokens`` and ``nodes_at`` per depth): the
+    reference its level-at-a-time loop is held to."""
+    best, best_rate = 0, 0.0
+    for depth in range(max_depth + 1):
+        rows = sessions * (1 + fill * nodes_at(depth, max_nodes, max_depth))
+        rate = expected_tokens(alpha, depth) / (costs.seconds(sessions, rows) + sessions * depth * draft_per_level)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = depth, rate
+    return best
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=12), st.integers(1, 64), st.integers(0, 64),
+       st.floats(1e-4, 1e-2), st.floats(-1e-4, 1e-3), st.floats(-1e-5, 1e-3), st.floats(0.0, 1.5),
+       st.floats(0.0, 1e-3))
+def test_batch_goodput_depth_equals_the_pass_per_depth(alpha, sessions, max_nodes, base, per_session, per_row, fill,
+                                                        draft_per_level):
+    costs = VerifyCosts(base, per_session, per_row)
+    args = (alpha, costs, sessions, max_nodes, len(alpha), fill, draft_per_level)
+    try:
+        want = _goodput_depth_by_passes(*args)
+    except ZeroDivisionError:  # a fitted line through zero seconds at some depth: both refuse it
+        with pytest.raises(ZeroDivisionError):
+            batch_goodput_depth(*args)
+        return
+    assert batch_goodput_depth(*args) == want
+
+
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 20), st.integers(0, 12),
+                          st.floats(0.0, 1e-3)), max_size=80),
+       st.integers(1, 40), st.lists(st.integers(1, 8), min_size=1, max_size=12), st.integers(0, 14))
+def test_step_window_counts_equal_a_pass_over_the_window(steps, size, batches, max_depth):
+    """Steps appended a few at a time (``batches``), the window synced after each: its acceptance and fill equal
+    ``conditional_acceptance`` / ``fill_ratio`` of the last ``size`` steps exactly, whatever the depth cap; a new
+    list is counted afresh."""
+    made = [_step(depth, min(accepted, depth), nodes=nodes, budget=(nodes, budget_depth), draft_cpu_seconds=cpu)
+            for depth, accepted, nodes, budget_depth, cpu in steps]
+    window, history, at = StepWindow(size), [], 0
+    for batch in batches * (1 + len(made) // max(sum(batches), 1)):
+        history += made[at : at + batch]
+        at += batch
+        window.sync(history)
+        last = history[-size:]
+        assert window.acceptance(max_depth, 0.6, 4.0) == conditional_acceptance(last, max_depth, 0.6, 4.0)
+        assert window.fill() == fill_ratio(last)
+        assert window.levels == sum(s.budget[1] for s in last)
+        if at >= len(made):
+            break
+    fresh = list(history[:3])
+    window.sync(fresh)
+    assert window.acceptance(max_depth, 0.6, 4.0) == conditional_acceptance(fresh[-size:], max_depth, 0.6, 4.0)
 
 
 def test_load_aware_policy_caps_only_under_load():
