@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_lease.sh            # logs and JSON packed into $OUT/gpu.tgz after every step
 #   GPU_LEASE_DEVICE=cpu GPU_LEASE_SMALL=1 bash benchmarks/gpu_lease.sh   # a dry run of the script on a CPU
 #
-# Steps ($GPU_LEASE_STEPS; default `tests kernel engine_load model1b_load model1b_nocompile engine_profile`, about
-# 8 minutes): `tests` (the CUDA graphs', the draft model's, the one-read-per-step and the batched verification's
+# Steps ($GPU_LEASE_STEPS; default `tests kernel engine_load model1b_load tree_cost model1b_nocompile engine_profile`,
+# about 9 minutes): `tests` (the CUDA graphs', the draft model's, the one-read-per-step and the batched verification's
 # tests, CUDA runs instead of skips; $GPU_LEASE_TESTS for other files: the kernel's and the fast runner's took 4
 # more minutes on an H100 and passed there at 6541c88, benchmarks/results/gpu_h100_3.md), `kernel`
 # (benchmarks/tree_attention.py, split-KV beside the whole-key launch, each also replayed from a CUDA graph),
@@ -16,13 +16,15 @@
 # concurrent requests: fused, prompt_lookup_tree, draft_model; the JSON has each row's verifier and host
 # milliseconds per step and its CUDA-graph counts), `model1b_load` (a Llama-3.2-1B-shaped target with random
 # weights, built on the device while the tests run; the defaults: --compile and --cuda-graphs on for CUDA),
+# `tree_cost` (benchmarks/verifier_step.py on that model: a 16- and a 64-node tree's verifier step at batch 1, and a
+# 64-node one at batch 8, against plain decoding's, 512-token contexts: issue 32's "64 nodes at batch 1 in <= 1.1x"),
 # `model1b_nocompile` (graphs of the eager layers: what compiling adds to graphs), `engine_profile` (ar, fused and
 # draft_model, one request, under torch.profiler: operators by host and by device time), `model1b_nographs`
 # (--cuda-graphs off: what the graphs give) and `model1b_eager` (--compile off too).
 # An engine step that fails within a minute is run again with `--attention sdpa`, so that a kernel failure
 # does not hide the engine's other results.
 set -uo pipefail
-STEPS=${GPU_LEASE_STEPS:-"tests kernel engine_load model1b_load model1b_nocompile engine_profile"}; TESTS=${GPU_LEASE_TESTS:-}
+STEPS=${GPU_LEASE_STEPS:-"tests kernel engine_load model1b_load tree_cost model1b_nocompile engine_profile"}; TESTS=${GPU_LEASE_TESTS:-}
 DEV=${GPU_LEASE_DEVICE:-cuda}; SMALL=${GPU_LEASE_SMALL:-0}; PY=${GPU_LEASE_PYTHON:-python3}
 RESULT=${OUT:-/tmp/gpu-lease-out}; LOGS=/tmp/gpu-lease; mkdir -p "$RESULT" "$LOGS"
 if [ "$DEV" != cpu ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -79,8 +81,9 @@ print("built", out)
 PY
 build=$!
 
-if [ "$SMALL" = 1 ]; then lim=4; new=16; conc="1 4"; t=(300 60 120 120 120 120 120 120 120); kernel=(--smoke)
-else lim=16; new=128; conc="1 16"; t=(100 80 90 110 80 60 60 60 60); kernel=(); fi
+if [ "$SMALL" = 1 ]; then lim=4; new=16; conc="1 4"; t=(300 60 120 120 120 120 120 120 120 120); kernel=(--smoke)
+  tree_steps=5
+else lim=16; new=128; conc="1 16"; t=(100 80 90 110 80 60 60 60 60 60); kernel=(); tree_steps=50; fi
 has tests && step tests "${t[0]}" $PY -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_graphs.py tests/test_draft_model.py \
   tests/test_host_transfers.py tests/test_batched_verification.py}
 has kernel && step kernel "${t[1]}" $PY benchmarks/tree_attention.py "${kernel[@]}" --json "$LOGS/tree_attention.json"
@@ -91,6 +94,9 @@ has engine_load && engine engine_load "${t[3]}" --prompts "$prompts" --limit "$l
 wait "$build"; tail -n 3 "$LOGS/model1b_build.log"
 has model1b_load && engine model1b_load "${t[4]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
   --target "$m" --methods ar prompt_lookup_tree --concurrency $conc
+has tree_cost && step tree_cost "${t[9]}" $PY benchmarks/verifier_step.py --model-dir "$m" --device "$DEV" \
+  --dtype bfloat16 --prompt-tokens 512 --cases plain1 tree16x1 tree64x1 plain8 tree64x8 --steps "$tree_steps" \
+  --json "$LOGS/tree_cost.json"
 has model1b_nographs && engine model1b_nographs "${t[5]}" --prompts "$prompts" --limit "$lim" \
   --max-new-tokens $((new / 2)) --target "$m" --methods ar --concurrency $conc --cuda-graphs off
 has model1b_eager && engine model1b_eager "${t[6]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
