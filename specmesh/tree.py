@@ -165,15 +165,26 @@ class TokenTree:
         Used when ``node``'s token has just been committed, so what was drafted below it is a
         draft for the new context. Node order, draft probabilities, sources and draft
         distributions are kept."""
-        if not 0 <= node < self.num_nodes:
-            raise IndexError(f"node {node} is not in a tree of {self.num_nodes} nodes")
-        below = self.ancestor_mask[:, node].copy()
-        below[node] = False
-        keep = np.flatnonzero(below)
-        new_index = np.full(self.num_nodes, -1, np.int64)
-        new_index[keep] = np.arange(keep.size)
-        parents = self.parents[keep]
-        parents = np.where(parents == node, -1, new_index[np.maximum(parents, 0)])
+        n = self.num_nodes
+        if not 0 <= node < n:
+            raise IndexError(f"node {node} is not in a tree of {n} nodes")
+        if n < HOST_CHECK_BELOW:  # a small tree's descendants in one pass on the host (parents come first)
+            new_index = {node: -1}  # old index -> new one, for node and its descendants
+            keep_list, parent_list = [], []
+            for i, p in enumerate(self.parents[node + 1 :].tolist(), node + 1):
+                if p in new_index:
+                    new_index[i] = len(keep_list)
+                    keep_list.append(i)
+                    parent_list.append(new_index[p])
+            keep, parents = np.array(keep_list, np.int64), np.array(parent_list, np.int64)
+        else:
+            below = self.ancestor_mask[:, node].copy()
+            below[node] = False
+            keep = np.flatnonzero(below)
+            index = np.full(n, -1, np.int64)
+            index[keep] = np.arange(keep.size)
+            parents = self.parents[keep]
+            parents = np.where(parents == node, -1, index[np.maximum(parents, 0)])
         q_cu = q_ids = q_probs = None
         if self.q_cu is not None:
             spans = [np.arange(self.q_cu[i], self.q_cu[i + 1]) for i in keep]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specmesh import tree as tree_module
 from specmesh.tree import HOST_CHECK_BELOW, InvalidTreeError, TokenTree
 
 VOCAB = 50
@@ -142,10 +145,13 @@ def ref_descendants(parents: list[int], node: int) -> list[int]:
 
 
 @SETTINGS
-@given(trees(with_dists=True).filter(lambda t: t.num_nodes > 0), st.data())
-def test_subtree_is_the_descendants_reindexed_with_their_data(tree: TokenTree, data):
+@given(trees(with_dists=True).filter(lambda t: t.num_nodes > 0), st.data(), st.sampled_from([0, 64]))
+def test_subtree_is_the_descendants_reindexed_with_their_data(tree: TokenTree, data, host_below):
+    """On the host (a small tree: one pass over its parents) and through the ancestor mask (a large one)."""
     node = data.draw(st.integers(0, tree.num_nodes - 1))
-    sub = tree.subtree(node).validate(VOCAB)
+    with mock.patch.object(tree_module, "HOST_CHECK_BELOW", host_below):
+        sub = tree.subtree(node)
+    sub = sub.validate(VOCAB)
     parents = tree.parents.tolist()
     kept = ref_descendants(parents, node)
     assert sub.num_nodes == len(kept)
