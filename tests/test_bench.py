@@ -338,6 +338,9 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
         steps = row["verifier_steps"]
         assert steps * row["mean_batch"] >= (row["tokens"] - row["requests"]) / row["tau"]  # every request's steps
         assert 0 < row["verifier_step_ms"] and 0 <= row["host_ms_per_step"]
+        # the step's host work until its one copy and its wait in it: parts of the verifier's step
+        assert 0 < row["verifier_queue_ms"] and 0 <= row["verifier_copy_ms"]
+        assert row["verifier_queue_ms"] + row["verifier_copy_ms"] <= row["verifier_step_ms"]
         total = (row["verifier_step_ms"] + row["host_ms_per_step"]) * steps
         assert total == pytest.approx(1e3 * row["wall_s"], rel=1e-9)
         assert not any(key.startswith("graph_") for key in row)  # CPU, no graphs: no graph counts

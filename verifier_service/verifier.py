@@ -233,6 +233,11 @@ class LocalVerifier:
         # whether the forward is queued to run asynchronously to the host (CUDA), or runs in the call (the CPU):
         # where ``step`` calls its ``waiting``
         self.asynchronous = runner.device.type != "cpu"
+        # running totals over the steps (benchmarks read them): each step's host work until its one copy (packing,
+        # the forward's launches or, on the CPU, the forward itself, the decisions), and its wait in that copy
+        # (on a GPU: the device's work still running once the host had queued it all)
+        self.queue_seconds = 0.0
+        self.copy_seconds = 0.0
         self.max_tree_nodes = max_tree_nodes
         self.feedback_topk = min(feedback_topk, runner.info.vocab_size)
         self.grammar_tokenizer = grammar_tokenizer
@@ -515,7 +520,10 @@ class LocalVerifier:
                               logits, argmax_device, copy, self._shared_generator)
         if waiting is not None and self.asynchronous:
             waiting()  # everything is queued on the device: the host only waits from here
+        copy_started = time.perf_counter()
         copy.fetch()  # the step's one device-to-host transfer
+        self.queue_seconds += copy_started - start_time
+        self.copy_seconds += time.perf_counter() - copy_started
         argmax = copy[argmax_handle].astype(np.int64)  # [R]: every greedy decision and window
         topk = None if topk_handle is None else copy[topk_handle].astype(np.int64)
         acceptances, logprobs = decisions.resolve(argmax)

@@ -205,6 +205,8 @@ def core_counters(core, runners: dict[str, object]) -> dict[str, float]:
     stats = core.stats
     counters = {"steps": stats.steps, "verified": stats.verified, "step_seconds": stats.step_seconds.sum,
                 "hits": core.verifier.allocator.hits}
+    if hasattr(core.verifier, "copy_seconds"):  # in process: a step's parts before and in its one host copy
+        counters.update(queue_seconds=core.verifier.queue_seconds, copy_seconds=core.verifier.copy_seconds)
     for prefix, runner in runners.items():
         graph_stats = getattr(runner, "graph_stats", None)
         if graph_stats is not None and getattr(runner, "cuda_graphs", "off") != "off":
@@ -216,7 +218,11 @@ def core_figures(before: dict[str, float], after: dict[str, float], wall: float)
     """A level's figures from the counters before and after it: ``verifier_steps`` (batched forwards, prefill
     chunks' included), ``mean_batch`` (Verify calls per forward),
     ``prefix_cache_hit_tokens`` (the prompts repeat across levels and methods: later ones find them cached),
-    ``verifier_step_ms`` (a step's forward, acceptance and host copy, mean), ``host_ms_per_step`` (the rest of
+    ``verifier_step_ms`` (a step's forward, acceptance and host copy, mean), of which (in process)
+    ``verifier_queue_ms`` (its host work until the one copy: packing, the forward's launches or on the CPU the
+    forward itself, the decisions) and ``verifier_copy_ms`` (its wait in that copy: on a GPU the device's work
+    left once the host had queued it all; the rest of the step is the acceptance's host part and the results),
+    ``host_ms_per_step`` (the rest of
     the wall time per step: drafting, packing, commit, streaming, and any wait between steps), and with CUDA
     graphs ``graph_replays``, ``graph_eager`` (steps that fit no bucket), ``graph_captures`` and
     ``graph_capture_s`` (buckets captured during the level, each a warm-up run and a capture, in its wall time)."""
@@ -226,6 +232,9 @@ def core_figures(before: dict[str, float], after: dict[str, float], wall: float)
                "prefix_cache_hit_tokens": delta["hits"],
                "verifier_step_ms": 1e3 * delta["step_seconds"] / steps if steps else None,
                "host_ms_per_step": 1e3 * (wall - delta["step_seconds"]) / steps if steps else None}
+    if "copy_seconds" in delta and steps:
+        figures.update(verifier_queue_ms=1e3 * delta["queue_seconds"] / steps,
+                       verifier_copy_ms=1e3 * delta["copy_seconds"] / steps)
     for prefix in ("graph", "draft_graph"):  # the target's, the draft model's
         if f"{prefix}_replays" in delta:
             figures.update({f"{prefix}_replays": delta[f"{prefix}_replays"], f"{prefix}_eager": delta[f"{prefix}_eager"],
