@@ -4,7 +4,7 @@ On a GPU the engine thread queues a step's forward and decisions, then waits for
 device works; the interpreter lock is free meanwhile, and whatever else the process runs in Python (PEARL's
 drafting thread, a gRPC server's threads) runs then. On the CPU the forward runs in the call, so that shape never
 shows. This script gives it to any `specmesh bench` run: every in-process verifier is marked asynchronous
-(``LocalVerifier.asynchronous``: its ``waiting`` call comes after the forward, before the copy, as on CUDA) and
+(``LocalVerifier.asynchronous``: its ``waiting`` call comes after the forward, in the copy, as on CUDA) and
 every step's copy (``HostCopy.fetch``) waits ``--wait-ms`` more with the lock released. With the 1-layer, 128-wide
 target of `benchmarks/engine_overhead.py` (whose forward costs about what launching a GPU forward does), what
 is left is the host work of a GPU step around a device time you choose; the H200's demo-pair step was ~0.6 ms of
@@ -38,8 +38,8 @@ def emulate(wait_s: float) -> None:
 
     fetch, init = decisions.HostCopy.fetch, verifier.LocalVerifier.__init__
 
-    def waiting_fetch(self) -> None:
-        fetch(self)
+    def waiting_fetch(self, waiting=None) -> None:
+        fetch(self, waiting)  # (calls ``waiting`` once it has its tensors, before its copy)
         time.sleep(wait_s)
 
     def asynchronous_init(self, *args, **kwargs) -> None:

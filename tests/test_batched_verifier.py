@@ -209,8 +209,8 @@ def test_step_isolates_a_bad_request(model_sets):
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["cpu", "queued"])
 def test_waiting_is_called_once_when_the_host_only_waits(model_sets, monkeypatch, asynchronous):
     """A step calls ``waiting`` once, after its host work: before the forward where the forward runs in the call
-    (the CPU), after the forward and before the one host copy where it is queued (a GPU); a step with no rows
-    never calls it. (PEARL's drafting thread starts there: orchestrator/core.py ``EngineCore.waiting``.)"""
+    (the CPU), after the forward, inside the one host copy once it is queued, where the forward is queued (a GPU);
+    a step with no rows never calls it. (PEARL's drafting thread starts there: orchestrator/core.py ``EngineCore.waiting``.)"""
     runner = model_sets("cyclic").runner("target", "fast")
     verifier = LocalVerifier(runner, max_tree_nodes=4)
     verifier.asynchronous = asynchronous  # the order of the calls only: the CPU runs the forward either way
@@ -218,8 +218,8 @@ def test_waiting_is_called_once_when_the_host_only_waits(model_sets, monkeypatch
     forward = runner.forward_batch
     monkeypatch.setattr(runner, "forward_batch", lambda *a, **k: (events.append("forward"), forward(*a, **k))[1])
     fetch = HostCopy.fetch
-    monkeypatch.setattr(HostCopy, "fetch", lambda self: (events.append("copy"), fetch(self))[1])
-    want = ["forward", "waiting", "copy"] if asynchronous else ["waiting", "forward", "copy"]
+    monkeypatch.setattr(HostCopy, "fetch", lambda self, waiting=None: (events.append("copy"), fetch(self, waiting))[1])
+    want = ["forward", "copy", "waiting"] if asynchronous else ["waiting", "forward", "copy"]  # (in the copy)
     verifier.admit("a", PROMPTS[0], greedy(MAX_NEW))
     firsts, _ = verifier.step(["a"], (), lambda: events.append("waiting"))  # the prompt: one chunk
     assert "a" in firsts and events == want

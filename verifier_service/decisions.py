@@ -19,7 +19,7 @@ builds each request's ``Acceptance`` and ``TokenLogprobs`` from the host arrays.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,18 +56,26 @@ class HostCopy:
         self._parts.append(tensor)
         return len(self._parts) - 1
 
-    def fetch(self) -> None:
-        """The one transfer: every staged tensor, packed into one float64 vector."""
+    def fetch(self, waiting: Callable[[], None] | None = None) -> None:
+        """The one transfer: every staged tensor, packed into one float64 vector. ``waiting`` is called once the
+        copy is queued, just before the host blocks on it (``LocalVerifier.step``'s: nothing is left for the host
+        to launch; with nothing staged, at once)."""
         parts = self._parts
         if not parts:
+            if waiting is not None:
+                waiting()
             self._host = []
             return
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts])
         if flat.is_cuda:
             host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             host.copy_(flat, non_blocking=True)
-            torch.cuda.current_stream(flat.device).synchronize()
+            if waiting is not None:
+                waiting()
+            torch.cuda.current_stream(flat.device).synchronize()  # (releases the interpreter lock while it waits)
         else:
+            if waiting is not None:
+                waiting()
             host = flat.cpu()
         values = host.numpy()
         self._host, at = [], 0

@@ -415,9 +415,9 @@ class LocalVerifier:
 
         ``waiting`` is called once the step's host work is done and the host would only wait for the device
         (at most once; not at all for a step with no rows): on the CPU before the forward, whose operators run
-        without the interpreter lock; on a GPU (``asynchronous``) once the forward and the decisions are queued,
-        before the step's one copy. Work that another thread starts there (PEARL's drafting ahead) does not take
-        turns at the lock with this step's host work."""
+        without the interpreter lock; on a GPU (``asynchronous``) once the forward, the decisions and the step's
+        one copy are queued, before the host blocks on the copy (``HostCopy.fetch``). Work that another thread
+        starts there (PEARL's drafting ahead) does not take turns at the lock with this step's host work."""
         start_time = time.perf_counter()
         rows: list[_Row] = []
         results: list[VerifyResult | Exception | None] = [None] * len(verifies)
@@ -518,10 +518,9 @@ class LocalVerifier:
             topk_handle = copy.add(torch.topk(logits, self.feedback_topk, dim=-1).indices)  # [R, k]
         decisions = Decisions([Item(s.sampling, s.generator, tree, first) for s, tree, first in accepting],
                               logits, argmax_device, copy, self._shared_generator)
-        if waiting is not None and self.asynchronous:
-            waiting()  # everything is queued on the device: the host only waits from here
         copy_started = time.perf_counter()
-        copy.fetch()  # the step's one device-to-host transfer
+        # the step's one device-to-host transfer; on a GPU ``waiting`` once the copy is queued, the host only waiting
+        copy.fetch(waiting if self.asynchronous else None)
         self.queue_seconds += copy_started - start_time
         self.copy_seconds += time.perf_counter() - copy_started
         argmax = copy[argmax_handle].astype(np.int64)  # [R]: every greedy decision and window
