@@ -5,7 +5,8 @@ behind gRPC instead of a ``LocalVerifier``; it offers the core what ``StepLoop``
 ``call_soon``, ``close``) and steps every request on that replica from one thread:
 
     EngineCore.begin_step   every request that can step, with its tree (remote drafters asked together)
-    -> one VerifyBatch call with every tree: one forward on the replica
+    -> one VerifyBatch call with every tree: one forward on the replica (once the call is built,
+       EngineCore.launch: the drafting thread starts drafting ahead while the loop only waits)
     -> EngineCore.end_step  commit, stream, stop checks, when the answer lands
 
 The thread runs an asyncio event loop of its own with a ``grpc.aio`` channel to the replica, so calls are
@@ -52,8 +53,12 @@ log = logging.getLogger("specmesh.remote_loop")
 class RemoteDriver(StepDriver, Protocol):
     """What a remote loop asks of its driver beyond a ``StepLoop``'s: steps that may overlap (the engine core)."""
 
-    def begin_step(self):
-        """The requests that can step now with their trees (``.verifies``), marked as in a step; None if none."""
+    def begin_step(self, launch: bool = True):
+        """The requests that can step now with their trees (``.verifies``), marked as in a step; None if none.
+        ``launch`` False: what it drafts ahead meanwhile waits for ``launch`` (else ``end_step`` starts it)."""
+
+    def launch(self, step) -> None:
+        """Start drafting ahead for ``step`` (once the step's call is built: the loop only waits from there)."""
 
     def end_step(self, step, results: Sequence[VerifyResult | Exception]) -> None:
         """A step's answers landed: commit them (its requests can step again)."""
@@ -209,7 +214,7 @@ class RemoteStepLoop:
         for fn in soon:
             fn()
         self._send_prefills()
-        step = self.driver.begin_step()
+        step = self.driver.begin_step(launch=False)  # its drafting ahead starts once the call is built
         if step is not None:  # its answer is committed as it lands; meanwhile other requests may step
             task = self._loop.create_task(self._step(step))
             self._stepping.add(task)
@@ -272,7 +277,7 @@ class RemoteStepLoop:
         verifies = step.verifies
         started = time.perf_counter()
         try:
-            results = await self._verify_step(verifies)
+            results = await self._verify_step(verifies, lambda: self.driver.launch(step))
         except asyncio.CancelledError:  # the loop is closing: the driver ends every request
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here fails this step's requests, not the loop
@@ -287,40 +292,48 @@ class RemoteStepLoop:
             self.driver.stop(exc)
         self._wake.set()
 
-    async def _verify_step(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
-        """A VerifyBatch, or one Verify each to a replica without it. Until the replica has answered one VerifyBatch
-        it is asked by one step at a time (steps of other requests sent meanwhile wait for that answer), so an older
-        replica sees one VerifyBatch, not one per step in flight."""
+    async def _verify_step(self, verifies: list[tuple[str, TokenTree]],
+                           built: Callable[[], None]) -> list[VerifyResult | Exception]:
+        """A VerifyBatch, or one Verify each to a replica without it; ``built`` is called once the calls are built,
+        before they are awaited. Until the replica has answered one VerifyBatch it is asked by one step at a time
+        (steps of other requests sent meanwhile wait for that answer), so an older replica sees one VerifyBatch,
+        not one per step in flight."""
         while self._batch is None and self._asking is not None:
             await self._asking.wait()
         if self._batch is not None:
-            return await (self._verify_batch(verifies) if self._batch else self._verify_each(verifies))
+            return await (self._verify_batch(verifies, built) if self._batch else self._verify_each(verifies, built))
         asking = self._asking = asyncio.Event()
         try:
-            return await self._verify_batch(verifies)
+            return await self._verify_batch(verifies, built)
         finally:  # answered (or failed without an answer: the next step asks again)
             self._asking = None
             asking.set()
 
-    async def _verify_batch(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+    async def _verify_batch(self, verifies: list[tuple[str, TokenTree]],
+                            built: Callable[[], None]) -> list[VerifyResult | Exception]:
         """The step's trees in one call; every item carries its request's step span (its trace)."""
         items = []
         for session_id, tree in verifies:
             with self.driver.traced(session_id, "verify"):
                 items.append(self.verifier.verify_request(session_id, tree, tracing.carrier()))
-        outcome = await self._call(self._stub.VerifyBatch, verifier_pb2.VerifyBatchRequest(items=items))
+        request = verifier_pb2.VerifyBatchRequest(items=items)
+        built()
+        outcome = await self._call(self._stub.VerifyBatch, request)
         if isinstance(outcome, grpc.RpcError):
             if outcome.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older replica: one Verify each from now on
                 log.info("verifier %s has no VerifyBatch: sending one Verify per request", self.client.address)
                 self._batch = False
-                return await self._verify_each(verifies)
+                return await self._verify_each(verifies, built)
             return [self.verifier.call_error(outcome, "verify")] * len(verifies)
         self._batch = True
         return self.verifier.batch_results(outcome, len(verifies))
 
-    async def _verify_each(self, verifies: list[tuple[str, TokenTree]]) -> list[VerifyResult | Exception]:
+    async def _verify_each(self, verifies: list[tuple[str, TokenTree]],
+                           built: Callable[[], None]) -> list[VerifyResult | Exception]:
         """The step's trees one Verify each, all in flight at once (a replica without VerifyBatch)."""
-        return await asyncio.gather(*(self._verify(session_id, tree) for session_id, tree in verifies))
+        calls = [self._verify(session_id, tree) for session_id, tree in verifies]
+        built()  # (each builds its request as it starts: a share of the host work left beside the drafting)
+        return await asyncio.gather(*calls)
 
     async def _verify(self, session_id: str, tree: TokenTree) -> VerifyResult | Exception:
         """One request's Verify, sent under its step's span; its result or what its failure stands for."""

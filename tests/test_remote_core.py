@@ -148,6 +148,31 @@ def test_remote_core_steps_in_one_call_and_equals_ar(model_sets, ar_reference, r
             assert servicer.calls["Verify"] == request_steps
 
 
+@pytest.mark.parametrize("replica", [CountingReplica, OlderReplica])
+def test_drafting_ahead_over_a_replica_starts_once_the_call_is_built(model_sets, ar_reference, monkeypatch, replica):
+    """Over a replica the drafting thread starts on a step's pre-drafts once its VerifyBatch is built (the loop only
+    waits from there), not before; a replica without VerifyBatch gets them as its calls start. Outputs are AR's
+    and trees drafted ahead are used."""
+    runner = model_sets("cyclic").runner("target", "fast")
+    step_loop = StepLoop(LocalVerifier(runner))
+    with replica_core(step_loop, replica(step_loop)) as (_, core):
+        events: list[str] = []
+        messages = core.loop.verifier  # the loop's RemoteVerifier: it builds each item's message
+        build = messages.verify_request
+        monkeypatch.setattr(messages, "verify_request", lambda *a: (events.append("item"), build(*a))[1])
+        launch = core.launch
+        monkeypatch.setattr(core, "launch", lambda s: (events.append("launch") if s.jobs else None, launch(s))[1])
+        method, _, _ = method_of("prompt_lookup_tree", overlap=True)
+        outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        assert any(s.predrafted and s.num_accepted for o in outputs for s in o.result.stats.steps)
+        launched = [i for i, e in enumerate(events) if e == "launch"]
+        assert launched
+        if replica is CountingReplica:  # after the step's items (the one VerifyBatch built), never before them
+            assert all(events[i - 1] == "item" for i in launched)
+
+
 class GatedDrafter:
     """A drafter whose ``held``-th proposal (1 = the first) and every later one wait for ``gate`` (a remote drafter
     that is late, for as long as a test likes)."""
