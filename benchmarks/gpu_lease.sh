@@ -13,7 +13,8 @@
 # more minutes on an H100 and passed there at 6541c88, benchmarks/results/gpu_h100_3.md), `kernel`
 # (benchmarks/tree_attention.py, split-KV beside the whole-key launch, each also replayed from a CUDA graph),
 # `engine_single` (greedy equality with plain decoding and tokens/s on the demo pair), `engine_load` (1 and 16
-# concurrent requests: fused, prompt_lookup_tree, draft_model; the JSON has each row's verifier and host
+# concurrent requests: fused with and without PEARL's overlap, prompt_lookup_tree, draft_model; the JSON has each
+# row's verifier milliseconds per step, split into host work until the one copy and the wait in it, the host
 # milliseconds per step and its CUDA-graph counts), `model1b_load` (a Llama-3.2-1B-shaped target with random
 # weights, built on the device while the tests run; the defaults: --compile and --cuda-graphs on for CUDA),
 # `tree_cost` (benchmarks/verifier_step.py on that model: a 16- and a 64-node tree's verifier step at batch 1, and a
@@ -83,14 +84,14 @@ build=$!
 
 if [ "$SMALL" = 1 ]; then lim=4; new=16; conc="1 4"; t=(300 60 120 120 120 120 120 120 120 120); kernel=(--smoke)
   tree_steps=5
-else lim=16; new=128; conc="1 16"; t=(100 80 90 110 80 60 60 60 60 60); kernel=(); tree_steps=50; fi
+else lim=16; new=128; conc="1 16"; t=(100 80 90 130 80 60 60 60 60 60); kernel=(); tree_steps=50; fi
 has tests && step tests "${t[0]}" $PY -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_graphs.py tests/test_draft_model.py \
   tests/test_host_transfers.py tests/test_batched_verification.py}
 has kernel && step kernel "${t[1]}" $PY benchmarks/tree_attention.py "${kernel[@]}" --json "$LOGS/tree_attention.json"
 has engine_single && engine engine_single "${t[2]}" --prompts "$prompts" --limit $((lim / 4)) --max-new-tokens "$new" \
   --methods ar fused prompt_lookup_tree draft_model hf_ar
 has engine_load && engine engine_load "${t[3]}" --prompts "$prompts" --limit "$lim" --max-new-tokens "$new" \
-  --methods ar fused prompt_lookup_tree draft_model --concurrency $conc
+  --methods ar fused fused:overlap=false prompt_lookup_tree draft_model --concurrency $conc
 wait "$build"; tail -n 3 "$LOGS/model1b_build.log"
 has model1b_load && engine model1b_load "${t[4]}" --prompts "$prompts" --limit "$lim" --max-new-tokens $((new / 2)) \
   --target "$m" --methods ar prompt_lookup_tree --concurrency $conc
