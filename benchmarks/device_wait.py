@@ -17,6 +17,19 @@ built into ``~/.cache/specmesh-bench/tiny-llama-1x128`` on first use):
         --limit 64 --max-new-tokens 128 --threads 1 --methods ar fused prompt_lookup_tree \\
         --concurrency 1 16 --json /tmp/device_wait.json
 
+``--replay AR_JSON`` makes τ a real target's: the target's forward is replaced by a replay of its recorded greedy
+outputs (a `specmesh bench --methods ar --json` report of the same ``--target``, prompts and tokenizer, as
+`benchmarks/draft_cost.py` reads): at every row the largest logit is the recorded token after that row's
+position, so every method accepts exactly what the target would (a row off the recorded path is never accepted,
+so what it predicts does not matter). Greedy only, proposers without a draft model; the replayed forward's own cost
+is a few numpy-free tensor writes:
+
+    specmesh bench --prompts $P --target ../shared/models/stdlib-code/target --limit 16 --max-new-tokens 128 \\
+        --threads 1 --methods ar --json /tmp/ar_pair.json
+    python benchmarks/device_wait.py --wait-ms 0.6 --replay /tmp/ar_pair.json -- --prompts $P \\
+        --target ../shared/models/stdlib-code/target --limit 16 --max-new-tokens 128 --threads 1 \\
+        --methods ar fused prompt_lookup_tree --concurrency 1 16 --json /tmp/device_wait_replay.json
+
 A timing benchmark, not a test: what it shows is where the host work of a step sits against a device wait, not
 what any device would measure.
 """
@@ -39,7 +52,10 @@ def emulate(wait_s: float) -> None:
     fetch, init = decisions.HostCopy.fetch, verifier.LocalVerifier.__init__
 
     def waiting_fetch(self, waiting=None) -> None:
-        fetch(self, waiting)  # (calls ``waiting`` once it has its tensors, before its copy)
+        if waiting is None:
+            fetch(self)
+        else:
+            fetch(self, waiting)  # (calls ``waiting`` once it has its tensors, before its copy)
         time.sleep(wait_s)
 
     def asynchronous_init(self, *args, **kwargs) -> None:
@@ -50,12 +66,144 @@ def emulate(wait_s: float) -> None:
     verifier.LocalVerifier.__init__ = asynchronous_init
 
 
+class ReplayCache:
+    """A session's rows as a replayed target keeps them: the token of each row, in the order written (a KV cache's
+    shape: ``length``, ``truncate``, ``keep``), and once its prompt is known, the recorded output that follows it."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.prompt_len: int | None = None
+        self.output: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @length.setter
+    def length(self, value: int) -> None:  # (the verifier sets it only to what it already is)
+        del self.tokens[value:]
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+
+    def keep(self, prefix_len: int, keep_offsets) -> None:
+        """The rows at ``keep_offsets`` past ``prefix_len`` stay (a verification's accepted path), the rest go."""
+        kept = [self.tokens[prefix_len + int(o)] for o in keep_offsets]
+        self.tokens[prefix_len:] = kept
+
+
+class ReplayRunner:
+    """A target whose forward replays recorded greedy outputs (``recorded``: prompt ids -> output ids): the logits
+    of a row at position p are a one-hot of the recorded token at p + 1 (see the module doc)."""
+
+    def __init__(self, info, recorded: dict[tuple[int, ...], list[int]]) -> None:
+        import torch
+
+        self.info, self.recorded = info, recorded
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.paged_shape = self.model = None  # no pool, no module (the bench's HF peers need a real target)
+        self.kv_bytes_per_token = 64  # a nominal size: the verifier's block budget counts rows, not memory
+
+    def new_cache(self) -> ReplayCache:
+        return ReplayCache()
+
+    def new_pool(self, num_blocks: int, block_size: int) -> None:
+        return None  # sessions keep their own caches (the generic path)
+
+    def _next(self, cache: ReplayCache, position: int) -> int:
+        if cache.prompt_len is None:  # the prompt is the session's first rows: found once its last row asks
+            output = self.recorded.get(tuple(cache.tokens[: position + 1]))
+            if output is None:
+                return 0
+            cache.prompt_len, cache.output = position + 1, output
+        at = position + 1 - cache.prompt_len
+        return cache.output[at] if 0 <= at < len(cache.output) else (self.info.eos_token_ids or (0,))[0]
+
+    def forward(self, cache: ReplayCache, input_ids, position_ids, attend=None, last_only: bool = False,
+                features: bool = False):
+        import torch
+
+        if features:
+            raise NotImplementedError("a replayed target has no features (Falcon heads need a real one)")
+        ids = torch.as_tensor(input_ids).reshape(-1).tolist()
+        positions = torch.as_tensor(position_ids).reshape(-1).tolist()
+        cache.tokens += ids
+        rows = positions[-1:] if last_only else positions
+        logits = torch.zeros(len(rows), self.info.vocab_size)
+        for i, p in enumerate(rows):
+            logits[i, self._next(cache, p)] = 1.0
+        return logits
+
+    def forward_batch(self, caches, input_ids, position_ids, num_new, attends, logit_rows=None, hidden_rows=None):
+        import torch
+
+        if hidden_rows is not None:
+            raise NotImplementedError("a replayed target has no features (Falcon heads need a real one)")
+        ids = torch.as_tensor(input_ids).reshape(-1).tolist()
+        positions = torch.as_tensor(position_ids).reshape(-1).tolist()
+        owner, row = [], 0
+        for cache, n in zip(caches, num_new, strict=True):
+            cache.tokens += ids[row : row + n]
+            owner += [cache] * n
+            row += n
+        wanted = range(row) if logit_rows is None else torch.as_tensor(logit_rows).reshape(-1).tolist()
+        logits = torch.zeros(len(wanted), self.info.vocab_size)
+        for i, r in enumerate(wanted):
+            logits[i, self._next(owner[r], positions[r])] = 1.0
+        return logits
+
+
+def recorded_outputs(report_path: Path, target: str, prompts_path: str | None) -> dict[tuple[int, ...], list[int]]:
+    """prompt ids -> greedy output ids of the ``ar`` records of a `specmesh bench --json` report."""
+    import json
+
+    from specmesh.models import load_tokenizer
+
+    report = json.loads(report_path.read_text())
+    records = [r for r in report.get("records", ()) if r.get("method") == "ar" and "token_ids" in r]
+    if not records:
+        raise SystemExit(f"device_wait: {report_path} holds no `ar` records with token ids")
+    prompt_file = Path(prompts_path or report["config"]["prompts"])
+    by_id = {p["id"]: p["prompt"] for p in map(json.loads, prompt_file.read_text().splitlines()) if p}
+    tokenizer = load_tokenizer(target)
+    recorded = {}
+    for r in records:
+        ids = tokenizer.encode(by_id[r["prompt_id"]], add_special_tokens=False)
+        if len(ids) != r["prompt_tokens"]:
+            raise SystemExit(f"device_wait: {r['prompt_id']}: {len(ids)} prompt tokens here, {r['prompt_tokens']} "
+                             "in the report (another tokenizer or prompt file?)")
+        recorded[tuple(ids)] = list(r["token_ids"])
+    return recorded
+
+
+def replay(report_path: Path, bench: list[str]) -> None:
+    """Replace the bench's target runner by a ``ReplayRunner`` of the report's outputs."""
+    from orchestrator import embedded
+
+    target = bench[bench.index("--target") + 1] if "--target" in bench else None
+    if target is None:
+        raise SystemExit("device_wait: --replay needs the bench's --target (the recorded target: its tokenizer)")
+    prompts = bench[bench.index("--prompts") + 1] if "--prompts" in bench else None
+    recorded = recorded_outputs(report_path, target, prompts)
+    load = embedded.load_runner
+
+    def load_replayed(path, *args, **kwargs):
+        runner = load(path, *args, **kwargs)
+        if str(path) != str(target):
+            return runner  # a draft model stays itself
+        return ReplayRunner(runner.info, recorded)
+
+    embedded.load_runner = load_replayed
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, bench = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wait-ms", type=float, default=1.0,
                    help="device time per step: what every step's one copy waits, the interpreter lock free")
+    p.add_argument("--replay", type=Path, default=None, metavar="AR_JSON",
+                   help="replay the target's recorded greedy outputs instead of running it (see the module doc)")
     args = p.parse_args(ours)
     if args.wait_ms < 0:
         p.error("--wait-ms must be >= 0")
@@ -65,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine_overhead import DEFAULT_MODEL_DIR, build_model
 
         bench += ["--target", str(build_model(DEFAULT_MODEL_DIR))]
+    if args.replay is not None:
+        replay(args.replay, bench)
     emulate(args.wait_ms / 1000)
     from specmesh.app.cli import main as specmesh_main
 
