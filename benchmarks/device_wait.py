@@ -121,18 +121,12 @@ class ReplayRunner:
 
     def forward(self, cache: ReplayCache, input_ids, position_ids, attend=None, last_only: bool = False,
                 features: bool = False):
+        """One session's rows: ``forward_batch`` of it alone (``last_only``: the last row's logits)."""
         import torch
 
-        if features:
-            raise NotImplementedError("a replayed target has no features (Falcon heads need a real one)")
-        ids = torch.as_tensor(input_ids).reshape(-1).tolist()
-        positions = torch.as_tensor(position_ids).reshape(-1).tolist()
-        cache.tokens += ids
-        rows = positions[-1:] if last_only else positions
-        logits = torch.zeros(len(rows), self.info.vocab_size)
-        for i, p in enumerate(rows):
-            logits[i, self._next(cache, p)] = 1.0
-        return logits
+        n = torch.as_tensor(input_ids).numel()
+        return self.forward_batch([cache], input_ids, position_ids, [n], [attend], [n - 1] if last_only else None,
+                                  torch.zeros(0) if features else None)
 
     def forward_batch(self, caches, input_ids, position_ids, num_new, attends, logit_rows=None, hidden_rows=None):
         import torch
@@ -155,25 +149,13 @@ class ReplayRunner:
 
 def recorded_outputs(report_path: Path, target: str, prompts_path: str | None) -> dict[tuple[int, ...], list[int]]:
     """prompt ids -> greedy output ids of the ``ar`` records of a `specmesh bench --json` report."""
-    import json
+    from benchmarks.draft_cost import recorded_ar
 
-    from specmesh.models import load_tokenizer
-
-    report = json.loads(report_path.read_text())
-    records = [r for r in report.get("records", ()) if r.get("method") == "ar" and "token_ids" in r]
-    if not records:
-        raise SystemExit(f"device_wait: {report_path} holds no `ar` records with token ids")
-    prompt_file = Path(prompts_path or report["config"]["prompts"])
-    by_id = {p["id"]: p["prompt"] for p in map(json.loads, prompt_file.read_text().splitlines()) if p}
-    tokenizer = load_tokenizer(target)
-    recorded = {}
-    for r in records:
-        ids = tokenizer.encode(by_id[r["prompt_id"]], add_special_tokens=False)
-        if len(ids) != r["prompt_tokens"]:
-            raise SystemExit(f"device_wait: {r['prompt_id']}: {len(ids)} prompt tokens here, {r['prompt_tokens']} "
-                             "in the report (another tokenizer or prompt file?)")
-        recorded[tuple(ids)] = list(r["token_ids"])
-    return recorded
+    try:
+        prompts, outputs, _ = recorded_ar(report_path, target, prompts_path)
+    except ValueError as exc:
+        raise SystemExit(f"device_wait: {exc}") from exc
+    return {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
 
 
 def replay(report_path: Path, bench: list[str]) -> None:

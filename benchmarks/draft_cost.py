@@ -135,6 +135,25 @@ def replay(name: str, prompts: list[list[int]], outputs: list[list[int]], topk_r
     return out
 
 
+def recorded_ar(report_path: Path, target: str, prompts_path: str | None = None
+                ) -> tuple[list[list[int]], list[list[int]], Path]:
+    """(prompt ids, greedy output ids, the prompt file) of the ``ar`` records of a `specmesh bench --json` report,
+    the prompts encoded by ``target``'s tokenizer from ``prompts_path`` (default: the report's). ValueError when the
+    report has no such records or a prompt encodes to another length than the report's."""
+    report = json.loads(report_path.read_text())
+    records = [r for r in report.get("records", ()) if r.get("method") == "ar"]
+    if not records or "token_ids" not in records[0]:
+        raise ValueError(f"{report_path} holds no `ar` records with token ids")
+    prompt_file = Path(prompts_path or report["config"]["prompts"])
+    by_id = {p["id"]: p["prompt"] for p in map(json.loads, prompt_file.read_text().splitlines()) if p}
+    tokenizer = load_tokenizer(target)
+    prompts = [tokenizer.encode(by_id[r["prompt_id"]], add_special_tokens=False) for r in records]
+    for r, p in zip(records, prompts, strict=True):
+        if len(p) != r["prompt_tokens"]:
+            raise ValueError(f"{r['prompt_id']}: {len(p)} prompt tokens here, {r['prompt_tokens']} in the report")
+    return prompts, [list(r["token_ids"]) for r in records], prompt_file
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ar", required=True, help="a `specmesh bench --methods ar --json` report (its records' token ids)")
@@ -144,18 +163,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="replays per proposer; the fastest counts")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    report = json.loads(Path(args.ar).read_text())
-    records = [r for r in report["records"] if r["method"] == "ar"]
-    if not records or "token_ids" not in records[0]:
-        ap.error(f"{args.ar} holds no `ar` records with token ids")
-    prompt_file = Path(args.prompts or report["config"]["prompts"])
-    by_id = {p["id"]: p["prompt"] for p in map(json.loads, prompt_file.read_text().splitlines()) if p}
-    tokenizer = load_tokenizer(args.target)
-    prompts = [tokenizer.encode(by_id[r["prompt_id"]], add_special_tokens=False) for r in records]
-    for r, p in zip(records, prompts, strict=True):
-        if len(p) != r["prompt_tokens"]:
-            ap.error(f"{r['prompt_id']}: {len(p)} prompt tokens here, {r['prompt_tokens']} in the report")
-    outputs = [list(r["token_ids"]) for r in records]
+    try:
+        prompts, outputs, prompt_file = recorded_ar(Path(args.ar), args.target, args.prompts)
+    except ValueError as exc:
+        ap.error(str(exc))
     results = []
     for name in args.proposers:
         runs = [replay(name, prompts, outputs) for _ in range(args.repeats)]
