@@ -536,6 +536,9 @@ def batch_goodput_depth(alpha: Sequence[float], costs: ForwardCosts, sessions: i
     return best
 
 
+NO_BUDGET = Budget(0, 0)  # a held cap's budget: no tree (one instance, built once)
+
+
 @dataclass(frozen=True)
 class LoadAwarePolicy:
     """Another policy's budget, capped at the depth that maximises the verifier's goodput at its current
@@ -543,7 +546,13 @@ class LoadAwarePolicy:
     verifier's measured costs (``ForwardCosts``: in process refitted to its steps). The batch is the one the request's last step was verified
     in. A request alone on its verifier keeps the inner budget, so a seeded request that runs alone
     reproduces exactly whatever the deployment (under load its trees, hence its random stream, depend on
-    the others; its distribution never does)."""
+    the others; its distribution never does).
+
+    A budget the cap took to nothing stays nothing for the request's next ``hold_steps`` steps (per phase)
+    without being computed again, unless its batch shrinks to 3/4 or less of the one it was computed at (a batch
+    whose requests come and go moves by one or two all the time): under a load that zeroes every tree, a
+    speculating request then costs a step about what plain decoding does (the computation is ~20 µs a request
+    and step; the hold, one in ``hold_steps`` of it)."""
 
     inner: SpeculationPolicy
     costs: ForwardCosts
@@ -551,14 +560,19 @@ class LoadAwarePolicy:
     window: int = 32
     prior_acceptance: float = 0.6
     prior_weight: float = 4.0
+    hold_steps: int = 8
 
     @property
     def reads_ranks(self) -> bool:
         return reads_ranks(self.inner)
 
     def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget:
-        budget = self.inner.next_budget(stats, remaining_tokens, phase)
         sessions = stats.steps[-1].batch_sessions if stats.steps else 1
+        if sessions > 1:  # held at nothing: (steps until which it holds, the sessions of its batch then)
+            held = stats.derived.get(("load_aware_held", self.hold_steps, phase))
+            if held is not None and len(stats.steps) < held[0] and 4 * sessions > 3 * held[1]:
+                return NO_BUDGET
+        budget = self.inner.next_budget(stats, remaining_tokens, phase)
         if budget.max_depth == 0 or sessions <= 1:
             return budget
         window = stats.derived.get(("load_aware", self.window))
@@ -571,6 +585,8 @@ class LoadAwarePolicy:
             draft = sum(s.draft_cpu_seconds for s in stats.steps[-self.window:]) / window.levels
         depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
                                     window.fill(), draft)
+        if depth == 0 and self.hold_steps > 0:
+            stats.derived[("load_aware_held", self.hold_steps, phase)] = (len(stats.steps) + self.hold_steps, sessions)
         if depth >= budget.max_depth:
             return budget
         return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,

@@ -612,6 +612,54 @@ def test_load_aware_policy_caps_only_under_load():
     assert kept.max_depth > 0 and kept.max_nodes == nodes_at(kept.max_depth, 16, 8)
 
 
+def test_a_load_aware_cap_at_nothing_holds_for_some_steps_unless_the_batch_shrinks():
+    """Once the cap takes a request's budget to nothing, the request's next ``hold_steps`` steps get nothing without
+    the cap being computed again (nor the inner policy asked), even if the costs turned meanwhile; then it is
+    computed afresh. A batch shrunk to 3/4 ends the hold at once; each phase holds on its own; ``hold_steps`` 0
+    never holds."""
+    asked = []
+
+    class Counting(StaticPolicy):
+        def next_budget(self, stats, remaining_tokens, phase="sequential"):
+            asked.append(phase)
+            return super().next_budget(stats, remaining_tokens, phase)
+
+    class Costs:  # the verifier's costs as a StepCosts refits them: they change under the policy
+        per_row = 1e-4
+
+        def seconds(self, sessions, rows):
+            return 1e-3 + self.per_row * rows
+
+    inner, costs = Counting(16, 8), Costs()
+    policy, fresh = LoadAwarePolicy(inner, costs, hold_steps=4), LoadAwarePolicy(StaticPolicy(16, 8), costs, hold_steps=0)
+    stats = _stats(_step(8, 3, nodes=16, batch_sessions=32) for _ in range(10))
+    assert policy.next_budget(stats, 100, "predraft").is_zero and len(asked) == 1  # rows too dear for the batch
+    costs.per_row = 1e-7  # now trees pay
+    for _ in range(3):
+        stats.steps.append(_step(8, 3, nodes=16, batch_sessions=32))
+        assert policy.next_budget(stats, 100, "predraft").is_zero  # held: nothing computed
+        assert not fresh.next_budget(stats, 100, "predraft").is_zero
+    assert len(asked) == 1
+    assert policy.next_budget(stats, 100, "sequential") == fresh.next_budget(stats, 100)  # another phase: not held
+    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=32))  # the fourth step since: computed again
+    assert policy.next_budget(stats, 100, "predraft") == fresh.next_budget(stats, 100, "predraft")
+    assert len(asked) == 3
+    # a batch that shrinks ends a hold at once
+    costs.per_row = 1e-4
+    assert policy.next_budget(stats, 100).is_zero
+    costs.per_row = 1e-7
+    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=25))  # a request or two fewer: still held
+    assert policy.next_budget(stats, 100).is_zero
+    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=24))  # 3/4 of the batch it was computed at
+    assert not policy.next_budget(stats, 100).is_zero
+    # never held: every call computed
+    never, costs.per_row = LoadAwarePolicy(inner, costs, hold_steps=0), 1e-4
+    before = len(asked)
+    for _ in range(3):
+        assert never.next_budget(stats, 100).is_zero
+    assert len(asked) == before + 3
+
+
 @given(st.floats(0, 1e-2), st.floats(0, 1e-3), st.floats(0, 1e-3))
 def test_fit_verify_costs_recovers_exact_costs(base, per_session, per_row):
     truth = VerifyCosts(base, per_session, per_row)
