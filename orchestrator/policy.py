@@ -16,6 +16,7 @@ class).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -514,26 +515,35 @@ def nodes_at(depth: int, max_nodes: int, max_depth: int) -> int:
     return 0 if depth == 0 else max(depth, max_nodes * depth // max(max_depth, 1))
 
 
-def batch_goodput_depth(alpha: Sequence[float], costs: ForwardCosts, sessions: int, max_nodes: int,
-                        max_depth: int, fill: float = 1.0, draft_per_level: float = 0.0) -> int:
+def batch_goodput(alpha: Sequence[float], costs: ForwardCosts, sessions: int, max_nodes: int, max_depth: int,
+                  fill: float = 1.0, draft_per_level: float = 0.0) -> tuple[int, float]:
     """The depth (0..max_depth) maximising the batch's committed tokens per second when all ``sessions``
     verify trees of that size in one forward: sessions * E[tokens(d)] / costs.seconds(sessions,
     sessions * (1 + fill * nodes(d))), ``fill`` = the share of a budget's nodes the drafter really sends.
     Every session's extra rows slow the whole step, so at a large batch trees shrink unless they are
     accepted well enough to pay for that. ``draft_per_level``: CPU seconds of one drafted level when every
-    session's drafting runs on the verifier's cores (one process): sessions * depth of them join the step."""
+    session's drafting runs on the verifier's cores (one process): sessions * depth of them join the step.
+    Also the goodput of the best tree (depth >= 1) over that of none (0 if max_depth is 0; inf if the costs
+    give no step a positive time): how far a choice of no tree is from a tie."""
     # (runs per request and step under load: expected_tokens and nodes_at written out, a level at a time)
-    rate = 1.0 / costs.seconds(sessions, sessions)  # depth 0: the bonus token alone
-    best, best_rate = 0, (rate if rate > 0.0 else 0.0)
+    rate = plain = 1.0 / costs.seconds(sessions, sessions)  # depth 0: the bonus token alone
+    best, best_rate, tree_rate = 0, (rate if rate > 0.0 else 0.0), 0.0
     tokens, path, per_level = 1.0, 1.0, max(max_depth, 1)
     for depth in range(1, max_depth + 1):
         path *= alpha[depth - 1]
         tokens += path  # expected_tokens(alpha, depth)
         rows = sessions * (1 + fill * max(depth, max_nodes * depth // per_level))  # nodes_at(depth, ...)
         rate = tokens / (costs.seconds(sessions, rows) + sessions * depth * draft_per_level)
+        tree_rate = max(tree_rate, rate)
         if rate > best_rate * (1 + 1e-9):  # a deeper tree must gain more than rounding
             best, best_rate = depth, rate
-    return best
+    return best, (tree_rate / plain if plain > 0.0 else math.inf)
+
+
+def batch_goodput_depth(alpha: Sequence[float], costs: ForwardCosts, sessions: int, max_nodes: int,
+                        max_depth: int, fill: float = 1.0, draft_per_level: float = 0.0) -> int:
+    """``batch_goodput``'s depth."""
+    return batch_goodput(alpha, costs, sessions, max_nodes, max_depth, fill, draft_per_level)[0]
 
 
 NO_BUDGET = Budget(0, 0)  # a held cap's budget: no tree (one instance, built once)
@@ -542,17 +552,18 @@ NO_BUDGET = Budget(0, 0)  # a held cap's budget: no tree (one instance, built on
 @dataclass(frozen=True)
 class LoadAwarePolicy:
     """Another policy's budget, capped at the depth that maximises the verifier's goodput at its current
-    batch (``batch_goodput_depth``), with the request's own acceptance (``conditional_acceptance``) and the
+    batch (``batch_goodput``), with the request's own acceptance (``conditional_acceptance``) and the
     verifier's measured costs (``ForwardCosts``: in process refitted to its steps). The batch is the one the request's last step was verified
     in. A request alone on its verifier keeps the inner budget, so a seeded request that runs alone
     reproduces exactly whatever the deployment (under load its trees, hence its random stream, depend on
     the others; its distribution never does).
 
-    A budget the cap took to nothing stays nothing for the request's next ``hold_steps`` steps (per phase)
-    without being computed again, unless its batch shrinks to 3/4 or less of the one it was computed at (a batch
-    whose requests come and go moves by one or two all the time): under a load that zeroes every tree, a
-    speculating request then costs a step about what plain decoding does (the computation is ~20 µs a request
-    and step; the hold, one in ``hold_steps`` of it)."""
+    A budget the cap takes firmly to nothing (the best tree's goodput under ``hold_below`` of no tree's) stays
+    nothing for the request's next ``hold_steps`` steps without being computed again (per phase), unless its
+    batch shrinks to 3/4 or less of the one it was computed at (a batch whose requests come and go moves by one
+    or two all the time). Under a load that zeroes every tree, a speculating request then costs a step about
+    what plain decoding does (the computation is ~20 µs a request and step); a choice of nothing near a tie (the
+    CPU's usual one: trees come and go as acceptance and costs move) is computed again at the next step."""
 
     inner: SpeculationPolicy
     costs: ForwardCosts
@@ -561,6 +572,7 @@ class LoadAwarePolicy:
     prior_acceptance: float = 0.6
     prior_weight: float = 4.0
     hold_steps: int = 8
+    hold_below: float = 0.8
 
     @property
     def reads_ranks(self) -> bool:
@@ -568,10 +580,10 @@ class LoadAwarePolicy:
 
     def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget:
         sessions = stats.steps[-1].batch_sessions if stats.steps else 1
-        if sessions > 1:  # held at nothing: (steps until which it holds, the sessions of its batch then)
-            held = stats.derived.get(("load_aware_held", self.hold_steps, phase))
-            if held is not None and len(stats.steps) < held[0] and 4 * sessions > 3 * held[1]:
-                return NO_BUDGET
+        key = ("load_aware_held", self.hold_steps, phase)  # (held while fewer steps than this, its batch)
+        held = stats.derived.get(key)
+        if held is not None and sessions > 1 and len(stats.steps) < held[0] and 4 * sessions > 3 * held[1]:
+            return NO_BUDGET
         budget = self.inner.next_budget(stats, remaining_tokens, phase)
         if budget.max_depth == 0 or sessions <= 1:
             return budget
@@ -583,10 +595,10 @@ class LoadAwarePolicy:
         draft = 0.0
         if self.drafting_shares_cores and window.levels:  # draft_cpu_per_level of the window's steps
             draft = sum(s.draft_cpu_seconds for s in stats.steps[-self.window:]) / window.levels
-        depth = batch_goodput_depth(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
-                                    window.fill(), draft)
-        if depth == 0 and self.hold_steps > 0:
-            stats.derived[("load_aware_held", self.hold_steps, phase)] = (len(stats.steps) + self.hold_steps, sessions)
+        depth, tree_gain = batch_goodput(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
+                                         window.fill(), draft)
+        if depth == 0 and tree_gain < self.hold_below and self.hold_steps > 0:  # the next hold_steps calls: nothing
+            stats.derived[key] = (len(stats.steps) + 1 + self.hold_steps, sessions)
         if depth >= budget.max_depth:
             return budget
         return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,

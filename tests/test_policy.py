@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 
@@ -18,6 +19,7 @@ from orchestrator.policy import (
     LoadAwarePolicy,
     StaticPolicy,
     StepWindow,
+    batch_goodput,
     batch_goodput_depth,
     bonus_guess_rate,
     choose_depth,
@@ -571,6 +573,15 @@ def test_batch_goodput_depth_equals_the_pass_per_depth(alpha, sessions, max_node
             batch_goodput_depth(*args)
         return
     assert batch_goodput_depth(*args) == want
+    depth, tree_gain = batch_goodput(*args)
+    plain = 1.0 / costs.seconds(sessions, sessions)
+    trees = [expected_tokens(alpha, d) / (costs.seconds(sessions, sessions * (1 + fill * nodes_at(d, max_nodes,
+             len(alpha)))) + sessions * d * draft_per_level) for d in range(1, len(alpha) + 1)]
+    assert depth == want
+    if plain <= 0.0:
+        assert tree_gain == math.inf
+    else:
+        assert tree_gain == pytest.approx(max([0.0, *trees]) / plain, rel=1e-9, abs=1e-12)
 
 
 @given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 20), st.integers(0, 12),
@@ -612,52 +623,57 @@ def test_load_aware_policy_caps_only_under_load():
     assert kept.max_depth > 0 and kept.max_nodes == nodes_at(kept.max_depth, 16, 8)
 
 
-def test_a_load_aware_cap_at_nothing_holds_for_some_steps_unless_the_batch_shrinks():
-    """Once the cap takes a request's budget to nothing, the request's next ``hold_steps`` steps get nothing without
-    the cap being computed again (nor the inner policy asked), even if the costs turned meanwhile; then it is
-    computed afresh. A batch shrunk to 3/4 ends the hold at once; each phase holds on its own; ``hold_steps`` 0
-    never holds."""
+def test_a_firm_cap_at_nothing_is_held_unless_the_batch_shrinks():
+    """A cap that takes the budget firmly to nothing (the best tree's goodput under ``hold_below`` of none's) is
+    held there for the next ``hold_steps`` steps without being computed (nor the inner policy asked), whatever
+    the costs did meanwhile; then it is computed afresh. Nothing near a tie is computed again at every step. A
+    batch shrunk to 3/4 ends a hold at once; each phase holds on its own; ``hold_steps`` 0 never holds."""
     asked = []
 
     class Counting(StaticPolicy):
         def next_budget(self, stats, remaining_tokens, phase="sequential"):
-            asked.append(phase)
+            asked.append(len(stats.steps))
             return super().next_budget(stats, remaining_tokens, phase)
 
     class Costs:  # the verifier's costs as a StepCosts refits them: they change under the policy
-        per_row = 1e-4
+        per_row = 1e-4  # with these steps' acceptance at 32 sessions: the best tree at 0.75 of none's goodput
 
         def seconds(self, sessions, rows):
             return 1e-3 + self.per_row * rows
 
-    inner, costs = Counting(16, 8), Costs()
-    policy, fresh = LoadAwarePolicy(inner, costs, hold_steps=4), LoadAwarePolicy(StaticPolicy(16, 8), costs, hold_steps=0)
+    costs = Costs()
+    policy = LoadAwarePolicy(Counting(16, 8), costs, hold_steps=8)
+    fresh = LoadAwarePolicy(StaticPolicy(16, 8), costs, hold_steps=0)
     stats = _stats(_step(8, 3, nodes=16, batch_sessions=32) for _ in range(10))
-    assert policy.next_budget(stats, 100, "predraft").is_zero and len(asked) == 1  # rows too dear for the batch
-    costs.per_row = 1e-7  # now trees pay
-    for _ in range(3):
+
+    def step(phase="predraft"):  # one step: its budget, then the step it ran
+        budget = policy.next_budget(stats, 100, phase)
         stats.steps.append(_step(8, 3, nodes=16, batch_sessions=32))
-        assert policy.next_budget(stats, 100, "predraft").is_zero  # held: nothing computed
-        assert not fresh.next_budget(stats, 100, "predraft").is_zero
-    assert len(asked) == 1
-    assert policy.next_budget(stats, 100, "sequential") == fresh.next_budget(stats, 100)  # another phase: not held
-    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=32))  # the fourth step since: computed again
-    assert policy.next_budget(stats, 100, "predraft") == fresh.next_budget(stats, 100, "predraft")
-    assert len(asked) == 3
-    # a batch that shrinks ends a hold at once
+        return budget
+
+    assert all(step().is_zero for _ in range(20))
+    assert asked == [10, 19, 28]  # computed, then held 8 steps
+    costs.per_row = 1e-7  # now trees pay: nothing until the hold ends, then trees
+    assert not fresh.next_budget(stats, 100, "predraft").is_zero
+    budgets = [step() for _ in range(10)]
+    assert all(b.is_zero for b in budgets[:7]) and not any(b.is_zero for b in budgets[7:])  # computed at 37
+    assert policy.next_budget(stats, 100, "sequential") == fresh.next_budget(stats, 100)  # a phase of its own
+    costs.per_row, asked[:] = 3e-5, []  # nothing, near a tie (0.95 of none's goodput): never held
+    assert all(step().is_zero for _ in range(5))
+    assert asked == [40, 41, 42, 43, 44]
     costs.per_row = 1e-4
-    assert policy.next_budget(stats, 100).is_zero
+    assert step().is_zero  # firm: held from here
     costs.per_row = 1e-7
-    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=25))  # a request or two fewer: still held
-    assert policy.next_budget(stats, 100).is_zero
-    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=24))  # 3/4 of the batch it was computed at
-    assert not policy.next_budget(stats, 100).is_zero
-    # never held: every call computed
-    never, costs.per_row = LoadAwarePolicy(inner, costs, hold_steps=0), 1e-4
-    before = len(asked)
-    for _ in range(3):
+    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=25))
+    assert policy.next_budget(stats, 100, "predraft").is_zero  # a request or so fewer does not end it
+    stats.steps.append(_step(8, 3, nodes=16, batch_sessions=24))
+    assert not policy.next_budget(stats, 100, "predraft").is_zero  # 3/4 of the batch it was held at: computed
+    never = LoadAwarePolicy(Counting(16, 8), costs, hold_steps=0)
+    costs.per_row, asked[:] = 1e-4, []
+    for _ in range(5):
         assert never.next_budget(stats, 100).is_zero
-    assert len(asked) == before + 3
+        stats.steps.append(_step(8, 3, nodes=16, batch_sessions=32))
+    assert len(asked) == 5
 
 
 @given(st.floats(0, 1e-2), st.floats(0, 1e-3), st.floats(0, 1e-3))
