@@ -22,6 +22,7 @@ from specmesh.fast_llama import (
     supports,
 )
 from specmesh.model_runner import ModelRunner, tree_attend_mask
+from specmesh.models import cpu_flags
 
 
 def _llama(num_kv_heads: int) -> LlamaForCausalLM:
@@ -278,7 +279,12 @@ def test_products_turn_to_float32_from_the_rows_where_it_is_faster(monkeypatch, 
     assert calls == {torch.float32: [], torch.bfloat16: [4, 9], torch.float16: [2, 3, 4, 9]}[dtype]
 
 
+ONEDNN_BF16 = ({"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()) or "avx_ne_convert" in cpu_flags()
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+@pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN's bf16 weight reorder needs AVX-512 (BW, VL, DQ) or "
+                    "AVX-NE-CONVERT, which this CPU lacks (the runner packs only where the CPU multiplies bf16)")
 def test_bf16_products_on_packed_weights_equal_torchs(monkeypatch) -> None:
     """Where the CPU multiplies bf16 natively (forced here: ``_packs_products``) a bf16 runner packs its weights
     for oneDNN once and its products below the float32 rows run on them (not under --compile frozen, never in
