@@ -10,8 +10,10 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -487,15 +489,31 @@ def main(argv: list[str] | None = None) -> int:
     tune_host_allocator()  # host_runtime.py: no page faults on the step's tensors
     as_program, argv = argv is None, sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    name = f"specmesh{' ' + command if command in COMMANDS else ''}"
+    if as_program and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda signum, frame: interrupt(frame, name))
     try:
         args = build_parser([command] if command in COMMANDS else []).parse_args(argv)
         code = int(args.func(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C anywhere (loading models, mid-run): one line, no traceback
-        print(f"specmesh{' ' + command if command in COMMANDS else ''}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         code = INTERRUPTED
     if code == INTERRUPTED and as_program:
         end_interrupted()
     return code
+
+
+def interrupt(frame, name: str) -> None:
+    """SIGINT in the program: KeyboardInterrupt, as by default, except while a module is being imported. Torch's
+    import runs Python called from C++ (pybind11), where an exception ends the process in ``std::terminate``
+    (SIGABRT, no message); there the one line and exit status 130 come at once (an import has nothing to
+    unwind)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            print(f"{name}: interrupted", file=sys.stderr)
+            end_interrupted()
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 def end_interrupted() -> None:
