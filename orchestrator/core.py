@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from orchestrator.drafter_link import DrafterLink, PendingDraft
 from orchestrator.engine import GenerationResult, StepEvent, emitted_logprobs
 from orchestrator.overlap import predraft_budget, reusable_subtree
-from orchestrator.policy import reads_ranks
+from orchestrator.policy import MethodSteps, reads_ranks
 from orchestrator.remote_loop import RemoteStepLoop
 from orchestrator.requests import Method, Predraft, Request, RequestOutput, Status
 from orchestrator.stats import RequestStats, StepStats
@@ -100,6 +100,7 @@ class EngineCore:
         self._step: Step | None = None  # draft() -> commit() (a StepLoop's one step at a time)
         self._steps: set[Step] = set()  # every step begun and not ended (a remote loop may have several out)
         self._drafting: ThreadPoolExecutor | None = None  # overlap: drafts ahead while a forward runs
+        self._method_steps: dict[Hashable, MethodSteps] = {}  # per method: its requests' steps, pooled
         if isinstance(verifier, VerifierClient):
             self.costs = costs or verifier.costs
             self.loop = RemoteStepLoop(verifier, self, name)
@@ -159,6 +160,20 @@ class EngineCore:
     @property
     def num_waiting(self) -> int:
         return self.loop.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        """Requests decoding (the batch the next step verifies, less any sitting it out)."""
+        return len(self._running)
+
+    def method_steps(self, method: Hashable) -> MethodSteps:
+        """The pooled steps of the requests of ``method`` (a key naming a proposer and its budget) on this core,
+        for their load-aware policies (``load_aware(..., pooled=)``), created on first use."""
+        with self._lock:
+            pooled = self._method_steps.get(method)
+            if pooled is None:
+                pooled = self._method_steps[method] = MethodSteps(lambda: len(self._running))
+            return pooled
 
     def traced(self, request_id: str, call: str):
         """A context manager making current the span a remote loop's call for the request belongs under, so the

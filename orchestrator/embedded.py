@@ -140,7 +140,9 @@ class EmbeddedStack:
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         if shared:
             core = self.shared_verifier(topk, lookahead)
-            policy_chosen = load_aware(policy_chosen, core.costs, drafting_shares_cores=True)
+            method = (proposer, max_nodes, max_depth, policy, restart_depth, repr(sorted(proposer_opts.items())))
+            policy_chosen = load_aware(policy_chosen, core.costs, drafting_shares_cores=True,
+                                       pooled=core.method_steps(method))
             return CoreEngine(core, Method(only(drafter, proposer or ""), policy_chosen, features, overlap=overlap))
         # one request at a time: a pool for two sessions at the full context, not the server's budget
         per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)

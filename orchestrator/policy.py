@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import fmean, median
 from typing import ClassVar, Literal, Protocol
 
 from drafter_service.proposer import proposer_spec
 from orchestrator.stats import RequestStats, StepStats
-from specmesh.contract import Budget, ForwardCosts
+from specmesh.contract import Budget, ForwardCosts, VerifyCosts
 
 Phase = Literal["sequential", "restart", "predraft"]
 
@@ -102,11 +103,15 @@ def conditional_acceptance(
     return shrunk_rates(tried, accepted, prior, prior_weight)
 
 
-def shrunk_rates(tried: Sequence[int], accepted: Sequence[int], prior: float, prior_weight: float) -> list[float]:
+def shrunk_rates(tried: Sequence[int], accepted: Sequence[int], prior: float, prior_weight: float,
+                 base: Sequence[float] | None = None) -> list[float]:
     """Per position, accepted / tried shrunk towards the position before it (the first towards ``prior``) with
-    ``prior_weight`` pseudo-trials: ``conditional_acceptance``'s estimate from its counts."""
+    ``prior_weight`` pseudo-trials: ``conditional_acceptance``'s estimate from its counts. ``base``: rates per
+    position to shrink towards instead (the pooled estimate of the method's other requests, ``MethodSteps``)."""
     alpha, mean = [], prior
-    for t, a in zip(tried, accepted, strict=True):
+    for j, (t, a) in enumerate(zip(tried, accepted, strict=True)):
+        if base is not None:
+            mean = base[j]
         if t + prior_weight > 0:
             mean = (a + prior_weight * mean) / (t + prior_weight)
         alpha.append(mean)
@@ -130,20 +135,24 @@ class StepWindow:
         self.tried_end: list[int] = [0]
         self.accepted_end: list[int] = [0]
         self.asked = self.got = self.levels = 0  # budgeted nodes (of steps with a budget), nodes sent, levels
+        self.draft_cpu = 0.0  # the steps' draft_cpu_seconds
+        self.version = 0  # changes whenever the counts do (a step that tried, asked, budgeted or drafted)
 
     def sync(self, steps: list[StepStats]) -> None:
         """Take in the steps appended since the last call and let out those that left the window."""
         n, seen, size = len(steps), self._seen, self.size
         if steps is not self._steps or n < seen:
+            version = self.version
             self.__init__(size)
-            self._steps, seen = steps, 0
+            self._steps, seen, self.version = steps, 0, version + 1
         for s in steps[max(0, seen - size) : min(seen, max(0, n - size))]:
-            self._count(s, -1)
+            self.count(s, -1)
         for s in steps[max(seen, n - size) :]:
-            self._count(s, 1)
+            self.count(s, 1)
         self._seen = n
 
-    def _count(self, s: StepStats, sign: int) -> None:
+    def count(self, s: StepStats, sign: int) -> None:
+        """Add (sign 1) or remove (-1) one step's counts."""
         accepted = s.num_accepted
         m = min(s.tree_depth, accepted + 1)
         if m > 0:
@@ -157,10 +166,14 @@ class StepWindow:
         if nodes > 0:
             self.asked += sign * nodes
             self.got += sign * s.num_proposed
-        self.levels += sign * depth
+        if m > 0 or nodes > 0 or depth > 0 or s.draft_cpu_seconds:
+            self.levels += sign * depth
+            self.draft_cpu += sign * s.draft_cpu_seconds
+            self.version += 1
 
-    def acceptance(self, max_depth: int, prior: float, prior_weight: float) -> list[float]:
-        """``conditional_acceptance`` of the window's steps."""
+    def acceptance(self, max_depth: int, prior: float, prior_weight: float,
+                   base: Sequence[float] | None = None) -> list[float]:
+        """``conditional_acceptance`` of the window's steps (``base``: as ``shrunk_rates``)."""
         tried, accepted = [0] * max_depth, [0] * max_depth
         t = sum(self.tried_end[max_depth + 1 :])  # runs that end past the cap count at every position under it
         a = sum(self.accepted_end[max_depth + 1 :])
@@ -169,7 +182,16 @@ class StepWindow:
                 t += self.tried_end[j + 1]
                 a += self.accepted_end[j + 1]
             tried[j], accepted[j] = t, a
-        return shrunk_rates(tried, accepted, prior, prior_weight)
+        return shrunk_rates(tried, accepted, prior, prior_weight, base)
+
+    @property
+    def tried(self) -> int:
+        """Steps of the window that tried a first draft position."""
+        return sum(self.tried_end[1:])
+
+    def draft_per_level(self) -> float:
+        """``draft_cpu_per_level`` of the window's steps (0 without a budgeted level)."""
+        return max(0.0, self.draft_cpu) / self.levels if self.levels > 0 else 0.0
 
     def fill(self, prior_nodes: float = 4.0) -> float:
         """``fill_ratio`` of the window's steps."""
@@ -549,6 +571,39 @@ def batch_goodput_depth(alpha: Sequence[float], costs: ForwardCosts, sessions: i
 NO_BUDGET = Budget(0, 0)  # a held cap's budget: no tree (one instance, built once)
 
 
+class MethodSteps:
+    """One method's requests on one verifier, pooled for the load-aware cap (``LoadAwarePolicy``): the counts of
+    the last ``size`` steps that asked for a tree, whichever request took them, and how many requests the verifier
+    runs now. A request's own few steps say little of its acceptance, the method's other requests more: the cap
+    shrinks a request's estimate towards the pooled one (instead of a fixed prior), and sizes a request's first
+    tree, before it has a batch of its own, for the requests running now at the pooled acceptance (once the pool
+    has tried enough steps; until then the first tree is the inner budget: someone has to measure). Owned by an
+    engine core (``EngineCore.method_steps``); fed and read on its loop thread only."""
+
+    def __init__(self, running: Callable[[], int] = lambda: 1, size: int = 64) -> None:
+        self.running = running  # requests the verifier runs now: the batch a request's first step joins
+        self.window = StepWindow(size)
+        self._steps: deque[StepStats] = deque()
+        self._rates: tuple = ()  # (version, max_depth, prior, prior_weight, rates) of the last ``acceptance``
+
+    def add(self, steps: Sequence[StepStats]) -> None:
+        """Take in a request's new steps; those that asked for no tree say nothing of acceptance and stay out."""
+        window, pooled = self.window, self._steps
+        for s in steps:
+            if s.budget[0] > 0:
+                if len(pooled) == window.size:
+                    window.count(pooled.popleft(), -1)
+                pooled.append(s)
+                window.count(s, 1)
+
+    def acceptance(self, max_depth: int, prior: float, prior_weight: float) -> list[float]:
+        """``conditional_acceptance`` of the pooled steps (computed once per step taken in)."""
+        key = (self.window.version, max_depth, prior, prior_weight)
+        if self._rates[:4] != key:
+            self._rates = (*key, self.window.acceptance(max_depth, prior, prior_weight))
+        return self._rates[4]
+
+
 @dataclass(frozen=True)
 class LoadAwarePolicy:
     """Another policy's budget, capped at the depth that maximises the verifier's goodput at its current
@@ -563,7 +618,14 @@ class LoadAwarePolicy:
     batch shrinks to 3/4 or less of the one it was computed at (a batch whose requests come and go moves by one
     or two all the time). Under a load that zeroes every tree, a speculating request then costs a step about
     what plain decoding does (the computation is ~20 µs a request and step); a choice of nothing near a tie (the
-    CPU's usual one: trees come and go as acceptance and costs move) is computed again at the next step."""
+    CPU's usual one: trees come and go as acceptance and costs move) is computed again at the next step, if
+    anything it reads changed: the request's window, the pool, the costs' current fit (a ``LiveCosts``' ``current``
+    or a ``VerifyCosts``; costs of any other kind may change in place and are read every time), the batch, or the
+    inner budget's size. Otherwise the last choice stands.
+
+    ``pooled``: the steps of the method's requests on this verifier together (``MethodSteps``): the request's
+    acceptance is shrunk towards theirs, and its first tree is capped for the requests running now once the
+    pool has tried ``min_pooled`` steps (without it, a request's first tree is the inner budget)."""
 
     inner: SpeculationPolicy
     costs: ForwardCosts
@@ -573,36 +635,63 @@ class LoadAwarePolicy:
     prior_weight: float = 4.0
     hold_steps: int = 8
     hold_below: float = 0.8
+    pooled: MethodSteps | None = field(default=None, compare=False)
+    min_pooled: int = 8
 
     @property
     def reads_ranks(self) -> bool:
         return reads_ranks(self.inner)
 
     def next_budget(self, stats: RequestStats, remaining_tokens: int, phase: Phase = "sequential") -> Budget:
-        sessions = stats.steps[-1].batch_sessions if stats.steps else 1
+        steps, pooled = stats.steps, self.pooled
+        sessions = steps[-1].batch_sessions if steps else 1
         key = ("load_aware_held", self.hold_steps, phase)  # (held while fewer steps than this, its batch)
         held = stats.derived.get(key)
-        if held is not None and sessions > 1 and len(stats.steps) < held[0] and 4 * sessions > 3 * held[1]:
+        if held is not None and sessions > 1 and len(steps) < held[0] and 4 * sessions > 3 * held[1]:
             return NO_BUDGET
+        if pooled is not None:
+            fed = stats.derived.get("load_aware_pooled", 0)  # the request's steps the pool has taken in
+            if fed < len(steps):
+                pooled.add(steps[fed:])
+                stats.derived["load_aware_pooled"] = len(steps)
+            if not steps and pooled.window.tried >= self.min_pooled:
+                sessions = pooled.running()  # a first tree: the batch it joins, at the method's acceptance
         budget = self.inner.next_budget(stats, remaining_tokens, phase)
         if budget.max_depth == 0 or sessions <= 1:
             return budget
         window = stats.derived.get(("load_aware", self.window))
         if window is None:
             window = stats.derived[("load_aware", self.window)] = StepWindow(self.window)
-        window.sync(stats.steps)  # the last ``window`` steps' counts, updated with the steps since the last call
-        alpha = window.acceptance(budget.max_depth, self.prior_acceptance, self.prior_weight)
-        draft = 0.0
-        if self.drafting_shares_cores and window.levels:  # draft_cpu_per_level of the window's steps
-            draft = sum(s.draft_cpu_seconds for s in stats.steps[-self.window:]) / window.levels
-        depth, tree_gain = batch_goodput(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth,
-                                         window.fill(), draft)
+        window.sync(steps)  # the last ``window`` steps' counts, updated with the steps since the last call
+        # the choice is a function of these: made again only when one of them changed (None: costs that may
+        # change in place, never reused)
+        snapshot = getattr(self.costs, "current", self.costs if isinstance(self.costs, VerifyCosts) else None)
+        inputs = (window.version, -1 if pooled is None else pooled.window.version, snapshot, sessions,
+                  budget.max_nodes, budget.max_depth)
+        memo = stats.derived.get(("load_aware_choice", phase))
+        if snapshot is not None and memo is not None and memo[0] == inputs:
+            depth, tree_gain = memo[1]
+        else:
+            depth, tree_gain = self._choose(window, pooled, sessions, budget)
+            stats.derived[("load_aware_choice", phase)] = (inputs, (depth, tree_gain))
         if depth == 0 and tree_gain < self.hold_below and self.hold_steps > 0:  # the next hold_steps calls: nothing
-            stats.derived[key] = (len(stats.steps) + 1 + self.hold_steps, sessions)
+            stats.derived[key] = (len(steps) + 1 + self.hold_steps, sessions)
         if depth >= budget.max_depth:
             return budget
         return Budget(nodes_at(depth, budget.max_nodes, budget.max_depth), depth, budget.deadline,
                       budget.min_path_prob)
+
+    def _choose(self, window: StepWindow, pooled: MethodSteps | None, sessions: int,
+                budget: Budget) -> tuple[int, float]:
+        """``batch_goodput`` for the request's window (what it lacks taken from ``pooled``) at ``sessions``."""
+        base = None if pooled is None else pooled.acceptance(budget.max_depth, self.prior_acceptance,
+                                                             self.prior_weight)
+        alpha = window.acceptance(budget.max_depth, self.prior_acceptance, self.prior_weight, base)
+        draft = 0.0  # what the request's own steps lack, the method's pooled steps tell
+        if self.drafting_shares_cores:  # draft_cpu_per_level
+            draft = (window if window.levels or pooled is None else pooled.window).draft_per_level()
+        fill = window.fill() if window.asked or pooled is None else pooled.window.fill()
+        return batch_goodput(alpha, self.costs, sessions, budget.max_nodes, budget.max_depth, fill, draft)
 
 
 def draft_cpu_per_level(steps: Sequence[StepStats]) -> float:
@@ -612,11 +701,12 @@ def draft_cpu_per_level(steps: Sequence[StepStats]) -> float:
     return sum(s.draft_cpu_seconds for s in steps) / levels if levels else 0.0
 
 
-def load_aware(policy: SpeculationPolicy, costs: ForwardCosts | None,
-               drafting_shares_cores: bool = False) -> SpeculationPolicy:
+def load_aware(policy: SpeculationPolicy, costs: ForwardCosts | None, drafting_shares_cores: bool = False,
+               pooled: MethodSteps | None = None) -> SpeculationPolicy:
     """``policy`` capped by the verifier's load when the verifier measured its costs (else as it is);
-    ``drafting_shares_cores``: drafters and verifier in one process (their drafting time counts too)."""
-    return policy if costs is None else LoadAwarePolicy(policy, costs, drafting_shares_cores)
+    ``drafting_shares_cores``: drafters and verifier in one process (their drafting time counts too); ``pooled``:
+    the steps of the method's requests on that verifier (``EngineCore.method_steps``)."""
+    return policy if costs is None else LoadAwarePolicy(policy, costs, drafting_shares_cores, pooled=pooled)
 
 
 # ------------------------------------------------------------------ a request's budget and policy

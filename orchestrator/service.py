@@ -192,7 +192,7 @@ class RemoteBackend:
         verifier = verifiers[0]
         tried.add(verifier.address)
         core = self._core(verifier, decode)
-        request_id = core.submit(plan.prompt, plan.sampling, self._method(plan, verifier, deadline), output,
+        request_id = core.submit(plan.prompt, plan.sampling, self._method(plan, core, deadline), output,
                                  trace=trace)
         return lambda: core.cancel(request_id)
 
@@ -203,7 +203,7 @@ class RemoteBackend:
                 core = self._cores[verifier] = EngineCore(verifier, decode, name=f"core-{verifier.address}")
             return core
 
-    def _method(self, plan: Plan, verifier: VerifierClient, deadline: float | None) -> Method:
+    def _method(self, plan: Plan, core: EngineCore, deadline: float | None) -> Method:
         """The request's drafters (the replicas, then prompt lookup here), its policy sized for the verifier's
         load; their calls run on the drafting pool."""
         base = build_policy(plan.policy, plan.max_nodes, plan.max_depth, self.draft_timeout, plan.restart_depth)
@@ -216,7 +216,9 @@ class RemoteBackend:
             candidates = [(f"drafter {c.address}", lambda c=c: c.drafter(plan.proposer, deadline))
                           for c in least_loaded(self.drafters, self._rng)]
             candidates.append(("local prompt_lookup", lambda: self._local))
-        policy = load_aware(base, verifier.costs)  # trees sized for this replica's load
+        # trees sized for this replica's load, with the acceptance of the method's requests on it
+        method = (plan.proposer, plan.max_nodes, plan.max_depth, plan.policy, plan.restart_depth)
+        policy = load_aware(base, core.costs, pooled=core.method_steps(method))
         return Method(candidates, policy, features, overlap=plan.overlap, background=True)
 
     def retryable(self, exc: Exception) -> bool:

@@ -120,7 +120,8 @@ def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend, ove
 def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_sets, ar_reference):
     """An engine core given the forward's profiled costs refits them to its own steps (``StepCosts``): the load-aware
     policy of its requests holds that object, every step without a prompt chunk is observed (with its sessions,
-    rows and time), the refit is reported where a replica reports its costs, and output is unchanged."""
+    rows and time), the refit is reported where a replica reports its costs, and output is unchanged. The
+    requests' steps are pooled per method (``method_steps``: one pool per key, created on first use)."""
     ms = model_sets("cyclic")
     local = LocalVerifier(ms.runner("target", "fast"))
     profile = VerifyCosts(1.0, 0.0, 1e-3)  # far off: a second a step
@@ -128,18 +129,34 @@ def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_set
     try:
         assert isinstance(core.costs, StepCosts) and core.costs is core.loop.costs and core.costs.profile is profile
         prop = make_proposer("prompt_lookup_tree")
-        policy = load_aware(StaticPolicy(8, 8), core.costs)
-        assert policy.costs is core.costs
+        pooled = core.method_steps(("prompt_lookup_tree", 8, 8))
+        assert core.method_steps(("prompt_lookup_tree", 8, 8)) is pooled is not core.method_steps(("copy", 8, 8))
+        policy = load_aware(StaticPolicy(8, 8), core.costs, pooled=pooled)
+        assert policy.costs is core.costs and policy.pooled is pooled
         method = Method(only(LocalDrafter(prop), "prompt_lookup_tree"), policy)
         outputs = run_all(core, method, PROMPTS, greedy(MAX_NEW))
         for prompt, out in zip(PROMPTS, outputs, strict=True):
             assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        assert pooled.window.tried > 0 and core.num_running == pooled.running() == 0
         chunked = core.stats.steps - core.costs.observed
         assert core.costs.observed >= core.costs.refit_every and 0 < chunked <= len(PROMPTS)  # prefills: not observed
         assert core.costs.seconds(2, 4) < 0.5 * profile.seconds(2, 4)  # a tiny model's step, not a second
         assert (core.costs.base, core.costs.per_row) == (core.costs.current.base, core.costs.current.per_row)
     finally:
         core.close()
+
+
+def test_shared_engines_of_one_method_pool_their_steps(demo_stack):
+    """The embedded stack's engines on its core: those of one method (proposer, budget, policy, options) share one
+    pool of steps for their load-aware policies, whichever thread built them; another budget has its own."""
+    stack = dataclasses.replace(demo_stack, _shared={}, _shared_lock=threading.Lock())
+    try:
+        same = [stack.engine("prompt_lookup_tree", shared=True) for _ in range(2)]
+        other = stack.engine("prompt_lookup_tree", max_nodes=4, shared=True)
+        pooled = same[0].method.policy.pooled
+        assert pooled is not None and same[1].method.policy.pooled is pooled is not other.method.policy.pooled
+    finally:
+        stack.close()
 
 
 @pytest.mark.parametrize(("asynchronous", "calls_waiting"), [(False, True), (True, True), (True, False)],

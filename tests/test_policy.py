@@ -11,12 +11,14 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from orchestrator import policy as policy_module
 from orchestrator.policy import (
     NODE_COST_FRACTION,
     PROBE_DEPTH,
     AdaptivePolicy,
     CostModel,
     LoadAwarePolicy,
+    MethodSteps,
     StaticPolicy,
     StepWindow,
     batch_goodput,
@@ -27,6 +29,7 @@ from orchestrator.policy import (
     choose_overlap,
     conditional_acceptance,
     depth_per_node,
+    draft_cpu_per_level,
     expected_tokens,
     fill_ratio,
     fit_costs,
@@ -35,6 +38,7 @@ from orchestrator.policy import (
     nodes_for_depth,
     overlap_rate,
     rank_acceptance,
+    shrunk_rates,
     step_time,
     stop_threshold,
 )
@@ -599,6 +603,7 @@ def test_step_window_counts_equal_a_pass_over_the_window(steps, size, batches, m
         assert window.acceptance(max_depth, 0.6, 4.0) == conditional_acceptance(last, max_depth, 0.6, 4.0)
         assert window.fill() == fill_ratio(last)
         assert window.levels == sum(s.budget[1] for s in last)
+        assert window.draft_per_level() == pytest.approx(draft_cpu_per_level(last), rel=1e-9, abs=1e-15)
         if at >= len(made):
             break
     fresh = list(history[:3])
@@ -671,6 +676,105 @@ def test_a_firm_cap_at_nothing_is_held_unless_the_batch_shrinks():
         assert never.next_budget(stats, 100).is_zero
         stats.steps.append(_step(8, 3, nodes=16, batch_sessions=32))
     assert len(asked) == 5
+
+
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 20)), max_size=60),
+       st.integers(1, 20), st.integers(0, 14))
+def test_method_steps_pool_the_last_steps_that_asked_for_a_tree(steps, size, max_depth):
+    """Requests' steps fed in turn: the pool's acceptance equals ``conditional_acceptance`` of the last ``size``
+    steps with a budget, whichever request took them; steps without a budget stay out."""
+    made = [_step(depth, min(accepted, depth), nodes=nodes, budget=(nodes, depth)) for depth, accepted, nodes in steps]
+    pooled, taken = MethodSteps(size=size), []
+    for at in range(0, len(made), 3):
+        pooled.add(made[at : at + 3])
+        taken += [s for s in made[at : at + 3] if s.budget[0] > 0]
+        want = conditional_acceptance(taken[-size:], max_depth, 0.6, 4.0)
+        assert pooled.acceptance(max_depth, 0.6, 4.0) == want
+        assert pooled.acceptance(max_depth, 0.6, 4.0) is pooled.acceptance(max_depth, 0.6, 4.0)  # once per change
+        assert pooled.window.tried == sum(1 for s in taken[-size:] if min(s.tree_depth, s.num_accepted + 1) > 0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=8),
+       st.lists(st.floats(0, 1), min_size=8, max_size=8), st.floats(0.5, 8))
+def test_rates_shrunk_towards_a_base_take_it_where_nothing_was_tried(counts, base, weight):
+    tried = [t for t, _ in counts]
+    accepted = [min(a, t) for t, a in counts]
+    rates = shrunk_rates(tried, accepted, 0.6, weight, base)
+    for j, (t, a) in enumerate(zip(tried, accepted, strict=True)):
+        assert rates[j] == pytest.approx((a + weight * base[j]) / (t + weight))
+    assert shrunk_rates([0] * 8, [0] * 8, 0.6, weight, base) == pytest.approx(base)
+
+
+def test_a_first_tree_is_capped_for_the_running_requests_at_the_methods_acceptance():
+    """With a pool of the method's steps: a request's first tree is the inner budget until the pool has tried
+    ``min_pooled`` steps; then it is capped for the requests running now at the pool's acceptance (nothing where
+    the others' trees did not pay at that batch, the whole budget where they did), and a request alone keeps the
+    inner budget. Each request's steps are taken in once; its own estimate is shrunk towards the pool's."""
+    running = [32]
+    pooled = MethodSteps(lambda: running[0])
+    inner = StaticPolicy(16, 8)
+    policy = LoadAwarePolicy(inner, VerifyCosts(1e-3, 0.0, 1e-4), pooled=pooled, min_pooled=8)
+    first = inner.next_budget(RequestStats(), 100)
+    other = _stats(_step(8, 0, nodes=16, batch_sessions=32) for _ in range(5))
+    policy.next_budget(other, 100)
+    policy.next_budget(other, 100)  # nothing new: taken in once
+    assert pooled.window.tried == 5
+    assert policy.next_budget(RequestStats(), 100) == first  # 5 of 8 tried: not enough to judge by
+    policy.next_budget(_stats(_step(8, 0, nodes=16, batch_sessions=32) for _ in range(3)), 100)  # another request
+    assert pooled.window.tried == 8
+    assert policy.next_budget(RequestStats(), 100).is_zero  # trees rejected at the first token: none at 32
+    running[0] = 1
+    assert policy.next_budget(RequestStats(), 100) == first  # alone: the inner budget
+    alone = LoadAwarePolicy(inner, VerifyCosts(1e-3, 0.0, 1e-4))  # without a pool: as before, the inner budget
+    running[0] = 32
+    assert alone.next_budget(RequestStats(), 100) == first
+    good = MethodSteps(lambda: 32)
+    accepting = LoadAwarePolicy(inner, VerifyCosts(1e-3, 0.0, 1e-6), pooled=good)  # a row costs 1/1000 a step
+    accepting.next_budget(_stats(_step(8, 8, nodes=16, batch_sessions=32) for _ in range(8)), 100)
+    assert accepting.next_budget(RequestStats(), 100) == first  # the others' whole trees were accepted
+    # one own step that tried a tree: shrunk towards the pool (all accepted), not the fixed prior (0.6)
+    costs = VerifyCosts(1e-3, 0.0, 1e-5)
+    mine = _stats([_step(8, 8, nodes=16, batch_sessions=32)])
+    deeper = LoadAwarePolicy(inner, costs, pooled=good).next_budget(mine, 100).max_depth
+    assert deeper > LoadAwarePolicy(inner, costs).next_budget(mine, 100).max_depth > 0
+
+
+def test_a_load_aware_choice_is_made_again_only_when_what_it_reads_changed(monkeypatch):
+    """The cap's choice is reused while the request's window, the method's pool, the costs' current fit, the
+    batch and the inner budget stay as they were (a step without a tree changes none of them), per phase; costs
+    that may change in place (no ``current``, not a ``VerifyCosts``) are read every time."""
+    chosen = []
+    real = policy_module.batch_goodput
+    monkeypatch.setattr(policy_module, "batch_goodput", lambda *a: chosen.append(a[2]) or real(*a))
+    costs = StepCosts(VerifyCosts(1e-3, 0.0, 3e-5), refit_every=2)
+    pooled = MethodSteps(lambda: 16)
+    policy = LoadAwarePolicy(StaticPolicy(16, 8), costs, pooled=pooled, hold_steps=0)
+    stats = _stats([_step(8, 3, nodes=16, batch_sessions=16)])
+    plain = partial(_step, 0, 0, nodes=0, budget=(0, 0))
+
+    def calls(phase="predraft"):
+        policy.next_budget(stats, 100, phase)
+        return len(chosen)
+
+    first = policy.next_budget(stats, 100, "predraft")
+    assert policy.next_budget(stats, 100, "predraft") == first and len(chosen) == 1
+    stats.steps.append(plain(batch_sessions=16))
+    assert calls() == 1  # a step without a tree
+    assert calls("sequential") == 2 and calls("sequential") == 2  # a phase of its own
+    stats.steps.append(plain(batch_sessions=15))
+    assert calls() == 3  # the batch
+    policy.next_budget(_stats([_step(8, 8, nodes=16, batch_sessions=15)]), 100, "predraft")
+    assert len(chosen) == 4 and calls() == 5  # another request's tree, taken into the pool
+    costs.observe(15, 15, 1e-3)
+    costs.observe(15, 30, 2e-3)
+    assert calls() == 6 and calls() == 6  # the costs refitted
+    stats.steps.append(_step(4, 1, nodes=8, batch_sessions=15))
+    assert calls() == 7  # a tree of its own
+    plain_costs = LoadAwarePolicy(StaticPolicy(16, 8), type("Costs", (), {"seconds": lambda self, b, r: 1e-3 + 3e-5 * r})(),
+                                  hold_steps=0)
+    for _ in range(3):
+        plain_costs.next_budget(stats, 100)
+    assert len(chosen) == 10
 
 
 @given(st.floats(0, 1e-2), st.floats(0, 1e-3), st.floats(0, 1e-3))
