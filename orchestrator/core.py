@@ -73,6 +73,7 @@ if TYPE_CHECKING:  # torch: `serve` over replicas runs no model and never import
 log = logging.getLogger("specmesh.core")
 EMPTY_TREE = TokenTree.empty()  # every plain step's tree: one shared instance (its derived arrays computed once)
 PLAIN = (EMPTY_TREE, Budget(0, 0), 0.0)  # (tree, budget, draft seconds) of a request without a drafter
+MAX_METHOD_POOLS = 64  # methods whose steps a core pools at once (``method_steps``)
 PREEMPTED_RETRY_S = 0.005  # a replica preempted a request's session: its tree is sent again after this
 
 
@@ -168,11 +169,16 @@ class EngineCore:
 
     def method_steps(self, method: Hashable) -> MethodSteps:
         """The pooled steps of the requests of ``method`` (a key naming a proposer and its budget) on this core,
-        for their load-aware policies (``load_aware(..., pooled=)``), created on first use."""
+        for their load-aware policies (``load_aware(..., pooled=)``), created on first use. The core keeps the
+        ``MAX_METHOD_POOLS`` most recently used (budgets come from requests: their variety is the clients'); a
+        policy holding an older one still reads and feeds it, unshared."""
         with self._lock:
-            pooled = self._method_steps.get(method)
+            pooled = self._method_steps.pop(method, None)
             if pooled is None:
-                pooled = self._method_steps[method] = MethodSteps(lambda: len(self._running))
+                pooled = MethodSteps(lambda: len(self._running))
+                if len(self._method_steps) >= MAX_METHOD_POOLS:
+                    del self._method_steps[next(iter(self._method_steps))]  # the least recently used
+            self._method_steps[method] = pooled  # (last in order: the most recently used)
             return pooled
 
     def traced(self, request_id: str, call: str):

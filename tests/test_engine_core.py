@@ -24,7 +24,7 @@ from spec_helpers import MAX_POSITIONS, greedy, make_prompts, window_for
 
 from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
-from orchestrator.core import EngineCore
+from orchestrator.core import MAX_METHOD_POOLS, EngineCore
 from orchestrator.drafter_link import only
 from orchestrator.policy import AdaptivePolicy, StaticPolicy, load_aware
 from orchestrator.requests import CoreEngine, Method, QueueOutput
@@ -138,6 +138,14 @@ def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_set
         for prompt, out in zip(PROMPTS, outputs, strict=True):
             assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
         assert pooled.window.tried > 0 and core.num_running == pooled.running() == 0
+        oldest = core.method_steps(("copy", 0, 8))  # the least recently used go past MAX_METHOD_POOLS
+        for nodes in range(1, MAX_METHOD_POOLS - 1):  # (with the two above: full)
+            core.method_steps(("copy", nodes, 8))
+        assert core.method_steps(("prompt_lookup_tree", 8, 8)) is pooled  # used: the most recent again
+        core.method_steps(("copy", 99, 8))
+        assert core.method_steps(("prompt_lookup_tree", 8, 8)) is pooled
+        assert len(core._method_steps) == MAX_METHOD_POOLS
+        assert core.method_steps(("copy", 0, 8)) is not oldest  # evicted: made afresh
         chunked = core.stats.steps - core.costs.observed
         assert core.costs.observed >= core.costs.refit_every and 0 < chunked <= len(PROMPTS)  # prefills: not observed
         assert core.costs.seconds(2, 4) < 0.5 * profile.seconds(2, 4)  # a tiny model's step, not a second
