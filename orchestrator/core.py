@@ -175,7 +175,7 @@ class EngineCore:
         with self._lock:
             pooled = self._method_steps.pop(method, None)
             if pooled is None:
-                pooled = MethodSteps(lambda: len(self._running))
+                pooled = MethodSteps(lambda: self.num_running)
                 if len(self._method_steps) >= MAX_METHOD_POOLS:
                     del self._method_steps[next(iter(self._method_steps))]  # the least recently used
             self._method_steps[method] = pooled  # (last in order: the most recently used)
