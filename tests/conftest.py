@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -20,7 +22,10 @@ import torch
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
-set_hypothesis_home_dir(tempfile.mkdtemp(prefix="specmesh-hypothesis-"))  # not ./.hypothesis
+# not ./.hypothesis; removed when the run ends (every run made one more /tmp/specmesh-hypothesis-* before)
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="specmesh-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, ignore_errors=True)
 
 # no example database on disk (nothing written outside tests/), no wall-clock deadlines on a busy box
 settings.register_profile("specmesh", database=None, deadline=None)
