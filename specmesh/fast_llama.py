@@ -365,8 +365,9 @@ class _SdpaAttention:
     """PyTorch SDPA. Sessions in one paged pool write their new keys/values with one scatter per layer; of those,
     the ones with short contexts and few new rows attend in one padded SDPA call (``padded_attention``), the
     rest in one call per session over their own span under a dense [n, end] mask (a view of the pool when
-    their blocks are contiguous; a decode row over a stitched table on the CPU: one call per run of its blocks,
-    on views, merged by log-sum-exp). Index tensors are built once per forward, on the host, and copied once."""
+    their blocks are contiguous, else a gathered copy; a decode row over a large stitched table on the CPU: one
+    call per run of its blocks, on views, merged by log-sum-exp, ``in_place_sessions``). Index tensors are built
+    once per forward, on the host, and copied once."""
 
     def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
         # spans: (cache, packed rows, start, end, mask, causal, slot runs of a stitched decode row or None)
@@ -399,9 +400,14 @@ class _SdpaAttention:
                 elif n > 1:
                     mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
                 elif isinstance(cache, PagedKVCache) and cache.base is None and runner.device.type == "cpu":
-                    runs = cache.slot_runs(end)  # a stitched table (prefix-cache blocks + its own): read in place
-                self.spans.append((cache, slice(row, row + n), start, end, mask, causal, runs))
+                    runs = end  # a stitched table (prefix-cache blocks + its own): maybe read in place, below
+                self.spans.append([cache, slice(row, row + n), start, end, mask, causal, runs])
             row += n
+        stitched = [span for span in self.spans if span[6] is not None]
+        position_bytes = 2 * runner.kv_size * (stitched[0][0].pool.keys.element_size() if stitched else 0)
+        in_place = in_place_sessions([span[3] * position_bytes for span in stitched])
+        for span, read_in_place in zip(stitched, in_place, strict=True):
+            span[6] = span[0].slot_runs(span[3]) if read_in_place else None
         # the stitched sessions' runs: which session each run's output belongs to, for one merge per layer
         counts = [len(span[6]) for span in self.spans if span[6] is not None]
         self.run_owner = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts)) if counts else None
@@ -513,6 +519,28 @@ class _SdpaAttention:
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel: (out, log-sum-exp)
+
+# A stitched table's decode row reads its keys and values in place, run by run, or gathers them into one copy
+# (``_SdpaAttention``). The gather copies the session's context every layer of every step; reading in place adds
+# a call per run and one merge a layer for all such sessions (~12 small operations: 70-130 µs alone on the
+# project's AVX2 VM, 0.3-0.5 ms a step of the 1-layer model at one request). Measured there (one decode row per
+# session, two runs each, float32, µs per session): a session alone gathers faster up to ~4 MiB of keys and values
+# (the pair's target at 544 positions: 318 against 453; at 1,024: a tie), while 16-64 sessions read in place faster
+# from ~1 MiB (at 2.2 MiB each: 460 / 1,146 against 375 / 383 at 16 / 64; the Xeon's 64 sessions at ~500
+# positions: 1.46x the forward, cpu_xeon.md section 4); below 1 MiB the gather is as fast or faster at every count.
+IN_PLACE_MIN_BYTES = 1 << 20  # a session's keys + values a layer from which reading in place can pay
+IN_PLACE_ALONE_BYTES = 4 << 20  # ... from which it pays without other sessions sharing the merge
+IN_PLACE_SHARED = 4  # sessions of IN_PLACE_MIN_BYTES+ that share the merge enough
+
+
+def in_place_sessions(context_bytes: Sequence[int]) -> list[bool]:
+    """Which of a forward's stitched decode rows (their keys + values per layer, bytes) read in place rather than
+    gather their table: past IN_PLACE_ALONE_BYTES always, past IN_PLACE_MIN_BYTES where IN_PLACE_SHARED or more
+    of them do, so that the merge's fixed cost is shared."""
+    large = [b >= IN_PLACE_MIN_BYTES for b in context_bytes]
+    if sum(large) >= IN_PLACE_SHARED:
+        return large
+    return [b >= IN_PLACE_ALONE_BYTES for b in context_bytes]
 
 
 @dataclass

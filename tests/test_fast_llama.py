@@ -7,6 +7,8 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specmesh import fast_llama
@@ -515,6 +517,8 @@ def test_a_stitched_table_is_read_in_place(monkeypatch, num_kv_heads, dtype) -> 
     from specmesh import kv_pool
     from specmesh.kv_pool import PagedKVCache
 
+    monkeypatch.setattr(fast_llama, "IN_PLACE_MIN_BYTES", 0)  # these contexts are tiny: read every one in place
+    monkeypatch.setattr(fast_llama, "IN_PLACE_ALONE_BYTES", 0)
     model = _llama(num_kv_heads).to(dtype)
     runner = FastLlamaRunner(model)
     pool = runner.new_pool(num_blocks=96, block_size=4)
@@ -549,3 +553,42 @@ def test_a_stitched_table_is_read_in_place(monkeypatch, num_kv_heads, dtype) -> 
     assert sum(b - a for a, b in runs) == paged[0].length  # the runs cover the positions once, in order
     slots = np.concatenate([np.arange(a, b) for a, b in runs])
     assert (slots == paged[0].host_slots[: paged[0].length]).all()
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, 8 << 20), max_size=12))
+def test_stitched_sessions_read_in_place_past_a_size_and_a_count(context_bytes) -> None:
+    """in_place_sessions: a session reads in place past IN_PLACE_ALONE_BYTES whatever the others do, past
+    IN_PLACE_MIN_BYTES exactly when IN_PLACE_SHARED or more sessions are that large, never below it."""
+    alone, least = fast_llama.IN_PLACE_ALONE_BYTES, fast_llama.IN_PLACE_MIN_BYTES
+    chosen = fast_llama.in_place_sessions(context_bytes)
+    shared = sum(b >= least for b in context_bytes) >= fast_llama.IN_PLACE_SHARED
+    assert len(chosen) == len(context_bytes)
+    for size, in_place in zip(context_bytes, chosen, strict=True):
+        assert in_place == (size >= alone or (shared and size >= least))
+
+
+def test_a_short_stitched_table_is_gathered(monkeypatch) -> None:
+    """A decode row over a stitched table whose keys and values are under IN_PLACE_ALONE_BYTES, alone in its
+    forward, gathers its table (one copy, one call: cheaper than a call per run and a merge), with the logits of a
+    contiguous cache; past it the same row reads in place."""
+    from specmesh import kv_pool
+    from specmesh.kv_pool import PagedKVCache
+
+    runner = FastLlamaRunner(_llama(2).to(torch.float64))
+    pool = runner.new_pool(num_blocks=16, block_size=4)
+    first, _gap, second = (pool.allocator.allocate(4 * n) for n in (2, 1, 2))
+    gathers, gather = [], kv_pool.gather_blocks
+    monkeypatch.setattr(kv_pool, "gather_blocks", lambda *a: gathers.append(1) or gather(*a))
+    prompt = list(range(3, 17))
+    paged, plain = PagedKVCache(pool, first + second), runner.new_cache()
+    for cache in (paged, plain):
+        runner.forward(cache, prompt, list(range(len(prompt))))
+    assert len(paged.slot_runs(paged.length)) == 2
+    for alone_bytes, gathered in ((fast_llama.IN_PLACE_ALONE_BYTES, True), (0, False)):
+        monkeypatch.setattr(fast_llama, "IN_PLACE_ALONE_BYTES", alone_bytes)
+        gathers.clear()
+        position = paged.length
+        got = runner.forward_batch([paged], [5], [position], [1], [None])
+        assert bool(gathers) == gathered
+        torch.testing.assert_close(got, runner.forward(plain, [5], [position]), rtol=2e-6, atol=2e-6)
