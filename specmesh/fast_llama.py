@@ -387,12 +387,12 @@ class _SdpaAttention:
             padded = [end * runner.kv_size <= PAD_LIMIT and n <= PAD_MAX_NEW for end, n in zip(ends, num_new, strict=True)]
             if sum(padded) < 2:
                 padded = [False] * len(caches)
-        row = 0
+        row, stitched = 0, []  # stitched: the spans of decode rows over stitched tables
         for cache, n, attend, start, end, pad in zip(caches, num_new, attends, starts, ends, padded, strict=True):
             if attend is not None:
                 assert attend.shape == (n, end), (attend.shape, start, n)
             if not pad:
-                mask, causal, runs = None, False, None  # None: one new token sees everything
+                mask, causal = None, False  # None: one new token sees everything
                 if attend is not None:
                     mask = attend.dense(runner.device) if isinstance(attend, TreeMask) else attend.to(runner.device)
                 elif n > 1 and start == 0:  # a first prompt chunk: SDPA's own causal mask (it skips the blocks above
@@ -400,14 +400,14 @@ class _SdpaAttention:
                 elif n > 1:
                     mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
                 elif isinstance(cache, PagedKVCache) and cache.base is None and runner.device.type == "cpu":
-                    runs = end  # a stitched table (prefix-cache blocks + its own): maybe read in place, below
-                self.spans.append([cache, slice(row, row + n), start, end, mask, causal, runs])
+                    stitched.append(len(self.spans))  # a table of prefix-cache blocks + its own: maybe in place
+                self.spans.append([cache, slice(row, row + n), start, end, mask, causal, None])
             row += n
-        stitched = [span for span in self.spans if span[6] is not None]
-        position_bytes = 2 * runner.kv_size * (stitched[0][0].pool.keys.element_size() if stitched else 0)
-        in_place = in_place_sessions([span[3] * position_bytes for span in stitched])
-        for span, read_in_place in zip(stitched, in_place, strict=True):
-            span[6] = span[0].slot_runs(span[3]) if read_in_place else None
+        if stitched:  # large ones read on views of the pool, run by run; the others gather their table
+            position_bytes = 2 * runner.kv_size * self.spans[stitched[0]][0].pool.keys.element_size()
+            chosen = in_place_sessions([self.spans[i][3] * position_bytes for i in stitched])
+            for i in (i for i, in_place in zip(stitched, chosen, strict=True) if in_place):
+                self.spans[i][6] = self.spans[i][0].slot_runs(self.spans[i][3])
         # the stitched sessions' runs: which session each run's output belongs to, for one merge per layer
         counts = [len(span[6]) for span in self.spans if span[6] is not None]
         self.run_owner = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts)) if counts else None
