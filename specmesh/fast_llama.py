@@ -370,7 +370,7 @@ class _SdpaAttention:
     once per forward, on the host, and copied once."""
 
     def __init__(self, runner: FastLlamaRunner, caches, num_new: Sequence[int], attends) -> None:
-        # spans: (cache, packed rows, start, end, mask, causal, slot runs of a stitched decode row or None)
+        # spans: [cache, packed rows, start, end, mask, causal, runs of a stitched decode row read in place or None]
         self.runner, self.spans, self.padded = runner, [], None
         # a decode row in half precision on a CPU without native support: its attention in float32
         # (``_UPCAST_DTYPES``; SDPA's one-query path in bfloat16 takes 2x as long as its copy in float32 there)
