@@ -22,7 +22,12 @@ from functools import cached_property
 
 import numpy as np
 
+# the largest tree a verifier takes (`--max-tree-nodes`' default, the embedded stack's verifier's): the one place
+# the number is written
+MAX_TREE_NODES = 256
 HOST_CHECK_BELOW = 64  # trees of fewer nodes have their elements checked on the host (TokenTree.validate)
+_NOT_NEGATIVE = (0.0).__le__  # q >= 0 (False for NaN)
+_AT_MOST_ONE = (1 + 1e-6).__ge__  # q <= 1, with float rounding
 
 
 class InvalidTreeError(ValueError):
@@ -269,11 +274,12 @@ class TokenTree:
             return self
         # a proposer's every tree is checked once: a small one's elements on the host (numpy's eight reductions
         # cost ~3x that walk), a large one's in one pass each with no temporary where it can
-        if n < HOST_CHECK_BELOW:
-            tokens = self.tokens.tolist()
-            parents_ok = all(-1 <= p < i for i, p in enumerate(self.parents.tolist()))
+        if n < HOST_CHECK_BELOW:  # (builtins mapped over lists: no Python frame per node)
+            tokens, parents, probs = self.tokens.tolist(), self.parents.tolist(), self.draft_probs.tolist()
+            parents_ok = min(parents) >= -1 and all(map(int.__lt__, parents, range(n)))
             tokens_ok = min(tokens) >= 0 and max(tokens) < vocab_size
-            probs_ok = all(0.0 <= q <= 1 + 1e-6 for q in self.draft_probs.tolist())  # NaN fails both comparisons
+            # NaN fails both comparisons
+            probs_ok = all(map(_NOT_NEGATIVE, probs)) and all(map(_AT_MOST_ONE, probs))
         else:
             parents_ok = self.parents.min() >= -1 and (self.parents < np.arange(n)).all()
             tokens_ok = self.tokens.min() >= 0 and self.tokens.max() < vocab_size

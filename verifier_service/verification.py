@@ -66,16 +66,18 @@ class Acceptance:
 def verify_greedy(tree: TokenTree, target_argmax: np.ndarray) -> Acceptance:
     """target_argmax: [num_nodes + 1] int, the target's argmax at the root and at each node."""
     assert target_argmax.shape == (tree.num_nodes + 1,), target_argmax.shape
-    tokens = tree.tokens
+    tokens, children = tree.tokens.tolist(), tree.children  # (plain loops: no Python frame per node looked at)
     accepted: list[int] = []
     node = -1
     while True:
         want = int(target_argmax[node + 1])
-        nxt = next((c for c in tree.children_of(node) if tokens[c] == want), None)
-        if nxt is None:
+        for child in children[node + 1]:  # the first child (in index order) the target agrees with
+            if tokens[child] == want:
+                accepted.append(child)
+                node = child
+                break
+        else:
             return Acceptance(tuple(accepted), want)
-        accepted.append(nxt)
-        node = nxt
 
 
 def verify_greedy_chains(
