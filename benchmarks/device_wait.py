@@ -4,8 +4,9 @@ On a GPU the engine thread queues a step's forward and decisions, then waits for
 device works; the interpreter lock is free meanwhile, and whatever else the process runs in Python (PEARL's
 drafting thread, a gRPC server's threads) runs then. On the CPU the forward runs in the call, so that shape never
 shows. This script gives it to any `specmesh bench` run: every in-process verifier is marked asynchronous
-(``LocalVerifier.asynchronous``: its ``waiting`` call comes after the forward, in the copy, as on CUDA) and
-every step's copy (``HostCopy.fetch``) waits ``--wait-ms`` more with the lock released. With the 1-layer, 128-wide
+(``LocalVerifier.asynchronous``: the engine core's drafting ahead starts once the step is launched, as on CUDA)
+and every step's copy (``HostCopy.wait``, in ``LocalVerifier.finish``) waits ``--wait-ms`` more with the lock
+released. With the 1-layer, 128-wide
 target of `benchmarks/engine_overhead.py` (whose forward costs about what launching a GPU forward does), what
 is left is the host work of a GPU step around a device time you choose; the H200's demo-pair step was ~0.6 ms of
 device time (`benchmarks/results/gpu_h200_2.md`).
@@ -49,20 +50,17 @@ def emulate(wait_s: float) -> None:
     more without the interpreter lock (``time.sleep``)."""
     from verifier_service import decisions, verifier
 
-    fetch, init = decisions.HostCopy.fetch, verifier.LocalVerifier.__init__
+    wait, init = decisions.HostCopy.wait, verifier.LocalVerifier.__init__
 
-    def waiting_fetch(self, waiting=None) -> None:
-        if waiting is None:
-            fetch(self)
-        else:
-            fetch(self, waiting)  # (calls ``waiting`` once it has its tensors, before its copy)
+    def waiting_wait(self) -> None:  # the step's copy, started at its launch, lands ``wait_s`` later
         time.sleep(wait_s)
+        wait(self)
 
     def asynchronous_init(self, *args, **kwargs) -> None:
         init(self, *args, **kwargs)
         self.asynchronous = True
 
-    decisions.HostCopy.fetch = waiting_fetch
+    decisions.HostCopy.wait = waiting_wait
     verifier.LocalVerifier.__init__ = asynchronous_init
 
 

@@ -36,7 +36,7 @@ from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, 
 from specmesh import metrics, models, serving, tracing
 from specmesh.contract import DraftCall, check_prompt_len, check_rollback, check_session_id
 from specmesh.feedback import DraftFeedback, TargetFeatures
-from specmesh.tree import TokenTree
+from specmesh.tree import MAX_TREE_NODES, TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import (
     DRAFTER_SERVICE,
@@ -104,7 +104,7 @@ def _propose_groups(jobs: list[tuple[LocalDrafter, list[DraftCall]]]) -> list[li
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
-        self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = 256,
+        self, proposers: dict[str, Proposer], default_proposer: str, vocab_size: int = 0, max_tree_nodes: int = MAX_TREE_NODES,
         max_context: int = DEFAULT_MAX_CONTEXT, metrics_registry: CollectorRegistry | None = None,
         feature_hidden: int = 0, max_sessions: int = DEFAULT_MAX_SESSIONS, model_name: str = "demo",
         draft_kv: DraftKV | None = None,
@@ -327,8 +327,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-proposer", default=None,
                    help=f"proposer for sessions that name none (default: {DEFAULT_PROPOSER} when served, else the "
                         "first of --proposers)")
-    p.add_argument("--max-tree-nodes", type=int, default=256,
-                   help="largest tree drafted: the drafter's capacity, whatever a budget asks for (default: 256)")
+    p.add_argument("--max-tree-nodes", type=int, default=MAX_TREE_NODES,
+                   help=f"largest tree drafted: the drafter's capacity, whatever a budget asks for (default: "
+                        f"{MAX_TREE_NODES})")
     p.add_argument("--max-context", type=models.positive_int, default=DEFAULT_MAX_CONTEXT, metavar="TOKENS",
                    help="longest context a session may hold; an Open or Propose beyond it is INVALID_ARGUMENT "
                         f"(default: {DEFAULT_MAX_CONTEXT})")

@@ -131,7 +131,8 @@ class EngineCore:
                 raise ValueError(f"request {request_id!r} already exists")
             self._requests[request_id] = request  # before open: the loop may admit it at once
         try:
-            self.loop.open(request_id, prompt, sampling, _Admission(self, request), method.features)
+            self.loop.open(request_id, prompt, sampling, _Admission(self, request), method.features,
+                           method.feedback_topk, method.lookahead)
         except BaseException:
             with self._lock:
                 self._requests.pop(request_id, None)
@@ -218,9 +219,10 @@ class EngineCore:
         return step.verifies if step is not None else []
 
     def waiting(self) -> None:
-        """The forward of the step ``draft`` began is queued on the device: the drafting thread starts on the next
-        trees (``launch``), so that its Python does not take turns at the interpreter lock with the step's host
-        work (with a GPU's verifier; with the CPU's they started at ``draft``: nothing left to do)."""
+        """The step ``draft`` began is launched (``LocalVerifier.launch``: queued on the device) and the loop only
+        waits for its copy: the drafting thread starts on the next trees (``launch``), so that its Python does not
+        take turns at the interpreter lock with the step's host work (with a GPU's verifier; with the CPU's they
+        started at ``draft``: nothing left to do)."""
         if self._step is not None:
             self.launch(self._step)
 
@@ -471,7 +473,7 @@ class EngineCore:
         busy = draft_seconds + ahead.get("predraft_seconds", 0.0)
         step = StepStats(
             num_proposed=tree.num_nodes, tree_depth=tree.max_depth, num_accepted=result.num_accepted,
-            accepted_sources=tuple(tree.sources[i] for i in result.accepted_nodes) if tree.sources else (),
+            accepted_sources=tuple(map(tree.sources.__getitem__, result.accepted_nodes)) if tree.sources else (),
             accepted_ranks=tree.path_ranks(result.accepted_nodes) if reads_ranks(request.method.policy) else None,
             proposed_sources=tree.sources, draft_seconds=draft_seconds, verify_seconds=result.seconds,
             draft_error=request.link.take_errors(), budget=(budget.max_nodes, budget.max_depth),

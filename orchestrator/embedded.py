@@ -37,12 +37,14 @@ from specmesh.host_runtime import freeze_heap
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_runner, load_tokenizer
 from specmesh.text_tokenizer import load_text_tokenizer
+from specmesh.tree import MAX_TREE_NODES
 from verifier_service.lookahead import LookaheadConfig
 from verifier_service.verifier import LocalVerifier, kv_pool_blocks, served_positions
 
 log = logging.getLogger("specmesh.embedded")
 
-MAX_TREE_NODES = 256  # the largest tree an embedded verifier takes (as `specmesh verifier`'s default)
+MAX_WINDOW_ROWS = 32  # the largest lookahead window ((N - 1) x W rows) a request on the engine core may ask for
+MAX_METHOD_ENGINES = 64  # methods whose engines (proposer, drafter, policy) the stack keeps for its engine core
 
 
 @dataclass
@@ -54,10 +56,17 @@ class EmbeddedStack:
     tokenizer: object
     store_spec: str | None = None  # n-gram store of store-backed proposers (see drafter_service.ngram_store.open_store)
     lookahead: LookaheadConfig | None = None  # the verifier's Jacobi window (lookahead n-grams); None = off
-    kv_cache_gb: float | None = None  # the shared verifiers' KV pool (None: LocalVerifier's default)
+    kv_cache_gb: float | None = None  # the engine core's KV pool (None: LocalVerifier's default)
     target_dir: Path | None = None  # where the target was loaded from (its tokenizer, chat template, name)
-    prefix_caching: bool = True  # the shared verifiers share identical prompt prefixes' KV blocks
-    _shared: dict = field(default_factory=dict)  # (feedback_topk, lookahead) -> EngineCore
+    prefix_caching: bool = True  # the engine core's verifier shares identical prompt prefixes' KV blocks
+    # on CUDA without kv_cache_gb: the share of the device's memory the process may use with the core's pool (its
+    # only one; None: LocalVerifier's fixed default, for a process that builds other verifiers too, as `bench`)
+    kv_cache_memory: float | None = None
+    # time a few forwards when the core is made, for the load-aware policy (off: requests keep their budgets, as
+    # one request alone does anyway; `generate`)
+    profile_costs: bool = True
+    _core: EngineCore | None = None  # the one engine core of the device, created on first use
+    _engines: dict = field(default_factory=dict)  # method -> its CoreEngine (engine-wide proposer), LRU order
     _shared_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @cached_property
@@ -79,6 +88,7 @@ class EmbeddedStack:
         lookahead: LookaheadConfig | None = None,
         device: torch.device | str = "cpu",
         kv_cache_gb: float | None = None,
+        kv_cache_memory: float | None = None,
         hf_modules: bool = False,
         prefix_caching: bool = True,
         compile_layers: str = "auto",
@@ -89,8 +99,9 @@ class EmbeddedStack:
         fast runner's attention backend (auto | sdpa | triton), ``compile_layers`` its torch.compile and
         ``cuda_graphs`` its CUDA graphs (auto | on | off);
         ``store_spec``: the n-gram store (``open_store``); ``lookahead``: the verifier's Jacobi window;
-        ``device``: where both models run; ``kv_cache_gb``: the shared verifiers' KV pool (``prefix_caching``: with
-        a prefix cache, LocalVerifier's); ``draft_kv_cache_gb``: the draft model's paged KV pool (``draft_kv``, made
+        ``device``: where both models run; ``kv_cache_gb``: the engine core's KV pool (``prefix_caching``: with
+        a prefix cache, LocalVerifier's; ``kv_cache_memory``: on CUDA without ``kv_cache_gb``, sized by the device's
+        free memory); ``draft_kv_cache_gb``: the draft model's paged KV pool (``draft_kv``, made
         here, before any verifier's pool); ``hf_modules``: keep
         the transformers modules and tokenizer (``runner.model``: `bench`'s HF peers), else a Llama-family model
         and its tokenizer load without transformers where that is exact (``models.load_runner``)."""
@@ -105,7 +116,7 @@ class EmbeddedStack:
             check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft", hf_modules))
             draft_kv(draft_runner, draft_kv_cache_gb)
         return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target),
-                   prefix_caching)
+                   prefix_caching, kv_cache_memory)
 
     @cached_property
     def store_namespace(self) -> str:
@@ -125,6 +136,7 @@ class EmbeddedStack:
         restart_depth: int | None = None,
         ahead_from: str = "path",
         shared: bool = False,
+        fresh: bool = False,
         **proposer_opts,
     ) -> Engine:
         """An engine with ``proposer`` (None or "none" = plain autoregressive decoding).
@@ -133,17 +145,16 @@ class EmbeddedStack:
         has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH). ``shared``: run on the stack's
         engine core (``orchestrator/core.py``), so the requests of all threads using such engines share one step
         loop and its forwards (a ``CoreEngine``, safe to use from many threads at once; ``overlap`` drafts
-        ahead on the core's drafting thread; ``ahead_from`` applies to the per-request engine only)."""
+        ahead on the core's drafting thread; ``ahead_from`` applies to the per-request engine only). A method's
+        shared engine is one per stack (``shared_engine``): its proposer serves every request of the method;
+        ``fresh``: a new one, not kept (a benchmark's run: its proposer learns nothing from earlier runs)."""
         proposer = None if proposer in (None, "none", "ar") else proposer
-        drafter, policy_chosen, topk, lookahead, features = self._speculation(
-            proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
         if shared:
-            core = self.shared_verifier(topk, lookahead)
-            method = (proposer, max_nodes, max_depth, policy, restart_depth, repr(sorted(proposer_opts.items())))
-            policy_chosen = load_aware(policy_chosen, core.costs, drafting_shares_cores=True,
-                                       pooled=core.method_steps(method))
-            return CoreEngine(core, Method(only(drafter, proposer or ""), policy_chosen, features, overlap=overlap))
+            return self.shared_engine(proposer, max_nodes, max_depth, overlap, policy, restart_depth, fresh,
+                                      **proposer_opts)
+        drafter, policy_chosen, topk, lookahead, features = self._speculation(
+            proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
         # one request at a time: a pool for two sessions at the full context, not the server's budget
         per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
         gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
@@ -179,24 +190,60 @@ class EmbeddedStack:
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
         return drafter, chosen, topk, lookahead, features
 
-    def shared_verifier(self, feedback_topk: int = 0, lookahead: LookaheadConfig | None = None) -> EngineCore:
-        """The stack's engine core of that verifier configuration (one KV pool each), created on first use: every
-        shared engine of that configuration submits its requests to it, and one thread steps them all. Target
-        features are asked per request (``Method.features``): they need no verifier of their own."""
-        key = (feedback_topk, lookahead)
-        with self._shared_lock:  # the first requests may come at once (serve builds engines off its event loop)
-            if key not in self._shared:
-                local = LocalVerifier(self.target_runner, MAX_TREE_NODES, feedback_topk, lookahead, self.kv_cache_gb,
-                                      prefix_caching=self.prefix_caching, grammar_tokenizer=self.grammar_tokenizer)
-                self._shared[key] = EngineCore(local, self.decode, costs=local.profile_costs())
-            return self._shared[key]
+    def shared_engine(self, proposer: str | None, max_nodes: int | None = None, max_depth: int | None = None,
+                      overlap: bool = DEFAULT_OVERLAP, policy: str | None = None, restart_depth: int | None = None,
+                      fresh: bool = False, **proposer_opts) -> CoreEngine:
+        """The method's engine on the stack's engine core, made on first use and kept (the ``MAX_METHOD_ENGINES``
+        most recently used): one proposer and one drafter for every request of the method, so the core drafts
+        all of a step's requests of it in one ``propose_batch`` (a draft model: one forward per level for all),
+        in `serve` as in `bench --concurrency`. Per-request state lives in the drafter's sessions (by request id)
+        and the request's stats; what a proposer learns across requests (an n-gram store, token recycling's
+        table) it learns from all of them. ``fresh``: a new engine, neither taken from nor kept among them (its
+        load-aware policy still pools its steps with the method's). Thread-safe (serve builds engines off its
+        event loop)."""
+        key = (proposer, max_nodes, max_depth, overlap, policy, restart_depth, repr(sorted(proposer_opts.items())))
+        with self._shared_lock:
+            engine = None if fresh else self._engines.pop(key, None)
+            if engine is None:
+                drafter, chosen, topk, lookahead, features = self._speculation(
+                    proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
+                core = self._engine_core()
+                chosen = load_aware(chosen, core.costs, drafting_shares_cores=True, pooled=core.method_steps(key))
+                method = Method(only(drafter, proposer or ""), chosen, features, overlap=overlap,
+                                feedback_topk=topk, lookahead=lookahead)
+                engine = CoreEngine(core, method)
+            if fresh:
+                return engine
+            if len(self._engines) >= MAX_METHOD_ENGINES:  # the least recently used (its requests run on)
+                del self._engines[next(iter(self._engines))]
+            self._engines[key] = engine  # (last: the most recently used)
+            return engine
+
+    @property
+    def core(self) -> EngineCore:
+        """The stack's one engine core (one verifier, one KV pool, one step thread), created on first use: every
+        shared engine submits its requests to it. What requests differ in (proposer, top-k feedback, lookahead
+        window, target features, grammar, processors) are per-row options of its batch."""
+        with self._shared_lock:
+            return self._engine_core()
+
+    def _engine_core(self) -> EngineCore:
+        """``core``, under the stack's lock."""
+        if self._core is None:
+            local = LocalVerifier(self.target_runner, MAX_TREE_NODES, kv_cache_gb=self.kv_cache_gb,
+                                  prefix_caching=self.prefix_caching, kv_cache_memory=self.kv_cache_memory,
+                                  grammar_tokenizer=self.grammar_tokenizer, max_window_rows=MAX_WINDOW_ROWS)
+            self._core = EngineCore(local, self.decode, costs=local.profile_costs() if self.profile_costs else None)
+        return self._core
 
     def served_info(self) -> ModelInfo:
-        """The target's ModelInfo with the context the shared verifiers serve (less than the model's when one
-        request alone could outgrow the KV pool: ``served_positions``; with the stack's lookahead window)."""
+        """The target's ModelInfo with the context the engine core serves (less than the model's when one request
+        alone could outgrow the KV pool: ``served_positions``; with room for the largest lookahead window)."""
         info = self.target_runner.info
+        if self.kv_cache_memory is not None and self.target_runner.device.type == "cuda":
+            return self.core.info  # its pool is sized by the device's free memory: made now, and read
         num_blocks = kv_pool_blocks(self.target_runner, self.kv_cache_gb, DEFAULT_BLOCK_SIZE)
-        window = self.lookahead.rows if self.lookahead is not None else 0
+        window = max(MAX_WINDOW_ROWS, self.lookahead.rows if self.lookahead is not None else 0)
         served = served_positions(info.max_positions, num_blocks, DEFAULT_BLOCK_SIZE, MAX_TREE_NODES, window)
         if served < info.max_positions:
             log.warning("serving a context of %d positions, not the model's %d: one request's KV must fit the pool "
@@ -204,20 +251,23 @@ class EmbeddedStack:
         return dataclasses.replace(info, max_positions=served)
 
     def shared_verifiers(self) -> list[EngineCore]:
-        """The engine cores created so far (one per feedback configuration)."""
-        return list(self._shared.values())
+        """The engine core, once created ([] before)."""
+        return [] if self._core is None else [self._core]
 
     def close(self) -> None:
-        """Stop the engine cores."""
-        for verifier in self._shared.values():
-            verifier.close()
-        self._shared.clear()
+        """Stop the engine core."""
+        with self._shared_lock:
+            core, self._core = self._core, None
+            self._engines.clear()
+        if core is not None:
+            core.close()
 
 
 class EmbeddedBackend:
     """`specmesh serve --embedded`: every request runs on the stack's engine core (one thread steps them all, one
-    forward per step) with a drafter of its own in this process (orchestrator.service.Backend; ``submit``: the
-    service consumes the request's events on its event loop, no thread per request)."""
+    forward per step) through its method's engine-wide proposer in this process (``EmbeddedStack.shared_engine``:
+    a method's requests are drafted together; orchestrator.service.Backend; ``submit``: the service consumes the
+    request's events on its event loop, no thread per request)."""
 
     def __init__(self, stack: EmbeddedStack, draft_timeout: float = 1.0) -> None:
         self.stack = stack
@@ -312,7 +362,8 @@ def load_stack(args: argparse.Namespace, hf_modules: bool = False) -> EmbeddedSt
             target, draft, models.torch_dtype(args.dtype, device),
             models.draft_dtype(args.draft_dtype, args.dtype, device), runner=args.runner, attention=args.attention,
             store_spec=getattr(args, "ngram_store", None), lookahead=getattr(args, "lookahead", None), device=device,
-            kv_cache_gb=getattr(args, "kv_cache_gb", None), hf_modules=hf_modules,
+            kv_cache_gb=getattr(args, "kv_cache_gb", None), kv_cache_memory=getattr(args, "kv_cache_memory", None),
+            hf_modules=hf_modules,
             prefix_caching=getattr(args, "prefix_caching", True), compile_layers=args.compile_layers,
             cuda_graphs=args.cuda_graphs, draft_kv_cache_gb=getattr(args, "draft_kv_cache_gb", None),
         )

@@ -98,10 +98,11 @@ class RemoteStepLoop:
 
     # ------------------------------------------------------------ the driver's
     def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, owner: SessionOwner,
-             features: bool = False) -> None:
+             features: bool = False, feedback_topk: int | None = None, lookahead=None) -> None:
         """Queue a session (any thread): at the loop's next round ``owner.admitted()``, then its Prefill is
         sent. ValueError for an id in use, RuntimeError once closed; the replica checks the rest (its refusal
-        reaches ``owner.failed``)."""
+        reaches ``owner.failed``). ``feedback_topk`` and ``lookahead`` are the replica's own flags (``specmesh
+        verifier --feedback-topk / --lookahead``), not the request's: what is asked here is not sent."""
         with self._lock:
             self._check_open()
             if session_id in self._sessions:
@@ -216,7 +217,8 @@ class RemoteStepLoop:
         self._send_prefills()
         step = self.driver.begin_step(launch=False)  # its drafting ahead starts once the call is built
         if step is not None:  # its answer is committed as it lands; meanwhile other requests may step
-            task = self._loop.create_task(self._step(step))
+            # (those in another step or waiting for a late tree count as decoding but not in this one)
+            task = self._loop.create_task(self._step(step, self.driver.num_running))
             self._stepping.add(task)
             task.add_done_callback(self._stepping.discard)
         return True
@@ -271,9 +273,10 @@ class RemoteStepLoop:
         self._wake.set()  # it decodes from the next step on: the loop may be idle
 
     # ------------------------------------------------------------- the step
-    async def _step(self, step) -> None:
+    async def _step(self, step, num_decoding: int) -> None:
         """One step's trees in one VerifyBatch (one Verify each to a replica without it); the driver commits them
-        when the answers land, and the loop looks for requests that can step again."""
+        when the answers land, and the loop looks for requests that can step again. ``num_decoding``: the driver's
+        requests decoding when it began (``BatchStats.record``)."""
         verifies = step.verifies
         started = time.perf_counter()
         try:
@@ -284,7 +287,7 @@ class RemoteStepLoop:
             log.exception("a remote step failed")
             results = [exc] * len(verifies)
         self.stats.record(time.perf_counter() - started, len(verifies),
-                          sum(tree.num_nodes + 1 for _, tree in verifies), 0, 0, 0)
+                          sum(tree.num_nodes + 1 for _, tree in verifies), 0, 0, 0, num_decoding)
         try:
             self.driver.end_step(step, results)
         except Exception as exc:  # a bug must not leave the step's requests hanging

@@ -30,6 +30,7 @@ from specmesh.tree import TokenTree
 
 if TYPE_CHECKING:
     from orchestrator.core import EngineCore
+    from verifier_service.lookahead import LookaheadConfig
 
 
 class Status(Enum):
@@ -43,8 +44,10 @@ class Status(Enum):
 @dataclass(frozen=True)
 class Method:
     """How a request speculates: its drafter candidates in order of preference (none = plain decoding), the
-    policy that sizes each step's tree, whether its drafter needs the target's features (Falcon heads), and
-    ``strict``: a drafter failure fails the request instead of failing over (tests, proposer debugging)."""
+    policy that sizes each step's tree, what its drafter reads of the verifier's step (per-row options of the
+    batch: the target's features for Falcon heads, the top-k after every verified row for token recycling, a
+    lookahead window for n-gram learners; None: the verifier's own settings), and ``strict``: a drafter failure
+    fails the request instead of failing over (tests, proposer debugging)."""
 
     drafters: Sequence[DrafterCandidate] = ()
     policy: SpeculationPolicy = field(default_factory=lambda: StaticPolicy(0, 0))
@@ -54,6 +57,8 @@ class Method:
     # drafter calls run on the drafting pool shared by every request, not inline on the core's thread: remote
     # drafters (their round trips then overlap each other's instead of adding up)
     background: bool = False
+    feedback_topk: int | None = None  # the verifier's per-row options (None: its own settings)
+    lookahead: LookaheadConfig | None = None
 
 
 class RequestOutput(Protocol):

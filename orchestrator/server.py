@@ -44,6 +44,7 @@ from specmesh.metrics import add_metrics_argument, start_metrics_server
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.wire import GENERATE_SERVICE, logprobs_to_proto, sampling_from_proto
+from verifier_service.arguments import DEFAULT_KV_CACHE_MEMORY
 from verifier_service.remote import VerifierClient
 
 log = logging.getLogger("specmesh.serve")
@@ -237,8 +238,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--embedded", action="store_true", help="serve models loaded in this process (no --verifier)")
     add_embedded_arguments(g)
     g.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
-                   help="memory of the embedded verifier's paged KV pool (default: 2, or less when 64 sessions at "
-                        "full context need less; not sized from the device: one pool per verifier configuration)")
+                   help="memory of the embedded verifier's paged KV pool, the one pool of its engine core (default: "
+                        "on CUDA, sized by --kv-cache-memory; elsewhere 2, or less when 64 sessions at full context "
+                        "need less)")
+    g.add_argument("--kv-cache-memory", type=float, default=DEFAULT_KV_CACHE_MEMORY, metavar="FRACTION",
+                   help=f"on CUDA without --kv-cache-gb: the share of the device's memory this process may use, the "
+                        f"KV pool taking what the weights, the draft's pool and a profiled forward leave of it, as "
+                        f"`specmesh verifier` (default: {DEFAULT_KV_CACHE_MEMORY:g})")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="the embedded verifier computes every prompt whole (default: identical prompt prefixes "
                         "share their KV blocks, as `specmesh verifier`)")

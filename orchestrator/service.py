@@ -49,6 +49,7 @@ from orchestrator.stopping import TextStream
 from specmesh import rpc, tracing
 from specmesh.contract import ModelInfo, TokenLogprobs
 from specmesh.sampling import SamplingParams
+from specmesh.tree import MAX_TREE_NODES
 from verifier_service.metrics import running_waiting
 from verifier_service.remote import VerifierClient
 
@@ -158,7 +159,7 @@ class RemoteBackend:
     first, then prompt lookup in this process."""
 
     def __init__(self, verifiers: Sequence[VerifierClient], drafters: Sequence[DrafterClient],
-                 max_tree_nodes: int = 256, draft_timeout: float = 1.0, model: str = "") -> None:
+                 max_tree_nodes: int = MAX_TREE_NODES, draft_timeout: float = 1.0, model: str = "") -> None:
         """``verifiers``: clients whose ``fetch_info`` succeeded; ``max_tree_nodes``: the smallest limit they
         reported; ``model``: the model path they reported (names the model when nothing else does)."""
         self.model = model

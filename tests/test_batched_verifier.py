@@ -206,30 +206,37 @@ def test_step_isolates_a_bad_request(model_sets):
     assert verifier.cache_length("a") == len(PROMPTS[0])  # untouched by its failed step
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["cpu", "queued"])
-def test_waiting_is_called_once_when_the_host_only_waits(model_sets, monkeypatch, asynchronous):
-    """A step calls ``waiting`` once, after its host work: before the forward where the forward runs in the call
-    (the CPU), after the forward, inside the one host copy once it is queued, where the forward is queued (a GPU);
-    a step with no rows never calls it. (PEARL's drafting thread starts there: orchestrator/core.py ``EngineCore.waiting``.)"""
+def test_a_step_is_launched_then_finished(model_sets, monkeypatch):
+    """``launch`` does a step's host work up to its one copy (the forward, staged decisions, the copy started) and
+    ``finish`` waits for the copy and accepts: the caller's work between them (PEARL's drafting ahead) runs while
+    a GPU works, with nothing of the step's left on the host. A step whose every verify failed launches no
+    forward and no copy; ``step`` is the two in one."""
     runner = model_sets("cyclic").runner("target", "fast")
     verifier = LocalVerifier(runner, max_tree_nodes=4)
-    verifier.asynchronous = asynchronous  # the order of the calls only: the CPU runs the forward either way
+    reference = LocalVerifier(runner, max_tree_nodes=4)
+    reference.prefill("a", PROMPTS[0], greedy(MAX_NEW))
     events: list[str] = []
     forward = runner.forward_batch
     monkeypatch.setattr(runner, "forward_batch", lambda *a, **k: (events.append("forward"), forward(*a, **k))[1])
-    fetch = HostCopy.fetch
-    monkeypatch.setattr(HostCopy, "fetch", lambda self, waiting=None: (events.append("copy"), fetch(self, waiting))[1])
-    want = ["forward", "copy", "waiting"] if asynchronous else ["waiting", "forward", "copy"]  # (in the copy)
+    for name in ("start", "wait"):
+        real = getattr(HostCopy, name)
+        monkeypatch.setattr(HostCopy, name, lambda self, real=real, name=name: (events.append(name), real(self))[1])
     verifier.admit("a", PROMPTS[0], greedy(MAX_NEW))
-    firsts, _ = verifier.step(["a"], (), lambda: events.append("waiting"))  # the prompt: one chunk
-    assert "a" in firsts and events == want
+    in_flight = verifier.launch(["a"], ())  # the prompt: one chunk
+    assert events == ["forward", "start"]
+    events.append("meanwhile")
+    firsts, _ = verifier.finish(in_flight)
+    assert "a" in firsts and events == ["forward", "start", "meanwhile", "wait"]
     for tree in (TokenTree.empty(), TokenTree.chain([1, 2, 3])):
         events.clear()
-        verifier.step((), [("a", tree)], lambda: events.append("waiting"))
-        assert events == want
+        in_flight = verifier.launch((), [("a", tree)])
+        events.append("meanwhile")
+        _, results = verifier.finish(in_flight)
+        assert events == ["forward", "start", "meanwhile", "wait"]
+        assert results[0].tokens == reference.verify("a", tree).tokens
     events.clear()
-    _, results = verifier.step((), [("nobody", TokenTree.empty())], lambda: events.append("waiting"))
-    assert isinstance(results[0], UnknownSessionError) and "waiting" not in events
+    _, results = verifier.finish(verifier.launch((), [("nobody", TokenTree.empty())]))
+    assert isinstance(results[0], UnknownSessionError) and events == []
 
 
 # ----------------------------------------------------------------- pool

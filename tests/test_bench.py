@@ -337,6 +337,18 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
         # a step split into the verifier's part and the rest: together the level's wall time
         steps = row["verifier_steps"]
         assert steps * row["mean_batch"] >= (row["tokens"] - row["requests"]) / row["tau"]  # every request's steps
+        # over the decode steps (prefill-only forwards left out) every request decoding stepped (issue 67): the
+        # batch there is the requests decoding, and what mean_batch lacks of N is the load's shape
+        assert 0 < row["decode_steps"] < steps and row["stepped_per_running"] == 1.0
+        assert row["decode_mean_batch"] == pytest.approx(row["mean_running"]) and row["decode_mean_batch"] > row["mean_batch"]
+        assert row["mean_running"] <= row["concurrency"]
+        # while the prompts last (the steps before the last prompt took a finished one's place): at N = 3 of 3
+        # prompts there is no such phase
+        if row["concurrency"] < num_prompts:
+            assert 0 < row["steady_decode_steps"] < row["decode_steps"] and row["steady_stepped_per_running"] == 1.0
+            assert row["steady_mean_running"] <= row["concurrency"]
+        else:
+            assert "steady_decode_steps" not in row
         assert 0 < row["verifier_step_ms"] and 0 <= row["host_ms_per_step"]
         # the step's host work until its one copy and its wait in it: parts of the verifier's step
         assert 0 < row["verifier_queue_ms"] and 0 <= row["verifier_copy_ms"]
@@ -347,7 +359,8 @@ def test_bench_load_mode_batches_and_matches_ar(pair, tmp_path, capsys):
         drafts = row["method"] != "ar"
         assert (row["draft_ms_per_step"] > 0) == drafts and row["draft_ms_per_step"] >= 0
     assert max(r["mean_batch"] for r in load["rows"] if r["concurrency"] == 3) > 1.2
-    assert "× ar" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "× ar" in out and "stepped ÷ running" in out
 
 
 def test_bench_load_ignore_eos_generates_every_token(pair, tmp_path):

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import random
 import threading
@@ -117,6 +118,35 @@ def test_core_requests_equal_ar(model_sets, ar_reference, proposer, backend, ove
 
 
 
+def test_every_running_request_steps_every_step(model_sets, ar_reference):
+    """Issue 67: requests of different methods on one core (plain, speculative, overlapped), admitted at staggered
+    times and finishing at different steps: every decode step verifies every request decoding (the loop's
+    ``stepped_per_running`` is 1), each request's every step is one Verify, and the prefill-only steps (the first
+    one at least) are not decode steps, so the batch over decode steps is the requests decoding per step."""
+    ms = model_sets("cyclic")
+    core = EngineCore(LocalVerifier(ms.runner("target", "fast")))
+    methods = [method_of(None)[0], method_of("prompt_lookup_tree")[0],
+               method_of("prompt_lookup_tree", overlap=True)[0], method_of("copy", overlap=True)[0]]
+    rng = random.Random(3)
+    try:
+        outputs = [Collect() for _ in PROMPTS]
+        for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
+            core.submit(prompt, greedy(MAX_NEW), methods[i % len(methods)], out)
+            time.sleep(rng.random() * 0.005)
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out.done.wait(120) and out.error is None, out.error
+            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
+        stats = core.stats
+        steps_per_request = [len(out.result.stats.steps) for out in outputs]
+        assert len(set(steps_per_request)) > 1, "every request took as many steps: no tail to tell apart"
+        assert stats.verified == sum(steps_per_request) == stats.decoding  # nobody decoding sat a step out
+        assert stats.stepped_per_running == 1.0 and stats.stepped_share == stats.decode_steps
+        assert 0 < stats.decode_steps < stats.steps  # a prefill-only step is not a decode step
+        assert stats.mean_batch < stats.verified / stats.decode_steps <= len(PROMPTS)
+    finally:
+        core.close()
+
+
 def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_sets, ar_reference):
     """An engine core given the forward's profiled costs refits them to its own steps (``StepCosts``): the load-aware
     policy of its requests holds that object, every step without a prompt chunk is observed (with its sessions,
@@ -155,42 +185,39 @@ def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_set
 
 
 def test_shared_engines_of_one_method_pool_their_steps(demo_stack):
-    """The embedded stack's engines on its core: those of one method (proposer, budget, policy, options) share one
-    pool of steps for their load-aware policies, whichever thread built them; another budget has its own."""
-    stack = dataclasses.replace(demo_stack, _shared={}, _shared_lock=threading.Lock())
+    """The embedded stack's engines on its core: one per method (proposer, budget, policy, options), whichever
+    thread asks, so its requests share one proposer and drafter (drafted together) and one pool of steps for their
+    load-aware policies; another budget has its own; every method runs on the stack's one core."""
+    stack = dataclasses.replace(demo_stack, _core=None, _engines={}, _shared_lock=threading.Lock())
     try:
-        same = [stack.engine("prompt_lookup_tree", shared=True) for _ in range(2)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            same = list(pool.map(lambda _: stack.engine("prompt_lookup_tree", shared=True), range(2)))
         other = stack.engine("prompt_lookup_tree", max_nodes=4, shared=True)
+        recycling = stack.engine("recycling", shared=True)
+        assert same[0] is same[1] and same[0].method.drafters[0][1]() is not other.method.drafters[0][1]()
         pooled = same[0].method.policy.pooled
-        assert pooled is not None and same[1].method.policy.pooled is pooled is not other.method.policy.pooled
+        assert pooled is not None and pooled is not other.method.policy.pooled
+        assert same[0].core is other.core is recycling.core is stack.core and stack.shared_verifiers() == [stack.core]
+        assert recycling.method.feedback_topk > 0 and same[0].method.feedback_topk == 0  # per-row options
     finally:
         stack.close()
 
 
-@pytest.mark.parametrize(("asynchronous", "calls_waiting"), [(False, True), (True, True), (True, False)],
-                         ids=["cpu", "gpu", "gpu-never-waiting"])
-def test_pre_drafts_start_once_the_step_only_waits(model_sets, ar_reference, monkeypatch, asynchronous,
-                                                   calls_waiting):
-    """PEARL's drafting thread starts on a step's next trees: with a GPU's verifier, from inside its step once the
-    forward is queued (``waiting``), not before its host work (the two would take turns at the interpreter lock);
-    with the CPU's, where the forward runs in the call, at the top of the step. A verifier that never calls
-    ``waiting`` still gets every pre-draft (started when the step commits). The output is AR's each time."""
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["cpu", "gpu"])
+def test_pre_drafts_start_once_the_step_only_waits(model_sets, ar_reference, monkeypatch, asynchronous):
+    """PEARL's drafting thread starts on a step's next trees: with a GPU's verifier, once the step is launched
+    (``LocalVerifier.launch``: forward, decisions and copy queued) and before the loop waits for it (``finish``),
+    not before its host work (the two would take turns at the interpreter lock); with the CPU's, where the forward
+    runs in the call, at the top of the step. The output is AR's each time."""
     ms = model_sets("cyclic")
     method, topk, window = method_of("prompt_lookup_tree", overlap=True)
     verifier = LocalVerifier(ms.runner("target", "fast"), feedback_topk=topk, lookahead=window)
     verifier.asynchronous = asynchronous  # where the calls come; the CPU runs the forward either way
     core = EngineCore(verifier)
     events: list[str] = []
-    step = verifier.step
-
-    def stepping(prefills, verifies, waiting=None):
-        events.append("step")
-        try:
-            return step(prefills, verifies, waiting if calls_waiting else None)
-        finally:
-            events.append("stepped")
-
-    monkeypatch.setattr(verifier, "step", stepping)
+    launch_step, finish_step = verifier.launch, verifier.finish
+    monkeypatch.setattr(verifier, "launch", lambda *a: (events.append("step"), launch_step(*a))[1])
+    monkeypatch.setattr(verifier, "finish", lambda *a: (events.append("finish"), finish_step(*a))[1])
     launch = core.launch
     monkeypatch.setattr(core, "launch", lambda s: (events.append("launch") if s.jobs else None, launch(s))[1])
     try:
@@ -200,11 +227,11 @@ def test_pre_drafts_start_once_the_step_only_waits(model_sets, ar_reference, mon
         assert any(s.predrafted and s.num_accepted for o in outputs for s in o.result.stats.steps)
         launched = [i for i, e in enumerate(events) if e == "launch"]
         assert launched, "nothing was drafted ahead"
-        for i in launched:  # before the step (CPU), inside it (waiting), or after it (commit)
-            if not asynchronous:
-                assert events[i + 1] == "step"
+        for i in launched:  # before the step (CPU), or between its launch and its finish (GPU)
+            if asynchronous:
+                assert events[i - 1 : i + 2] == ["step", "launch", "finish"]
             else:
-                assert events[i - 1] == ("step" if calls_waiting else "stepped")
+                assert events[i + 1] == "step"
     finally:
         core.close()
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from orchestrator import http_api
-from orchestrator.embedded import EmbeddedBackend, EmbeddedStack
+from orchestrator.embedded import MAX_WINDOW_ROWS, EmbeddedBackend, EmbeddedStack
 from orchestrator.engine import GenerationResult
 from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
 from orchestrator.service import GenerationService
@@ -719,14 +719,15 @@ def test_chat_without_max_tokens_is_admitted_on_a_pool_smaller_than_the_context(
     """Issue 31: on a pool of 592 tokens (37 blocks; the model's context is 2,048) the context served is what one request can
     hold there; three concurrent chats without max_tokens are admitted, preempt each other as they grow, and each
     runs to that context's end."""
-    small = dataclasses.replace(stack, kv_cache_gb=592 * stack.target_runner.kv_bytes_per_token / 2**30, _shared={},
+    small = dataclasses.replace(stack, kv_cache_gb=592 * stack.target_runner.kv_bytes_per_token / 2**30, _core=None, _engines={},
                                 _shared_lock=threading.Lock())
     service = make_service(small)
     app = AppThread(http_api.build_app(service, ChatTemplate(TEMPLATE, {"eos_token": "<|endoftext|>"})))
     try:
         client = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         served = client.models.list().data[0].model_extra["max_model_len"]
-        assert served == 592 - 1 - 256 < stack.target_runner.info.max_positions  # the largest tree: 256 nodes
+        # the largest tree (256 nodes) and the largest lookahead window a request may ask for
+        assert served == 592 - 1 - 256 - MAX_WINDOW_ROWS < stack.target_runner.info.max_positions
         messages = [[{"role": "user", "content": f"def f{i}(x):\n"}] for i in range(3)]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda m: client.chat.completions.create(
@@ -740,3 +741,45 @@ def test_chat_without_max_tokens_is_admitted_on_a_pool_smaller_than_the_context(
     finally:
         app.stop()
         small.close()
+
+
+def test_concurrent_http_requests_of_one_method_are_drafted_in_one_batch(stack, monkeypatch):
+    """Issue 67: `serve`'s requests of one method share that method's proposer on the one engine core, so the
+    core drafts them together: two HTTP clients at once with `draft_model` are drafted in one ``propose_batch`` (a
+    draft model's one forward per level for both), and each gets plain greedy decoding's text. A request of
+    another method (`prompt_lookup_tree`, `none`) runs on the same core and pool."""
+    from drafter_service.draft_model import DraftModelProposer
+
+    batches = []
+    propose_batch = DraftModelProposer.propose_batch
+
+    def recorded(self, states, budgets):
+        batches.append(len(states))
+        return propose_batch(self, states, budgets)
+
+    monkeypatch.setattr(DraftModelProposer, "propose_batch", recorded)
+    fresh = dataclasses.replace(stack, _core=None, _engines={}, _shared_lock=threading.Lock())
+    service = make_service(fresh)
+    app = AppThread(http_api.build_app(service, ChatTemplate(TEMPLATE, {"eos_token": "<|endoftext|>"})))
+    try:
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        prompts = ["def fibonacci(n):\n", "class Stack:\n    def push(self, item):\n"]
+        methods = ["draft_model", "draft_model", "prompt_lookup_tree", "none"]
+        work = [(prompts[i % 2], method) for i, method in enumerate(methods)]
+        start = threading.Barrier(len(work))
+
+        def complete(item):
+            prompt, method = item
+            start.wait()
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+                                             extra_body={"ignore_eos": True, "proposer": method}).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
+            texts = list(pool.map(complete, work))
+        for (prompt, _), text in zip(work, texts, strict=True):
+            assert text == reference(fresh, prompt, 48)[0]
+        assert max(batches) == 2  # both draft_model requests in one call
+        assert fresh.shared_verifiers() == [fresh.core]  # every method on the one core (one pool, one step thread)
+    finally:
+        app.stop()
+        fresh.close()

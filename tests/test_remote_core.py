@@ -1,7 +1,7 @@
 """The engine core over a verifier replica (orchestrator/remote_loop.py), the replica's gRPC server in this
 process so its calls can be counted: a step is one VerifyBatch call, and a replica that predates VerifyBatch
 (it answers UNIMPLEMENTED) gets one Verify per request from then on. Both give the AR greedy output, batched.
-A remote drafter that is late holds back its own request only.
+A remote drafter that is late holds back its own request only (a sit-out the loop's statistics show).
 (The same core through real processes: test_grpc_services.py, test_tracing.py.)
 """
 
@@ -223,6 +223,9 @@ def test_a_late_remote_tree_holds_no_other_request(model_sets, ar_reference, ove
             assert out.done.wait(30), "a request waited for another's drafter"
             assert out.error is None, out.error
         assert not slow.done.is_set() and gated.waited == 1 and gated.calls == held  # still waiting for that tree
+        # it decodes but sat the others' steps out: the loop counts that (issue 67: a sit-out is not hidden)
+        assert core.stats.decode_steps > 0 and core.stats.stepped_per_running < 1
+        assert core.stats.verified < core.stats.decoding
         gate.set()
         assert slow.done.wait(30) and slow.error is None, slow.error
         for prompt, out in zip(PROMPTS, [slow, *fast], strict=True):

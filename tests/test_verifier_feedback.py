@@ -293,6 +293,38 @@ def test_feedback_is_off_by_default_and_lookahead_alone_has_no_topk(model_sets):
         LocalVerifier(runner, feedback_topk=-1)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sessions_with_their_own_feedback_share_one_step(model_sets, backend):
+    """Issue 67: top-k feedback and the lookahead window are per-row options of one batch. Sessions asking for
+    top-5, top-2, a window, both, or nothing step together in one verifier (defaults off), each verified row's
+    results equal those of a verifier configured for that session alone, and each session's tokens are its own."""
+    runner = model_sets("random").runner("target", backend)
+    window = LookaheadConfig(3, 3)
+    asks = [(5, None), (2, None), (0, window), (5, window), (None, None)]  # (feedback_topk, lookahead)
+    shared = LocalVerifier(runner, max_window_rows=window.rows)
+    alone = [LocalVerifier(runner, feedback_topk=k or 0, lookahead=w) for k, w in asks]
+    rng = random.Random(3)
+    for s, ((k, w), prompt) in enumerate(zip(asks, PROMPTS, strict=False)):
+        shared.admit(f"s{s}", prompt, greedy(MAX_NEW), feedback_topk=k, lookahead=w)
+        alone[s].prefill(f"s{s}", prompt, greedy(MAX_NEW))
+    firsts = {}
+    while len(firsts) < len(asks):
+        firsts.update(shared.step([f"s{s}" for s in range(len(asks)) if f"s{s}" not in firsts], ())[0])
+    for _ in range(4):
+        trees = [_random_tree(rng, 6) for _ in asks]
+        _, batched = shared.step((), [(f"s{s}", tree) for s, tree in enumerate(trees)])
+        for s, ((k, w), tree, result) in enumerate(zip(asks, trees, batched, strict=True)):
+            one = alone[s].verify(f"s{s}", tree)
+            assert result.tokens == one.tokens
+            if not k and w is None:
+                assert result.feedback is None
+                continue
+            assert result.feedback.k == (k or 0) and np.array_equal(result.feedback.topk, one.feedback.topk)
+            assert result.feedback.ngrams == one.feedback.ngrams
+    with pytest.raises(ValueError, match="larger than this verifier's"):
+        shared.admit("big", PROMPTS[0], greedy(MAX_NEW), lookahead=LookaheadConfig(4, 4))
+
+
 # ========================================================== the window changes nothing
 def _stream_checking_cache(engine, verifier, prompt, sampling) -> list[int]:
     """Stream one request; after each step the verifier cache equals a fresh prefill of the committed tokens."""

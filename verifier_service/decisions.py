@@ -19,7 +19,7 @@ builds each request's ``Acceptance`` and ``TokenLogprobs`` from the host arrays.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,39 +49,48 @@ class HostCopy:
     def __init__(self) -> None:
         self._parts: list[torch.Tensor] = []
         self._host: list[np.ndarray] | None = None
+        self._started = False
+        self._flat: torch.Tensor | None = None  # [staged elements] float64, from ``start`` to ``wait``
+        self._pinned: torch.Tensor | None = None  # its host copy in flight (CUDA)
 
     def add(self, tensor: torch.Tensor) -> int:
         """Stage ``tensor`` (any shape; integers below 2**53 and floats); returns its handle."""
-        assert self._host is None, "staged after the copy"
+        assert not self._started, "staged after the copy"
         self._parts.append(tensor)
         return len(self._parts) - 1
 
-    def fetch(self, waiting: Callable[[], None] | None = None) -> None:
-        """The one transfer: every staged tensor, packed into one float64 vector. ``waiting`` is called once the
-        copy is queued, just before the host blocks on it (``LocalVerifier.step``'s: nothing is left for the host
-        to launch; with nothing staged, at once)."""
+    def start(self) -> None:
+        """Queue the one transfer: every staged tensor, packed into one float64 vector (on a GPU into pinned host
+        memory, without waiting: the host is free until ``wait``)."""
+        assert not self._started, "started twice"
+        self._started = True
         parts = self._parts
-        if not parts:
-            if waiting is not None:
-                waiting()
+        self._flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts]) if parts else None
+        if self._flat is not None and self._flat.is_cuda:
+            self._pinned = torch.empty(self._flat.shape, dtype=torch.float64, pin_memory=True)
+            self._pinned.copy_(self._flat, non_blocking=True)
+
+    def wait(self) -> None:
+        """Wait for the transfer ``start`` queued (a host-device sync) and unpack it."""
+        flat, self._flat = self._flat, None
+        if flat is None:
             self._host = []
             return
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts])
-        if flat.is_cuda:
-            host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            if waiting is not None:
-                waiting()
+        if self._pinned is not None:
             torch.cuda.current_stream(flat.device).synchronize()  # (releases the interpreter lock while it waits)
+            host, self._pinned = self._pinned, None
         else:
-            if waiting is not None:
-                waiting()
             host = flat.cpu()
         values = host.numpy()
         self._host, at = [], 0
-        for t in parts:
+        for t in self._parts:
             self._host.append(values[at : at + t.numel()].reshape(t.shape))
             at += t.numel()
+
+    def fetch(self) -> None:
+        """``start``, then ``wait``: the one transfer, at once."""
+        self.start()
+        self.wait()
 
     def __getitem__(self, handle: int) -> np.ndarray:
         assert self._host is not None, "read before the copy"
@@ -188,7 +197,7 @@ class Decisions:
         )
 
     def resolve(self, argmax: np.ndarray) -> tuple[list[Acceptance], list[TokenLogprobs | None]]:
-        """After ``HostCopy.fetch``: each item's accepted path and bonus, and its log-probabilities (None unless it
+        """After the copy (``HostCopy.wait``): each item's accepted path and bonus, and its log-probabilities (None unless it
         asked). argmax: [R] the step's argmax, copied."""
         acceptances = self._accept(argmax)
         return acceptances, self._logprobs(acceptances)

@@ -34,7 +34,7 @@ from specmesh.contract import (
     check_session_id,
 )
 from specmesh.feedback import TargetFeatures
-from specmesh.tree import InvalidTreeError, TokenTree
+from specmesh.tree import MAX_TREE_NODES, InvalidTreeError, TokenTree
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import (
     VERIFIER_SERVICE,
@@ -302,8 +302,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     models.add_target_arguments(p)
     models.add_runtime_arguments(p)
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (default: 127.0.0.1:50052)")
-    p.add_argument("--max-tree-nodes", type=int, default=256,
-                   help="largest tree accepted per Verify; larger ones get INVALID_ARGUMENT (default: 256)")
+    p.add_argument("--max-tree-nodes", type=int, default=MAX_TREE_NODES,
+                   help=f"largest tree accepted per Verify; larger ones get INVALID_ARGUMENT (default: {MAX_TREE_NODES})")
     p.add_argument("--session-ttl", type=float, default=600.0,
                    help="release a session's KV cache after this many seconds without a call (default: 600)")
     p.add_argument("--feedback-topk", type=int, default=8, metavar="K",

@@ -60,6 +60,7 @@ from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAI
 from verifier_service.costs import StepCosts
 
 if TYPE_CHECKING:  # the loop only calls it: importing it (torch) is its owner's business
+    from verifier_service.lookahead import LookaheadConfig
     from verifier_service.verifier import LocalVerifier
 
 DEFAULT_MAX_WAIT_MS = 5.0
@@ -97,13 +98,19 @@ class StepDriver(Protocol):
     def pending(self) -> bool:
         """Whether it has decoding requests to step now."""
 
+    @property
+    def num_running(self) -> int:
+        """Its decoding requests (preempted ones and any sitting a step out included): the batch a step would
+        have if every one of them stepped (``BatchStats.decoding``)."""
+
     def draft(self) -> list[tuple[str, TokenTree]]:
         """Each of its decoding sessions and its tree for this step, drafted now or ahead (it may start drafting
         the next step's trees elsewhere, to run while the forward does)."""
 
     def waiting(self) -> None:
-        """The step's forward is on the device and the loop thread only waits for it (``LocalVerifier.step``'s
-        ``waiting``): start what should run meanwhile. Called at most once per ``draft``."""
+        """The step is launched (``LocalVerifier.launch``: on a GPU its forward, decisions and one copy are queued;
+        on the CPU it ran) and the loop thread only waits for its copy (``finish``): start what should run
+        meanwhile. Called at most once per ``draft``, not for a step with no rows."""
 
     def commit(self, results: Sequence[VerifyResult | Exception]) -> None:
         """The forward is over: the result of each session ``draft`` returned, in its order (an exception: that
@@ -148,6 +155,8 @@ class _Opening:
     sampling: SamplingParams
     owner: SessionOwner
     features: bool = False  # report the session's target features
+    feedback_topk: int | None = None  # its feedback (None: the verifier's settings; ``LocalVerifier.admit``)
+    lookahead: LookaheadConfig | None = None
     driven: bool = False  # the driver's (no Verify calls: never waited for as a straggler)
     blocks: int = 0  # KV blocks its admission takes (set when queued)
     started: float = field(default_factory=time.perf_counter)
@@ -182,16 +191,27 @@ class BatchStats:
     prefills: int = 0  # prefills finished
     prefill_tokens: int = 0  # prompt tokens run (every chunk)
     preemptions: int = 0  # sessions that gave their KV blocks back for a step's rows
+    # the steps with a session decoding (not prefill-only), the sessions decoding summed over them (the driver's
+    # running requests and the called sessions past their prefill: in the step or not), and the share of them
+    # each step verified, summed: ``stepped_per_running`` below 1 means decoding sessions sat steps out
+    decode_steps: int = 0
+    decoding: int = 0
+    stepped_share: float = 0.0
     # per step, for /metrics (verifier_service/metrics.py): sessions and rows in the forward, its seconds
     batch_sessions: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
     batch_rows: Buckets = field(default_factory=lambda: Buckets(COUNT_BUCKETS))
     step_seconds: Buckets = field(default_factory=lambda: Buckets(SECONDS_BUCKETS))
 
     def record(self, seconds: float, num_verifies: int, verify_rows: int, num_chunks: int, chunk_tokens: int,
-               num_prefilled: int) -> None:
+               num_prefilled: int, num_decoding: int | None = None) -> None:
         """One step that ran: ``num_chunks`` prompt chunks of ``chunk_tokens`` tokens in all, ``num_prefilled``
-        of which finished their prefill."""
+        of which finished their prefill; ``num_decoding``: the sessions decoding when it began, in it or not (None:
+        not known, the step is not counted among the decode steps)."""
         self.steps += 1
+        if num_decoding:
+            self.decode_steps += 1
+            self.decoding += num_decoding
+            self.stepped_share += num_verifies / num_decoding
         self.verified += num_verifies
         self.max_batch = max(self.max_batch, num_verifies)
         self.verify_rows += verify_rows
@@ -204,7 +224,13 @@ class BatchStats:
 
     @property
     def mean_batch(self) -> float:
+        """Verify calls per forward, over every step (prefill-only ones included)."""
         return self.verified / self.steps if self.steps else 0.0
+
+    @property
+    def stepped_per_running(self) -> float:
+        """The mean over decode steps of the share of the decoding sessions that stepped (1: none sat out)."""
+        return self.stepped_share / self.decode_steps if self.decode_steps else 0.0
 
 
 class StepLoop:
@@ -319,11 +345,15 @@ class StepLoop:
 
     # ------------------------------------------------------------ the driver's
     def open(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, owner: SessionOwner,
-             features: bool = False) -> None:
+             features: bool = False, feedback_topk: int | None = None,
+             lookahead: LookaheadConfig | None = None) -> None:
         """Queue a session of the driver's, from any thread: ``owner`` hears of its admission and prefill; then
-        the driver steps it until it ``drop``s it. ValueError (bad input or id), CapacityError (larger than the
+        the driver steps it until it ``drop``s it. ``features``, ``feedback_topk``, ``lookahead``: what it asks of
+        the verifier (``LocalVerifier.admit``). ValueError (bad input or id), CapacityError (larger than the
         whole pool, or too many waiting), RuntimeError (closed) for one that cannot wait."""
-        self._enqueue(_Opening(session_id, list(prompt), sampling, owner, features, driven=True))
+        self.verifier.session_feedback(feedback_topk, lookahead)  # a window too large is refused now, not later
+        self._enqueue(_Opening(session_id, list(prompt), sampling, owner, features, feedback_topk, lookahead,
+                               driven=True))
 
     def drop(self, session_id: str) -> None:
         """End a session on the loop thread (waiting, prefilling or decoding; a driver's, or one whose step
@@ -527,7 +557,8 @@ class StepLoop:
                     break  # wait for blocks; later arrivals do not overtake it
                 self._waiting.popleft()
                 try:
-                    self.verifier.admit(head.session_id, head.prompt, head.sampling, head.features)
+                    self.verifier.admit(head.session_id, head.prompt, head.sampling, head.features,
+                                        head.feedback_topk, head.lookahead)
                 except Exception as exc:  # an invalid request
                     self._sessions.discard(head.session_id)
                     refused.append((head, exc))
@@ -564,6 +595,8 @@ class StepLoop:
         all -> the driver commits, the futures resolve."""
         driven = self.driver.draft() if self.driver is not None else []
         with self._cond:
+            # every session decoding now, in this step or not (for ``BatchStats.stepped_per_running``)
+            decoding = len(self._decoding) + (self.driver.num_running if self.driver is not None else 0)
             calls = self._take_calls()
             verifies = driven + [(sid, tree) for sid, (tree, _) in calls.items()]
             rows = sum(tree.num_nodes + 1 for _, tree in verifies)
@@ -576,8 +609,10 @@ class StepLoop:
         chunk_tokens = sum(self.verifier.next_chunk(sid) for sid in prefills)
         started = time.perf_counter()
         try:
-            firsts, results = self.verifier.step(prefills, stepping,
-                                                 self.driver.waiting if self.driver is not None else None)
+            in_flight = self.verifier.launch(prefills, stepping)
+            if self.driver is not None and in_flight.rows:  # on a GPU the step is queued (on the CPU it ran): the
+                self.driver.waiting()  # host only waits for its copy, so what runs meanwhile starts now
+            firsts, results = self.verifier.finish(in_flight)
         except Exception as exc:  # a model failure: every session of the step gets it
             log.exception("batched step failed")
             firsts, results = exc, [exc] * len(stepping)
@@ -586,7 +621,7 @@ class StepLoop:
             self._step_seconds = 0.8 * self._step_seconds + 0.2 * seconds
             if out:
                 rows = sum(tree.num_nodes + 1 for _, tree in stepping)
-            self.stats.record(seconds, len(stepping), rows, len(prefills), chunk_tokens, len(firsts))
+            self.stats.record(seconds, len(stepping), rows, len(prefills), chunk_tokens, len(firsts), decoding)
             if self.costs is not None and not prefills:  # (a prompt chunk's rows cost what the line does not model)
                 self.costs.observe(len(stepping), rows, seconds)
         if out:  # the preempted sessions' results: their trees step again once they resume

@@ -6,12 +6,14 @@ step runs one forward over [pending, tree nodes...], accepts a path, keeps the
 cache entries of pending + the accepted path, and makes the bonus the new pending
 token. Plain autoregressive decoding is the same step with an empty tree.
 
-Feedback (off by default, ``VerifyResult.feedback``): with ``feedback_topk`` = k > 0 the
+Feedback (off by default, ``VerifyResult.feedback``), asked per session (``admit``; the constructor's settings
+are every session's default, as a replica's flags are): with ``feedback_topk`` = k > 0 the
 target's top-k next tokens after every verified row (pending + tree nodes), one
-``torch.topk`` on the logits the step computes anyway; with ``lookahead`` a Jacobi window
+``torch.topk`` per step on the logits the step computes anyway (the largest k asked; each session reads its
+first k columns); with ``lookahead`` a Jacobi window
 of W guess tokens rides along in the same forward as a branch the tree never sees, and
 the n-grams it harvests are reported (``verifier_service/lookahead.py``). Neither changes
-what is accepted nor what stays in the KV cache.
+what is accepted nor what stays in the KV cache, so sessions with different options share one forward.
 
 Batching: ``step`` runs one forward over the next prompt chunk of any number of prefilling
 sessions and the trees of any number of verifying ones (``ModelRunner.forward_batch``:
@@ -33,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,7 +57,7 @@ from specmesh.logits_process import ContextCounts, processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
 from specmesh.row_ops import argmax_last, pack
 from specmesh.sampling import SamplingParams
-from specmesh.tree import InvalidTreeError, TokenTree, ancestor_mask
+from specmesh.tree import MAX_TREE_NODES, InvalidTreeError, TokenTree, ancestor_mask
 from verifier_service.arguments import (
     DEFAULT_KV_CACHE_GB,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -158,6 +160,8 @@ class _Session:
     # each committed token (fills)
     window: Window | None = None
     successors: dict[int, int] = field(default_factory=dict)
+    lookahead: LookaheadConfig | None = None  # the window's shape (None: no window)
+    topk: int = 0  # feedback: the target's top-k after every verified row (0: none)
     # report the target's features (the session asked: a Falcon head drafts for it); then the prompt's, chunk by
     # chunk, until the prefill's result takes them
     features: bool = False
@@ -194,6 +198,27 @@ class _Row:
     kept: np.ndarray | None = None  # verify under a grammar: the sent tree's nodes kept (pruned ones dropped)
 
 
+@dataclass(slots=True)
+class StepInFlight:
+    """A step ``launch``ed and not ``finish``ed: its rows, what acceptance reads (the staged decisions and copy,
+    the handles of the argmax and top-k in it, the features), and the results known already (failed verifies)."""
+
+    start_time: float
+    prefills: Sequence[str]
+    rows: list[_Row]
+    verify_rows: list[tuple[int, _Row]]  # (index in the step's verifies, its row)
+    results: list  # per verify: its result, or the exception it raised alone (None until ``finish``)
+    finishing: list[str] = field(default_factory=list)  # prefills that end with this chunk: their first token
+    accepting: list = field(default_factory=list)  # (session, tree, first logits row) of each acceptance
+    decisions: Decisions | None = None
+    copy: HostCopy | None = None
+    argmax_handle: int = -1
+    topk_handle: int | None = None
+    features: torch.Tensor | None = None  # [feature rows, hidden] of the sessions that asked
+    span_start: dict = field(default_factory=dict)  # id(row) -> its first feature row
+    queued: float = 0.0  # when its copy was started
+
+
 class LocalVerifier:
     """Verifier running the target model in this process; one thread drives it (see StepLoop for
     many callers). Its sessions share one paged KV pool, taken step by step (see module doc)."""
@@ -201,7 +226,7 @@ class LocalVerifier:
     def __init__(
         self,
         runner: ModelRunner,
-        max_tree_nodes: int = 256,
+        max_tree_nodes: int = MAX_TREE_NODES,
         feedback_topk: int = 0,
         lookahead: LookaheadConfig | None = None,
         kv_cache_gb: float | None = None,
@@ -212,6 +237,7 @@ class LocalVerifier:
         kv_cache_memory: float | None = None,
         profile_rows: int = DEFAULT_MAX_BATCH_TOKENS,
         grammar_tokenizer: GrammarTokenizer | None = None,
+        max_window_rows: int | None = None,
     ) -> None:
         """``features``: report the target's final-layer features of the prompt (``PrefillResult.features``) and
         of every verification's pending + accepted rows (``VerifyResult.features``) for every session, as if each
@@ -223,7 +249,9 @@ class LocalVerifier:
         (the scheduler's ``max_batch_tokens``) is profiled (``kv_pool_blocks``); None: the fixed default budget (the
         embedded stack, whose pools, one per verifier configuration, must not each take the device).
         ``grammar_tokenizer``: the target's tokenizer for structured output (``SamplingParams.grammar``; without
-        one such requests are refused)."""
+        one such requests are refused). ``feedback_topk`` and ``lookahead`` are every session's default; a session
+        may ask for its own (``admit``), with a window of at most ``max_window_rows`` rows (default: ``lookahead``'s),
+        which the context served leaves room for."""
         if feedback_topk < 0:
             raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
         if prefill_chunk < 1:
@@ -246,6 +274,8 @@ class LocalVerifier:
         self._shared_generator = torch.Generator(device=runner.device)
         self._shared_generator.seed()
         self.lookahead = lookahead
+        self.max_window_rows = (lookahead.rows if lookahead is not None else 0) if max_window_rows is None \
+            else max(max_window_rows, lookahead.rows if lookahead is not None else 0)
         self.prefill_chunk = prefill_chunk
         self.features = features
         num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size, kv_cache_memory, profile_rows)
@@ -258,7 +288,7 @@ class LocalVerifier:
         self.watermark_blocks = max(1, num_blocks // 100)
         self.model_positions = runner.info.max_positions
         served = served_positions(self.model_positions, num_blocks, block_size, max_tree_nodes,
-                                  lookahead.rows if lookahead is not None else 0)
+                                  self.max_window_rows)
         if served < self.model_positions:
             self.info = dataclasses.replace(runner.info, max_positions=served)
         self._sessions: dict[str, _Session] = {}
@@ -293,13 +323,16 @@ class LocalVerifier:
             self._free(session)
 
     # ------------------------------------------------------------ scheduling
-    def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, features: bool = False) -> None:
+    def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, features: bool = False,
+              feedback_topk: int | None = None, lookahead: LookaheadConfig | None = None) -> None:
         """Check the request and take its prompt's KV blocks; the prefill itself runs in ``step``. CapacityError
-        when the pool has too few free. ``features``: report the session's target features (see ``__init__``)."""
+        when the pool has too few free. ``features``: report the session's target features (see ``__init__``);
+        ``feedback_topk``, ``lookahead``: its feedback (None: the verifier's own settings)."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
         self.check_request(prompt, sampling)
+        topk, lookahead = self.session_feedback(feedback_topk, lookahead)
         features = features or self.features
         cache, table = self._take(prompt, (len(prompt) - 1) // self.allocator.block_size, features)
         generator = None  # an unseeded sampled request draws from the verifier's shared generator
@@ -313,7 +346,21 @@ class LocalVerifier:
             grammar = self.grammar_tokenizer.state(*sampling.grammar)
         self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt, reused,
                                               reused // self.allocator.block_size, features=features, context=context,
-                                              grammar=grammar)
+                                              grammar=grammar, lookahead=lookahead, topk=topk)
+
+    def session_feedback(self, feedback_topk: int | None, lookahead: LookaheadConfig | None
+                         ) -> tuple[int, LookaheadConfig | None]:
+        """A session's (top-k, window) from what it asks (None: the verifier's settings); ValueError for a window
+        larger than the context served leaves room for (``max_window_rows``)."""
+        if feedback_topk is None:
+            feedback_topk = self.feedback_topk
+        elif feedback_topk < 0:
+            raise ValueError(f"feedback_topk must be >= 0, got {feedback_topk}")
+        lookahead = self.lookahead if lookahead is None else lookahead
+        if lookahead is not None and lookahead.rows > self.max_window_rows:
+            raise ValueError(f"a lookahead window of {lookahead.rows} rows is larger than this verifier's "
+                             f"{self.max_window_rows}")
+        return min(feedback_topk, self.info.vocab_size), lookahead
 
     def preempt(self, session_id: str) -> int:
         """Give back every KV block of a session (prefilling or decoding); returns how many. It keeps its tokens,
@@ -352,7 +399,8 @@ class LocalVerifier:
                 continue
             rows = 1 + tree.num_nodes
             if session.window is not None:
-                rows += window_span(session.cache.length, self.lookahead, self.info.max_positions) * self._levels
+                lookahead = session.lookahead
+                rows += window_span(session.cache.length, lookahead, self.info.max_positions) * lookahead.levels
             missing = self.allocator.blocks_for(session.cache.length + rows) - self.held_blocks(session_id)
             if missing > 0:
                 need[session_id] = missing
@@ -404,20 +452,23 @@ class LocalVerifier:
         session = self._get(session_id)
         return min(self.prefill_chunk, len(session.tokens) - session.prefilled)
 
-    @torch.inference_mode()
     def step(
         self, prefills: Sequence[str], verifies: Sequence[tuple[str, TokenTree]],
-        waiting: Callable[[], None] | None = None,
     ) -> tuple[dict[str, int], list[VerifyResult | Exception]]:
         """One forward over the next prompt chunk of each session in ``prefills`` (admitted, still prefilling)
-        and the trees of ``verifies``. Returns the first token of every prefill that finished, and per verify
-        its result or the exception it raised alone (an invalid tree, an unknown session).
+        and the trees of ``verifies``: ``finish(launch(...))``. Returns the first token of every prefill that
+        finished, and per verify its result or the exception it raised alone (an invalid tree, an unknown
+        session)."""
+        return self.finish(self.launch(prefills, verifies))
 
-        ``waiting`` is called once the step's host work is done and the host would only wait for the device
-        (at most once; not at all for a step with no rows): on the CPU before the forward, whose operators run
-        without the interpreter lock; on a GPU (``asynchronous``) once the forward, the decisions and the step's
-        one copy are queued, before the host blocks on the copy (``HostCopy.fetch``). Work that another thread
-        starts there (PEARL's drafting ahead) does not take turns at the lock with this step's host work."""
+    @torch.inference_mode()
+    def launch(self, prefills: Sequence[str], verifies: Sequence[tuple[str, TokenTree]]) -> StepInFlight:
+        """The step's first half, every host-side part of it up to its one device-to-host copy: pack the rows, run
+        (on a GPU: queue) the forward, stage every decision on the device, start the copy. On a GPU
+        (``asynchronous``) the host is then free while the device runs the step: what the caller does before
+        ``finish`` (PEARL's drafting ahead, the next step's host work) does not take turns at the interpreter lock
+        with this step's. On the CPU the forward runs in this call, its operators without the lock. ``finish``
+        must follow, once, before the sessions step again."""
         start_time = time.perf_counter()
         rows: list[_Row] = []
         results: list[VerifyResult | Exception | None] = [None] * len(verifies)
@@ -450,7 +501,7 @@ class LocalVerifier:
             verify_rows.append((index, row))
             packed += row.num_new
         if not rows:
-            return {}, results
+            return StepInFlight(start_time, prefills, rows, verify_rows, results)
         # logits of: the last row of each finishing prefill chunk, every verified row (pending + tree) of each
         # verify and its window's top level (its last span rows): runs of packed rows (first row, length)
         runs = []
@@ -473,8 +524,6 @@ class LocalVerifier:
             hidden_index = hidden_index.to(self.runner.device, non_blocking=True)
             cu = np.cumsum([0] + [b - a for a, b in spans])
             span_start = {id(r): int(cu[i]) for i, r in enumerate(asking)}
-        if waiting is not None and not self.asynchronous:
-            waiting()  # the CPU forward's operators release the interpreter lock
         logits = self.runner.forward_batch(
             [row.session.cache for row in rows], pack(ids), pack(positions),
             [row.num_new for row in rows], attends, logit_index.to(self.runner.device, non_blocking=True),
@@ -514,15 +563,27 @@ class LocalVerifier:
         argmax_device = argmax_last(logits)
         argmax_handle = copy.add(argmax_device)
         topk_handle = None
-        if self.feedback_topk and verify_rows:
-            topk_handle = copy.add(torch.topk(logits, self.feedback_topk, dim=-1).indices)  # [R, k]
+        topk_asked = max((row.session.topk for _, row in verify_rows), default=0)  # each reads its first k
+        if topk_asked:
+            topk_handle = copy.add(torch.topk(logits, topk_asked, dim=-1).indices)  # [R, k]
         decisions = Decisions([Item(s.sampling, s.generator, tree, first) for s, tree, first in accepting],
                               logits, argmax_device, copy, self._shared_generator)
-        copy_started = time.perf_counter()
-        # the step's one device-to-host transfer; on a GPU ``waiting`` once the copy is queued, the host only waiting
-        copy.fetch(waiting if self.asynchronous else None)
-        self.queue_seconds += copy_started - start_time
-        self.copy_seconds += time.perf_counter() - copy_started
+        copy.start()  # the step's one device-to-host transfer, queued (``finish`` waits for it)
+        return StepInFlight(start_time, prefills, rows, verify_rows, results, finishing, accepting, decisions,
+                            copy, argmax_handle, topk_handle, features, span_start, time.perf_counter())
+
+    @torch.inference_mode()
+    def finish(self, step: StepInFlight) -> tuple[dict[str, int], list[VerifyResult | Exception]]:
+        """The step's second half (see ``launch``): wait for its copy, accept, commit to the sessions' caches.
+        Returns what ``step`` does."""
+        if not step.rows:
+            return {}, step.results
+        rows, verify_rows, results, finishing = step.rows, step.verify_rows, step.results, step.finishing
+        accepting, copy, features, span_start = step.accepting, step.copy, step.features, step.span_start
+        copy.wait()  # marked: the step's one device-to-host sync
+        self.queue_seconds += step.queued - step.start_time
+        self.copy_seconds += time.perf_counter() - step.queued
+        argmax_handle, topk_handle, decisions = step.argmax_handle, step.topk_handle, step.decisions
         argmax = copy[argmax_handle].astype(np.int64)  # [R]: every greedy decision and window
         topk = None if topk_handle is None else copy[topk_handle].astype(np.int64)
         acceptances, logprobs = decisions.resolve(argmax)
@@ -532,14 +593,14 @@ class LocalVerifier:
             self._sessions[session_id].first_logprobs = lp
             self._start_decoding(self._sessions[session_id], acceptance.bonus_token)
         self._compact([row for _, row in verify_rows], acceptances[len(finishing) :])
-        elapsed = time.perf_counter() - start_time
+        elapsed = time.perf_counter() - step.start_time
         verified = zip(verify_rows, accepting[len(finishing) :], acceptances[len(finishing) :],
                        logprobs[len(finishing) :], strict=True)
         for (index, row), (_, _, first), acceptance, lp in verified:
             results[index] = self._finish_verify(row, acceptance, argmax, topk, first, elapsed, len(rows), lp)
             if id(row) in span_start:  # the pending row and the accepted path's rows, at their positions
                 offset = span_start[id(row)]
-                keep = torch.tensor([0] + [1 + n for n in acceptance.accepted_nodes])
+                keep = torch.tensor([0, *map((1).__add__, acceptance.accepted_nodes)])
                 keep = keep.to(features.device, non_blocking=True)
                 results[index] = dataclasses.replace(
                     results[index], features=TargetFeatures(row.prefix_len, features[offset:][keep]))
@@ -705,7 +766,7 @@ class LocalVerifier:
             input_ids[0] = session.pending
             input_ids[1:] = tree.tokens
         else:
-            span, levels = window_span(prefix_len, self.lookahead, self.info.max_positions), self._levels
+            span, levels = window_span(prefix_len, session.lookahead, self.info.max_positions), session.lookahead.levels
             guesses = window_inputs(window, span)  # [levels * span]
             input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
         self._grow(session, prefix_len + len(input_ids))
@@ -729,7 +790,7 @@ class LocalVerifier:
         for row, acceptance in zip(rows, acceptances, strict=True):
             if row.num_new == 1:  # the pending token alone: its cache holds what it keeps
                 continue
-            keep = [0, *(1 + n for n in acceptance.accepted_nodes)]
+            keep = [0, *map((1).__add__, acceptance.accepted_nodes)]  # (no generator: a Python frame per node)
             if isinstance(row.session.cache, PagedKVCache):
                 paged.append(row.session.cache)
                 prefix_lens.append(row.prefix_len)
@@ -750,12 +811,12 @@ class LocalVerifier:
         verified = tree.num_nodes + 1  # rows taking part in acceptance
         tokens = acceptance.tokens(tree)
         feedback = None
-        if topk is not None or session.window is not None:
+        if session.topk or session.window is not None:
             ngrams = ()
             if session.window is not None:  # the outputs after the window's top level
                 ngrams = self._advance_window(session, argmax[first + verified : first + row.num_out], tokens)
-            feedback = VerifyFeedback.of(np.atleast_1d(row.input_ids)[:verified],
-                                         None if topk is None else topk[first : first + verified], ngrams)
+            rows_topk = topk[first : first + verified, : session.topk] if session.topk else None
+            feedback = VerifyFeedback.of(np.atleast_1d(row.input_ids)[:verified], rows_topk, ngrams)
         session.tokens.append(session.pending)  # the cache now holds the pending token and the accepted path
         if len(tokens) > 1:
             session.tokens.extend(tokens[:-1])
@@ -770,9 +831,9 @@ class LocalVerifier:
     def _start_decoding(self, session: _Session, first: int) -> None:
         session.pending = first
         self._note_output(session, [first])
-        if self.lookahead is not None:
+        if session.lookahead is not None:
             note_successors(session.successors, session.tokens + [first])
-            session.window = initial_window(first, self.lookahead, session.successors)
+            session.window = initial_window(first, session.lookahead, session.successors)
 
     def _usable(self, masks: torch.Tensor) -> torch.Tensor:
         """A step's grammar masks with every empty row (a grammar complete or failed on a tokenizer that names no
@@ -795,10 +856,6 @@ class LocalVerifier:
         if session.grammar is not None and not session.grammar.consume(tokens):
             log.warning("a committed token broke its session's grammar (%s); the rest of it is unconstrained",
                         session.grammar.failed)
-
-    @property
-    def _levels(self) -> int:
-        return self.lookahead.levels if self.lookahead is not None else 1
 
     @staticmethod
     def _advance_window(session: _Session, outputs: np.ndarray, committed: list[int]) -> list[tuple[int, ...]]:

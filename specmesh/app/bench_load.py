@@ -13,8 +13,12 @@ request to the last), per-token latency p50/p99 (the gaps between streamed token
 pooled over all requests; a step that commits k tokens counts k gaps of a k-th of its
 time, as vLLM's inter-token latency does), time to first token p50, τ (tokens per
 verification step), tree nodes verified per step (what the speculation policy chose), the
-verifier's mean batch (Verify calls per forward, embedded only),
-and the speed against ``ar`` at the same N and against the method itself at the lowest N.
+verifier's mean batch (Verify calls per forward, embedded only) and, over the decode steps (prefill-only
+forwards left out), Verify calls and requests decoding per step and the share of the decoding requests each step
+verified (1: none sat a step out; with as many prompts as N the batch still shrinks at the end, as requests of
+different τ finish at different steps: more prompts than N keep it full; the same figures while the prompts last,
+``steady_*``, count only the steps before the last prompt was submitted, N in flight), and the speed against ``ar``
+at the same N and against the method itself at the lowest N.
 Greedy outputs are checked against the ``ar`` output of the same prompt at N = 1. Every
 level starts from a fresh drafter (in this process; a remote drafter keeps what it
 learned), since the same prompts run at every level. Before each level a warm-up, untimed, runs
@@ -47,17 +51,21 @@ Streamer = Callable[[list[int], SamplingParams], Iterator[tuple[list[int], int |
 
 
 def embedded_engine(stack, spec: MethodSpec):
-    """The method's engine on the stack's engine core (a CoreEngine: every request of the level on one core)."""
+    """The method's engine on the stack's engine core (a CoreEngine: every request of the level on one core), with
+    a fresh proposer (a level's: it learns nothing from the warm-up or the levels before; serve keeps one)."""
     options = {k: v for k, v in spec.options if k != "threshold"}  # the verifier's (mjsd), not the proposer's
-    return stack.engine(None if spec.name == "ar" else spec.name, shared=True, **options)
+    return stack.engine(None if spec.name == "ar" else spec.name, shared=True, fresh=True, **options)
 
 
 def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[str, list[int], int]],
-                      base: SamplingParams, concurrency: int, progress=None) -> tuple[list[dict], float]:
+                      base: SamplingParams, concurrency: int, progress=None,
+                      drained: Callable[[], None] | None = None) -> tuple[list[dict], float]:
     """``run_level`` for an engine core (``engine``: a CoreEngine) without client threads: requests are submitted
     with callbacks that stamp each step's tokens as the core commits them, and a finished request submits the next
     prompt (on the core thread), so exactly ``concurrency`` are in flight. ``spec``: the method whose sampling
-    options apply (None: ``base`` as it is)."""
+    options apply (None: ``base`` as it is); ``drained``: called (on the core thread) once the last prompt is
+    submitted in the place of one that finished (from then on fewer than ``concurrency`` are in flight as requests
+    finish); never with no more prompts than ``concurrency``."""
     queue = list(enumerate(prompts))
     lock, done = threading.Lock(), threading.Event()
     records: list[dict] = []
@@ -90,13 +98,14 @@ def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[s
                 progress.update(1)
             submit_next()
 
-    def submit_next() -> None:
+    def submit_next(refill: bool = True) -> None:
         with lock:
             if not queue or errors:
                 if len(records) == len(prompts) or errors:
                     done.set()
                 return
             index, (pid, ids, max_new) = queue.pop(0)
+            last = not queue
         seed = None if base.seed is None else base.seed + index
         sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
         sampling = sampling if spec is None else asked_sampling(spec, sampling)
@@ -106,10 +115,13 @@ def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[s
             with lock:
                 errors.append(exc)
             done.set()
+            return
+        if last and refill and drained is not None:  # (none when the first ones are all: nothing was refilled)
+            drained()
 
     start = time.perf_counter()
     for _ in range(min(concurrency, len(prompts))):
-        submit_next()
+        submit_next(refill=False)
     done.wait()
     if errors:
         raise errors[0]
@@ -204,7 +216,8 @@ def core_counters(core, runners: dict[str, object]) -> dict[str, float]:
     or the draft model's runner, or None) that replays CUDA graphs."""
     stats = core.stats
     counters = {"steps": stats.steps, "verified": stats.verified, "step_seconds": stats.step_seconds.sum,
-                "hits": core.verifier.allocator.hits}
+                "hits": core.verifier.allocator.hits, "decode_steps": stats.decode_steps, "decoding": stats.decoding,
+                "stepped_share": stats.stepped_share}
     if hasattr(core.verifier, "copy_seconds"):  # in process: a step's parts before and in its one host copy
         counters.update(queue_seconds=core.verifier.queue_seconds, copy_seconds=core.verifier.copy_seconds)
     for prefix, runner in runners.items():
@@ -216,7 +229,12 @@ def core_counters(core, runners: dict[str, object]) -> dict[str, float]:
 
 def core_figures(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
     """A level's figures from the counters before and after it: ``verifier_steps`` (batched forwards, prefill
-    chunks' included), ``mean_batch`` (Verify calls per forward),
+    chunks' included), ``mean_batch`` (Verify calls per forward), and over the ``decode_steps`` (the forwards with a
+    request decoding: not the prefill-only ones) ``decode_mean_batch`` (Verify calls per decode step),
+    ``mean_running`` (requests decoding per decode step, in the step or not: below N where requests are
+    prefilling or, once the prompts run out, have finished) and ``stepped_per_running`` (the mean per decode step
+    of the share of the decoding requests it verified: 1 when none sat a step out; what ``mean_batch`` below N
+    owes to the engine rather than to the load's shape),
     ``prefix_cache_hit_tokens`` (the prompts repeat across levels and methods: later ones find them cached),
     ``verifier_step_ms`` (a step's forward, acceptance and host copy, mean), of which (in process)
     ``verifier_queue_ms`` (its host work until the one copy: packing, the forward's launches or on the CPU the
@@ -229,7 +247,7 @@ def core_figures(before: dict[str, float], after: dict[str, float], wall: float)
     delta = {k: after[k] - before.get(k, 0) for k in after}
     steps = delta["steps"]
     figures = {"verifier_steps": steps, "mean_batch": delta["verified"] / steps if steps else None,
-               "prefix_cache_hit_tokens": delta["hits"],
+               **decode_figures(before, after), "prefix_cache_hit_tokens": delta["hits"],
                "verifier_step_ms": 1e3 * delta["step_seconds"] / steps if steps else None,
                "host_ms_per_step": 1e3 * (wall - delta["step_seconds"]) / steps if steps else None}
     if "copy_seconds" in delta and steps:
@@ -241,6 +259,17 @@ def core_figures(before: dict[str, float], after: dict[str, float], wall: float)
                             f"{prefix}_captures": delta[f"{prefix}_captures"],
                             f"{prefix}_capture_s": delta[f"{prefix}_capture_seconds"]})
     return figures
+
+
+def decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Between two ``core_counters``: the ``decode_steps`` (forwards with a request decoding), and over them
+    ``decode_mean_batch``, ``mean_running`` and ``stepped_per_running`` (see ``core_figures``)."""
+    steps = after["decode_steps"] - before.get("decode_steps", 0)
+    verified, decoding = after["verified"] - before.get("verified", 0), after["decoding"] - before.get("decoding", 0)
+    share = after["stepped_share"] - before.get("stepped_share", 0)
+    return {"decode_steps": steps, "decode_mean_batch": verified / steps if steps else None,
+            "mean_running": decoding / steps if steps else None,
+            "stepped_per_running": share / steps if steps else None}
 
 
 @contextlib.contextmanager
@@ -289,9 +318,13 @@ def run_load_bench(args, specs: Sequence[MethodSpec], stack, prompts, base: Samp
                 return (*run_level(grpc_streamer(client, spec)[0], level_prompts, sampling, n, bar), {})
             engine = embedded_engine(stack, spec)
             runners = {"graph": stack.target_runner, "draft_graph": getattr(stack, "draft_runner", None)}
-            before = core_counters(engine.core, runners)
-            records, wall = run_level_on_core(engine, spec, level_prompts, sampling, n, bar)
-            return records, wall, core_figures(before, core_counters(engine.core, runners), wall)
+            before, drained = core_counters(engine.core, runners), {}
+            records, wall = run_level_on_core(engine, spec, level_prompts, sampling, n, bar,
+                                              lambda: drained.update(core_counters(engine.core, runners)))
+            figures = core_figures(before, core_counters(engine.core, runners), wall)
+            # while the prompts lasted (N in flight, some of them prefilling): before the last one was submitted
+            steady = decode_figures(before, drained) if drained else {}
+            return records, wall, figures | {f"steady_{k}": v for k, v in steady.items()}
 
         warm = dataclasses.replace(base, max_new_tokens=min(WARMUP_TOKENS, prompts[0][2]))
         # the draft model's KV pool in this process (drafter_service/draft_kv.py): caches emptied for room, and
@@ -355,15 +388,26 @@ def load_table(report: dict) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
 
     lines = ["| method | concurrency | tokens/s | × ar | × lowest N | ITL p50 ms | ITL p99 ms | TTFT p50 ms | τ | "
-             "nodes/step | mean batch | step ms: verifier / rest | drafter ms/step | greedy = ar |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "nodes/step | mean batch | decode steps: batch / running | stepped ÷ running | "
+             "while prompts last: batch / running | step ms: verifier / rest | drafter ms/step | greedy = ar |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lines.append(f"| {r['method']}{' (LOSSY)' if r.get('lossy') else ''} | {r['concurrency']} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup_vs_ar'])} | "
                      f"{fmt(r['scaling_vs_lowest'])} | {fmt(r['itl_p50_ms'], 1)} | {fmt(r['itl_p99_ms'], 1)} | "
                      f"{fmt(r['ttft_p50_ms'], 0)} | {fmt(r['tau'])} | {fmt(r.get('nodes_per_step'), 1)} | "
-                     f"{fmt(r.get('mean_batch'))} | {fmt(r.get('verifier_step_ms'))} / {fmt(r.get('host_ms_per_step'))} | "
+                     f"{fmt(r.get('mean_batch'))} | {fmt(r.get('decode_mean_batch'))} / {fmt(r.get('mean_running'))} | "
+                     f"{fmt(r.get('stepped_per_running'), 3)} | "
+                     f"{fmt(r.get('steady_decode_mean_batch'))} / {fmt(r.get('steady_mean_running'))} | "
+                     f"{fmt(r.get('verifier_step_ms'))} / {fmt(r.get('host_ms_per_step'))} | "
                      f"{fmt(r.get('draft_ms_per_step'))} | "
                      f"{fmt(r.get('greedy_match_ar'))} |")
+    if any(r.get("decode_steps") for r in report["rows"]):
+        lines += ["", "mean batch: Verify calls per forward, prefill-only forwards included; decode steps: the forwards "
+                      "with a request decoding, their Verify calls and requests decoding (in the step or not) per "
+                      "forward; stepped ÷ running: the share of the decoding requests each one verified (1: none sat "
+                      "a step out; running below N: requests prefilling, or finished once the prompts ran out); while "
+                      "prompts last: the decode steps before the last prompt was submitted (N in flight; – with as "
+                      "many prompts as N)"]
     for prefix, whose in (("graph", "target"), ("draft_graph", "draft model")):
         graphed = [r for r in report["rows"] if f"{prefix}_replays" in r and r[f"{prefix}_replays"] + r[f"{prefix}_eager"]]
         if graphed:

@@ -128,10 +128,13 @@ class RunOutput:
 
 
 class SpecmeshRunner:
+    """A method one request at a time, on the stack's engine core (what every command runs), with a proposer of
+    its own (it learns nothing from other methods' runs)."""
+
     def __init__(self, stack, spec: MethodSpec) -> None:
         options = {k: v for k, v in spec.options if k != "threshold"}  # the verifier's (mjsd), not the proposer's
         self.spec = spec
-        self.engine = stack.engine(None if spec.name == "ar" else spec.name, **options)
+        self.engine = stack.engine(None if spec.name == "ar" else spec.name, shared=True, fresh=True, **options)
 
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
         sampling = asked_sampling(self.spec, sampling)

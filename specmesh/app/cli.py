@@ -276,16 +276,20 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
     from orchestrator.stats import RequestStats
     from orchestrator.stopping import TextStream
 
+    args.prefix_caching = False  # every timed run prefills its prompt (the warm-up ran the same one)
     stack = load_stack(args)
+    stack.profile_costs = False  # one request at a time: no load to size trees for
     options = {"members": args.members} if args.members else {}
     if getattr(args, "falcon", None):
         options["falcon.head" if proposer == "fused" else "head"] = args.falcon  # a member's, or its own
 
     def engine(name: str, **extra):
-        """A fresh engine, so no run drafts from what an earlier one taught a learning proposer."""
+        """A fresh engine on the stack's engine core (the one every command runs), so no run drafts from what an
+        earlier one taught a learning proposer."""
         try:
             return stack.engine(name, args.max_nodes, args.max_depth, overlap=args.overlap, policy=args.policy,
-                                restart_depth=args.restart_depth, **({**options, **extra} if name != "none" else {}))
+                                restart_depth=args.restart_depth, shared=True, fresh=True,
+                                **({**options, **extra} if name != "none" else {}))
         except ValueError as exc:
             raise SystemExit(f"specmesh generate: {exc}") from None
 
