@@ -48,7 +48,6 @@ import hashlib
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,7 +57,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 from benchmarks.kv_pressure import ROOT, free_port, get  # noqa: E402
 from specmesh.app.bench import load_prompts  # noqa: E402
-from specmesh.app.bench_load import WARMUP_TOKENS  # noqa: E402
+from specmesh.app.bench_load import WARMUP_TOKENS, closed_loop  # noqa: E402
 from specmesh.app.local_mesh import ServiceProcess  # noqa: E402
 
 MODEL = "serve-load"
@@ -111,40 +110,15 @@ def complete(client: openai.OpenAI, prompt: str, method: str, max_tokens: int) -
             "seconds": seconds}
 
 
-def closed_loop(client: openai.OpenAI, prompts: Sequence[str], requests: Sequence[tuple[int, str]],
+def completions(client: openai.OpenAI, prompts: Sequence[str], requests: Sequence[tuple[int, str]],
                 max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
-    """``requests`` with ``concurrency`` client threads, each sending its next one when the last returned;
-    (records in request order, wall seconds from the first send to the last answer)."""
-    queue = list(enumerate(requests))
-    lock = threading.Lock()
-    records: list[dict] = []
-    errors: list[BaseException] = []
+    """``requests`` ((prompt index, method) each) in a closed loop of ``concurrency`` client threads (bench's
+    ``closed_loop``); (records in request order, wall seconds from the first send to the last answer)."""
+    def one(_index: int, request: tuple[int, str]) -> dict:
+        prompt_index, method = request
+        return {"prompt": prompt_index, **complete(client, prompts[prompt_index], method, max_tokens)}
 
-    def worker() -> None:
-        while True:
-            with lock:
-                if not queue or errors:
-                    return
-                index, (prompt_index, method) = queue.pop(0)
-            try:
-                record = complete(client, prompts[prompt_index], method, max_tokens)
-            except BaseException as exc:  # noqa: BLE001 (raised once the other threads stop)
-                with lock:
-                    errors.append(exc)
-                return
-            with lock:
-                records.append({"index": index, "prompt": prompt_index, **record})
-
-    threads = [threading.Thread(target=worker, name=f"serve-load-{i}") for i in range(concurrency)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
-    if errors:
-        raise errors[0]
-    return sorted(records, key=lambda r: r["index"]), wall
+    return closed_loop(requests, one, concurrency, "serve-load")
 
 
 # --- figures ----------------------------------------------------------------------------------------------------
@@ -245,8 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.reference == "serial":
             reference = {i: complete(client, q, "none", args.max_new_tokens)["text"] for i, q in enumerate(prompts)}
         warm = min(WARMUP_TOKENS, args.max_new_tokens)
-        closed_loop(client, prompts, [(0, m) for m in args.methods], warm, len(args.methods))
-        records, wall = closed_loop(client, prompts, requests, args.max_new_tokens, args.concurrency)
+        completions(client, prompts, [(0, m) for m in args.methods], warm, len(args.methods))
+        records, wall = completions(client, prompts, requests, args.max_new_tokens, args.concurrency)
     finally:
         server.stop()
 

@@ -145,49 +145,65 @@ def grpc_streamer(client, spec: MethodSpec) -> tuple[Streamer, None]:
 def run_level(stream: Streamer, prompts: Sequence[tuple[str, list[int], int]], base: SamplingParams,
               concurrency: int, progress=None) -> tuple[list[dict], float]:
     """Every prompt once with ``concurrency`` requests in flight; (records, wall seconds)."""
-    queue = list(enumerate(prompts))
+
+    def one(index: int, prompt: tuple[str, list[int], int]) -> dict:
+        pid, ids, max_new = prompt
+        seed = None if base.seed is None else base.seed + index
+        sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
+        start = time.perf_counter()
+        tokens, stamps, steps, nodes = [], [], 0, 0
+        for chunk, step_nodes in stream(ids, sampling):
+            stamps.append((time.perf_counter(), len(chunk)))
+            tokens += chunk
+            if step_nodes is not None:
+                steps, nodes = steps + 1, nodes + step_nodes
+        gaps = [(t - prev) / k for (prev, _), (t, k) in zip(stamps, stamps[1:], strict=False) if k
+                for _ in range(k)]
+        return {"id": pid, "tokens": tokens, "steps": steps, "nodes": nodes, "gaps": gaps,
+                "ttft": stamps[0][0] - start if stamps else None, "start": start,
+                "end": stamps[-1][0] if stamps else start}
+
+    return closed_loop(prompts, one, concurrency, "bench-client", progress)
+
+
+def closed_loop(items: Sequence, run: Callable[[int, object], dict], concurrency: int, name: str,
+                progress=None) -> tuple[list[dict], float]:
+    """``run(index, item)`` for every item on ``concurrency`` threads, each taking the next item when its last one
+    returned (N in flight until the items run out); (their records, each with its ``index``, in item order; wall
+    seconds from the first start to the last answer). The first error stops the loop and is raised once every
+    thread has stopped."""
+    queue = list(enumerate(items))
     lock = threading.Lock()
     records: list[dict] = []
     errors: list[BaseException] = []
 
-    def client() -> None:
+    def worker() -> None:
         while True:
             with lock:
                 if not queue or errors:
                     return
-                index, (pid, ids, max_new) = queue.pop(0)
-            seed = None if base.seed is None else base.seed + index
-            sampling = dataclasses.replace(base, max_new_tokens=max_new, seed=seed)
+                index, item = queue.pop(0)
             try:
-                start = time.perf_counter()
-                tokens, stamps, steps, nodes = [], [], 0, 0
-                for chunk, step_nodes in stream(ids, sampling):
-                    stamps.append((time.perf_counter(), len(chunk)))
-                    tokens += chunk
-                    if step_nodes is not None:
-                        steps, nodes = steps + 1, nodes + step_nodes
-            except BaseException as exc:  # noqa: BLE001 (reported after the other clients stop)
+                record = run(index, item)
+            except BaseException as exc:  # noqa: BLE001 (raised after the other threads stop)
                 with lock:
                     errors.append(exc)
                 return
-            gaps = [(t - prev) / k for (prev, _), (t, k) in zip(stamps, stamps[1:], strict=False) if k
-                    for _ in range(k)]
             with lock:
-                records.append({"id": pid, "index": index, "tokens": tokens, "steps": steps, "nodes": nodes, "gaps": gaps,
-                                "ttft": stamps[0][0] - start if stamps else None, "start": start,
-                                "end": stamps[-1][0] if stamps else start})
+                records.append({"index": index, **record})
                 if progress is not None:
                     progress.update(1)
 
-    threads = [threading.Thread(target=client, name=f"bench-client-{i}") for i in range(concurrency)]
+    threads = [threading.Thread(target=worker, name=f"{name}-{i}") for i in range(concurrency)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    wall = time.perf_counter() - start
     if errors:
         raise errors[0]
-    return sorted(records, key=lambda r: r["index"]), time.perf_counter() - start
+    return sorted(records, key=lambda r: r["index"]), wall
 
 
 def summarize(records: list[dict], wall: float) -> dict:
