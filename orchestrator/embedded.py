@@ -220,6 +220,12 @@ class EmbeddedStack:
             return engine
 
     @property
+    def max_window_rows(self) -> int:
+        """The largest lookahead window a request on the core may ask for: MAX_WINDOW_ROWS, or the stack's
+        ``--lookahead`` window where that is larger (the context served leaves room for it)."""
+        return max(MAX_WINDOW_ROWS, self.lookahead.rows if self.lookahead is not None else 0)
+
+    @property
     def core(self) -> EngineCore:
         """The stack's one engine core (one verifier, one KV pool, one step thread), created on first use: every
         shared engine submits its requests to it. What requests differ in (proposer, top-k feedback, lookahead
@@ -232,7 +238,7 @@ class EmbeddedStack:
         if self._core is None:
             local = LocalVerifier(self.target_runner, MAX_TREE_NODES, kv_cache_gb=self.kv_cache_gb,
                                   prefix_caching=self.prefix_caching, kv_cache_memory=self.kv_cache_memory,
-                                  grammar_tokenizer=self.grammar_tokenizer, max_window_rows=MAX_WINDOW_ROWS)
+                                  grammar_tokenizer=self.grammar_tokenizer, max_window_rows=self.max_window_rows)
             self._core = EngineCore(local, self.decode, costs=local.profile_costs() if self.profile_costs else None)
         return self._core
 
@@ -243,8 +249,8 @@ class EmbeddedStack:
         if self.kv_cache_memory is not None and self.target_runner.device.type == "cuda":
             return self.core.info  # its pool is sized by the device's free memory: made now, and read
         num_blocks = kv_pool_blocks(self.target_runner, self.kv_cache_gb, DEFAULT_BLOCK_SIZE)
-        window = max(MAX_WINDOW_ROWS, self.lookahead.rows if self.lookahead is not None else 0)
-        served = served_positions(info.max_positions, num_blocks, DEFAULT_BLOCK_SIZE, MAX_TREE_NODES, window)
+        served = served_positions(info.max_positions, num_blocks, DEFAULT_BLOCK_SIZE, MAX_TREE_NODES,
+                                  self.max_window_rows)
         if served < info.max_positions:
             log.warning("serving a context of %d positions, not the model's %d: one request's KV must fit the pool "
                         "(raise --kv-cache-gb for more)", served, info.max_positions)

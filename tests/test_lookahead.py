@@ -150,6 +150,30 @@ def test_stack_runs_the_window_the_proposer_asks_for(demo_stack):
     assert demo_stack.engine("prompt_lookup").verifier.lookahead is None  # no n-gram learner: no window rows
 
 
+def test_the_core_takes_the_stacks_window_however_wide(demo_stack):
+    """The embedded stack's one engine core takes any request's window up to MAX_WINDOW_ROWS, and the stack's own
+    `--lookahead` window when it is wider (40 rows here): the core's verifier and the context the stack says it
+    serves leave room for the same window, and a request with it gives plain decoding's tokens."""
+    import dataclasses
+    import threading
+
+    from orchestrator.embedded import MAX_WINDOW_ROWS
+
+    wide = LookaheadConfig(8, 6)
+    assert wide.rows > MAX_WINDOW_ROWS
+    stack = dataclasses.replace(demo_stack, lookahead=wide, _core=None, _engines={}, _shared_lock=threading.Lock())
+    try:
+        prompt = stack.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+        engine = stack.engine("retrieval", shared=True, fresh=True)
+        assert engine.method.lookahead == wide
+        out = engine.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert out == demo_stack.engine(None).generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert stack.core.loop.verifier.max_window_rows == stack.max_window_rows == wide.rows
+        assert stack.served_info().max_positions == stack.core.info.max_positions
+    finally:
+        stack.close()
+
+
 def test_over_grpc_with_the_verifiers_window_equals_ar(demo_stack):
     import service_helpers as sh
 

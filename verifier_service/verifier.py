@@ -204,7 +204,6 @@ class StepInFlight:
     the handles of the argmax and top-k in it, the features), and the results known already (failed verifies)."""
 
     start_time: float
-    prefills: Sequence[str]
     rows: list[_Row]
     verify_rows: list[tuple[int, _Row]]  # (index in the step's verifies, its row)
     results: list  # per verify: its result, or the exception it raised alone (None until ``finish``)
@@ -501,7 +500,7 @@ class LocalVerifier:
             verify_rows.append((index, row))
             packed += row.num_new
         if not rows:
-            return StepInFlight(start_time, prefills, rows, verify_rows, results)
+            return StepInFlight(start_time, rows, verify_rows, results)
         # logits of: the last row of each finishing prefill chunk, every verified row (pending + tree) of each
         # verify and its window's top level (its last span rows): runs of packed rows (first row, length)
         runs = []
@@ -569,7 +568,7 @@ class LocalVerifier:
         decisions = Decisions([Item(s.sampling, s.generator, tree, first) for s, tree, first in accepting],
                               logits, argmax_device, copy, self._shared_generator)
         copy.start()  # the step's one device-to-host transfer, queued (``finish`` waits for it)
-        return StepInFlight(start_time, prefills, rows, verify_rows, results, finishing, accepting, decisions,
+        return StepInFlight(start_time, rows, verify_rows, results, finishing, accepting, decisions,
                             copy, argmax_handle, topk_handle, features, span_start, time.perf_counter())
 
     @torch.inference_mode()
