@@ -148,10 +148,10 @@ def count_calls(runner, prompts: list[list[int]], tree: bool, steps: int, warmup
         _wait_until(lambda: core.num_running == n)
         first = core.stats.steps
         _wait_until(lambda: core.stats.steps >= first + warmup)
-        core.loop.call_soon(start)
+        core.call_soon(start)
         _wait_until(lambda: "start" in window)
         _wait_until(lambda: core.stats.steps >= window["start"][0] + steps)
-        core.loop.call_soon(stop)
+        core.call_soon(stop)
         if not done.wait(600):
             raise TimeoutError("the counted window did not close")
         for request_id in ids:

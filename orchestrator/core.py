@@ -6,15 +6,20 @@ Requests are data, not threads (vLLM V1's EngineCore, SGLang's scheduler). A fro
 a blocking consumer, ``call_soon_threadsafe`` into an asyncio queue for a server) and may
 ``cancel`` it by id; the loop's thread does everything else.
 
-The loop is the verifier's ``StepLoop`` (verifier_service/step_loop.py), the same one that
-serves a verifier replica's gRPC calls; the core is its driver. (Over a replica it is a
-``RemoteStepLoop``, orchestrator/remote_loop.py: the same step with the forward one VerifyBatch call to the
-replica.) ``StepLoop.step`` is the whole of one engine step, top to bottom:
+In process the core owns its loop: one thread runs ``EngineCore.step``, which only calls down:
 
-    EngineCore.draft        every running request's tree (drafted now, or ahead during the last step): begin_step
-    -> the callers' Verifys, prompt chunks within the token budget
-    -> LocalVerifier.step   one target forward over all of them, acceptance for the whole batch
-    -> EngineCore.commit    commit, stream and stop checks per request: end_step
+    EngineCore.begin_step   every running request's tree (drafted now, or ahead during the last step): proposers
+    -> Scheduler.schedule   the trees, prompt chunks within the token budget, room in the KV pool (preemption)
+    -> Scheduler.launch     one target forward over all of them, acceptance for the whole batch, queued
+       EngineCore.launch    (PEARL) the next trees drafted ahead while the device runs
+    -> Scheduler.finish     the one host copy back: a StepOutput (results, finished prefills, resumed sessions)
+    -> EngineCore.end_step  commit, stream and stop checks per request; then the prefills that finished start
+                            decoding
+
+The ``Scheduler`` (verifier_service/scheduler.py) owns the request table's KV side: admission, chunked prefill,
+preemption, the prefix cache; the same class serves a verifier replica's gRPC callers (``StepLoop``). Over a
+replica the core is driven by a ``RemoteStepLoop`` (orchestrator/remote_loop.py: the same step with the forward
+one VerifyBatch call to the replica; several may be out at once).
 
 A request's drafter is its ``DrafterLink`` (drafter_link.py) run inline on the loop's thread: the
 same context edits, tree checks, feedback hand-over and failover as the per-request engine
@@ -61,11 +66,12 @@ from specmesh.contract import (
     VerifyResult,
 )
 from specmesh.feedback import TargetFeatures
+from specmesh.host_runtime import close_at_exit
 from specmesh.sampling import SamplingParams
 from specmesh.tree import InvalidTreeError, TokenTree
 from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAITING
 from verifier_service.remote import VerifierClient
-from verifier_service.step_loop import StepLoop
+from verifier_service.scheduler import Scheduler, Session
 
 if TYPE_CHECKING:  # torch: `serve` over replicas runs no model and never imports it
     from verifier_service.verifier import LocalVerifier
@@ -78,14 +84,14 @@ PREEMPTED_RETRY_S = 0.005  # a replica preempted a request's session: its tree i
 
 
 class EngineCore:
-    """Every request of one verifier, stepped by a ``StepLoop`` (in process) or a ``RemoteStepLoop`` (a replica)
-    whose driver this is (see module doc).
-    Thread-safe: ``submit`` / ``cancel`` / ``close`` from any thread; the driver's methods run on the loop's."""
+    """Every request of one verifier, stepped by the core's own loop (in process: ``step``) or by a
+    ``RemoteStepLoop`` (a replica) whose driver this is (see module doc).
+    Thread-safe: ``submit`` / ``cancel`` / ``close`` from any thread; everything else runs on the loop's."""
 
     def __init__(self, verifier: LocalVerifier | VerifierClient, decode: Callable[[list[int]], str] | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_waiting: int = DEFAULT_MAX_WAITING,
                  costs: VerifyCosts | None = None, name: str = "engine-core") -> None:
-        """``verifier``: the target in this process (a ``StepLoop`` steps it), or a verifier replica whose
+        """``verifier``: the target in this process (the core's loop steps it), or a verifier replica whose
         ``fetch_info`` succeeded (a ``RemoteStepLoop`` sends it the steps: orchestrator/remote_loop.py).
         ``decode``: token ids -> text, for stop strings; ``max_batch_tokens``: rows of one forward (prompt
         chunks fill what the running requests leave); ``max_waiting``: requests waiting for KV blocks before
@@ -98,17 +104,25 @@ class EngineCore:
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # every unfinished request (submitters add, the loop removes)
         self._running: dict[str, Request] = {}  # decoding; the loop thread's
-        self._step: Step | None = None  # draft() -> commit() (a StepLoop's one step at a time)
         self._steps: set[Step] = set()  # every step begun and not ended (a remote loop may have several out)
         self._drafting: ThreadPoolExecutor | None = None  # overlap: drafts ahead while a forward runs
         self._method_steps: dict[Hashable, MethodSteps] = {}  # per method: its requests' steps, pooled
+        self.remote: RemoteStepLoop | None = None
+        self.scheduler: Scheduler | None = None
         if isinstance(verifier, VerifierClient):
             self.costs = costs or verifier.costs
-            self.loop = RemoteStepLoop(verifier, self, name)
+            self.remote = RemoteStepLoop(verifier, self, name)
+            self.stats = self.remote.stats
         else:
-            self.loop = StepLoop(verifier, max_batch_tokens, max_waiting, costs=costs, driver=self, name=name)
-            self.costs = self.loop.costs  # refitted to the loop's steps as they run (``StepCosts``)
-        self.stats = self.loop.stats  # what /metrics and benchmarks read (VerifierMetrics)
+            self.scheduler = Scheduler(verifier, max_batch_tokens, max_waiting, costs)
+            self.costs = self.scheduler.costs  # refitted to the steps as they run (``StepCosts``)
+            self.stats = self.scheduler.stats  # what /metrics and benchmarks read (VerifierMetrics)
+            self._cond = self.scheduler.cond  # one lock for the table and the loop's queue
+            self._soon: list[Callable[[], None]] = []  # ``call_soon``
+            self._closed = False
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+            close_at_exit(self)  # joined before the interpreter finalizes (specmesh/host_runtime.py, "Exit")
 
     # --------------------------------------------------------------- front end
     def submit(self, prompt: Sequence[int], sampling: SamplingParams, method: Method, output: RequestOutput,
@@ -131,8 +145,14 @@ class EngineCore:
                 raise ValueError(f"request {request_id!r} already exists")
             self._requests[request_id] = request  # before open: the loop may admit it at once
         try:
-            self.loop.open(request_id, prompt, sampling, _Admission(self, request), method.features,
-                           method.feedback_topk, method.lookahead)
+            if self.remote is not None:
+                self.remote.open(request_id, prompt, sampling, _Admission(self, request), method.features,
+                                 method.feedback_topk, method.lookahead)
+            else:
+                with self._cond:
+                    self._check_open()
+                    self.scheduler.add(Session(request_id, prompt, sampling, method.features, method.feedback_topk,
+                                               method.lookahead))
         except BaseException:
             with self._lock:
                 self._requests.pop(request_id, None)
@@ -142,26 +162,47 @@ class EngineCore:
     def cancel(self, request_id: str) -> None:
         """End a request at the next step (its output gets ``finish`` with reason "aborted"); no-op if unknown."""
         try:
-            self.loop.call_soon(lambda: self._cancel(request_id))
+            self.call_soon(lambda: self._cancel(request_id))
         except RuntimeError:  # closed: every request has ended
             pass
 
     def close(self) -> None:
         """Stop the loop; unfinished requests end with RuntimeError."""
-        self.loop.close()
+        if self.remote is not None:
+            self.remote.close()
+            return
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop's thread before its next step (a cancel); RuntimeError once closed."""
+        if self.remote is not None:
+            self.remote.call_soon(fn)
+            return
+        with self._cond:
+            self._check_open()
+            self._soon.append(fn)
+            self._cond.notify()
 
     @property
     def alive(self) -> bool:
-        return self.loop.alive
+        return self.remote.alive if self.remote is not None else self._thread.is_alive()
 
     @property
     def num_sessions(self) -> int:
         """Unfinished requests (waiting included), as a verifier's sessions for /metrics."""
-        return self.loop.num_sessions
+        return (self.remote or self.scheduler).num_sessions
 
     @property
     def num_waiting(self) -> int:
-        return self.loop.num_waiting
+        return (self.remote or self.scheduler).num_waiting
+
+    @property
+    def num_preempted(self) -> int:
+        """Requests holding no KV blocks until they resume (in process; a replica reports its own)."""
+        return self.scheduler.num_preempted if self.scheduler is not None else 0
 
     @property
     def num_running(self) -> int:
@@ -205,32 +246,106 @@ class EngineCore:
             request.stopper.finish_reason = request.stopper.finish_reason or "aborted"
             self._finish(request)
 
-    # --------------------------------------------------------------- the driver (StepDriver)
+    # --------------------------------------------------------------- the loop (in process)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine core is closed")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._iterate():
+                    return
+            except Exception as exc:  # a bug here must not leave every request hanging: end them
+                log.exception("engine core step failed")
+                self.stop(exc)
+
+    def _iterate(self) -> bool:
+        """Wait for work, run the queued calls (cancels), admit, ``step``; False once closed."""
+        with self._cond:
+            while not (self._closed or self._soon or self.pending() or self.scheduler.has_work()):
+                self._cond.wait()
+            if self._closed:
+                self.stop(RuntimeError("the engine core is closed"))
+                return False
+            soon, self._soon = self._soon, []
+        for fn in soon:
+            fn()
+        self._admit()
+        self.step()
+        return True
+
+    def step(self) -> None:
+        """One engine step: schedule -> propose -> execute -> update (see module doc)."""
+        step = self.begin_step(launch=not getattr(self.verifier, "asynchronous", False))
+        batch = self.scheduler.schedule(step.verifies if step is not None else [])
+        if batch is None:
+            return
+        for request_id in batch.paused:  # preempted for this step's blocks: not stepped until it resumes
+            self._preempted(request_id)
+        self.scheduler.launch(batch)
+        if step is not None:  # on a GPU the forward is queued: the next trees are drafted while it runs
+            self.launch(step)
+        out = self.scheduler.finish(batch)
+        if step is not None:
+            self.end_step(step, out.results)
+        for session, outcome in out.prefilled:
+            request = self._requests.get(session.session_id)
+            if request is None:
+                continue
+            if isinstance(outcome, Exception):
+                self._finish(request, outcome)
+            else:
+                self._start_decoding(request, outcome.first_token, outcome.seconds, outcome.features,
+                                     outcome.logprobs)
+        for request_id in out.resumed:
+            self._resumed(request_id)
+
+    def _admit(self) -> None:
+        """The scheduler's admissions: an admitted request opens its drafter while its prompt prefills."""
+        admissions = self.scheduler.admit()
+        for request_id in admissions.resumed:
+            self._resumed(request_id)
+        for session, exc in admissions.refused:
+            request = self._requests.get(session.session_id)
+            if request is not None:
+                self._finish(request, exc)
+        for session in admissions.admitted:
+            request = self._requests.get(session.session_id)
+            if request is None or not self._opened(request):  # gone meanwhile: its blocks go back
+                self.scheduler.remove(session.session_id)
+
+    def _opened(self, request: Request) -> bool:
+        """KV reserved: open the drafter (inline: the proposer's prepare runs here) while the prompt prefills;
+        False if it failed (the request ended)."""
+        if request.status is Status.FINISHED:
+            return False
+        request.status = Status.PREFILLING
+        try:
+            with tracing.use(request.trace):
+                request.link.open(request.prompt, request.sampling)  # a remote drafter's stream: in the trace
+            if not request.method.background:  # a background open's failure shows at its first draft instead
+                request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)
+        except Exception as exc:
+            self._finish(request, exc)
+            return False
+        return True
+
+    def _preempted(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None and request.status is Status.RUNNING:
+            request.status = Status.PREEMPTED
+
+    def _resumed(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            _resume(request)
+
+    # --------------------------------------------------------------- the step's halves
     def pending(self) -> bool:
         """Whether a running request can step now: not in a step already, and not waiting for a remote drafter's
         tree (``late``)."""
         return any(_can_step(r) for r in self._running.values())
-
-    def draft(self) -> list[tuple[str, TokenTree]]:
-        """The step's first half (a ``StepLoop``'s, one step at a time): ``begin_step``, kept for ``commit``."""
-        # on a GPU the pre-drafts start once the step's forward is queued (``waiting``); on the CPU, here
-        step = self.begin_step(launch=not getattr(self.verifier, "asynchronous", False))
-        self._step = step
-        return step.verifies if step is not None else []
-
-    def waiting(self) -> None:
-        """The step ``draft`` began is launched (``LocalVerifier.launch``: queued on the device) and the loop only
-        waits for its copy: the drafting thread starts on the next trees (``launch``), so that its Python does not
-        take turns at the interpreter lock with the step's host work (with a GPU's verifier; with the CPU's they
-        started at ``draft``: nothing left to do)."""
-        if self._step is not None:
-            self.launch(self._step)
-
-    def commit(self, results: Sequence[VerifyResult | Exception]) -> None:
-        """The step's second half, after the forward: ``end_step`` of the step ``draft`` began."""
-        step, self._step = self._step, None
-        if step is not None:
-            self.end_step(step, results)
 
     def begin_step(self, launch: bool = True) -> Step | None:
         """Every running request that can step (``pending``), with its tree; (overlap) their next trees planned,
@@ -272,7 +387,6 @@ class EngineCore:
 
     def stop(self, exc: BaseException) -> None:
         """End every request with ``exc`` (the loop closes, or a step failed on a bug)."""
-        self._step = None
         for step in list(self._steps):  # failed between draft and commit: the drafting thread may still run
             self._join_predrafts(step)
         self._steps.clear()
@@ -353,7 +467,7 @@ class EngineCore:
     def _landed(self, _future: Future) -> None:
         """A late remote tree landed (on a drafting thread): have the loop look at its request again."""
         try:
-            self.loop.call_soon(_nothing)
+            self.call_soon(_nothing)
         except RuntimeError:  # closed meanwhile
             pass
 
@@ -444,9 +558,9 @@ class EngineCore:
         if isinstance(result, SessionPreemptedError):  # its KV went back to the pool before the forward: the same
             # tree steps once it resumes (its drafter asked nothing new, so a seeded request's tokens do not change)
             request.deferred = (tree, budget, draft_seconds)
-            if isinstance(self.loop, RemoteStepLoop):  # the replica's: sent again a little later (it resumes there)
+            if self.remote is not None:  # the replica's: sent again a little later (it resumes there)
                 request.status = Status.PREEMPTED
-                self.loop.call_later(PREEMPTED_RETRY_S, lambda: _resume(request))
+                self.remote.call_later(PREEMPTED_RETRY_S, lambda: _resume(request))
             return
         try:
             if isinstance(result, InvalidTreeError):  # the verifier refused the drafter's tree: fail it over
@@ -511,8 +625,11 @@ class EngineCore:
                     tracing.record_error(span, error)
                 span.end()
         request.prefill_span = request.step_span = None
-        with tracing.use(request.trace):
-            self.loop.drop(request.request_id)  # a remote loop's Release joins the request's trace
+        if self.remote is not None:
+            with tracing.use(request.trace):
+                self.remote.drop(request.request_id)  # the replica's Release joins the request's trace
+        else:
+            self.scheduler.remove(request.request_id)
         try:  # a background link's closing calls are queued on its worker: the loop does not wait for them
             request.link.close(len(request.stopper.generated), wait=not request.method.background)
         except Exception:  # closing is best effort (a strict link may raise on its sync)
@@ -530,40 +647,20 @@ class EngineCore:
 
 
 class _Admission:
-    """A request's admission and prefill, as its StepLoop session's owner (``SessionOwner``; on the loop thread)."""
+    """A request's admission and prefill, as its replica session's owner (``SessionOwner`` of a RemoteStepLoop;
+    on the loop's thread)."""
 
     def __init__(self, core: EngineCore, request: Request) -> None:
         self.core, self.request = core, request
 
     def admitted(self) -> bool:
-        """KV reserved: open the drafter (inline: the proposer's prepare runs here) while the prompt prefills."""
-        request = self.request
-        request.status = Status.PREFILLING
-        try:
-            with tracing.use(request.trace):
-                request.link.open(request.prompt, request.sampling)  # a remote drafter's stream: in the trace
-            if not request.method.background:  # a background open's failure shows at its first draft instead
-                request.link.wait_open()  # a drafter that fails to open is failed over (strict: raises)
-        except Exception as exc:
-            self.core._finish(request, exc)
-            return False
-        return True
+        return self.core._opened(self.request)
 
     def prefilled(self, result: PrefillResult) -> None:
         self.core._start_decoding(self.request, result.first_token, result.seconds, result.features, result.logprobs)
 
     def failed(self, exc: BaseException) -> None:
         self.core._finish(self.request, exc)
-
-    def abandoned(self) -> bool:
-        return self.request.status is Status.FINISHED
-
-    def preempted(self) -> None:
-        if self.request.status is Status.RUNNING:
-            self.request.status = Status.PREEMPTED
-
-    def resumed(self) -> None:
-        _resume(self.request)
 
 
 def _resume(request: Request) -> None:

@@ -40,18 +40,42 @@ from typing import Protocol
 import grpc
 
 from specmesh import tracing
-from specmesh.contract import VerifyResult
+from specmesh.contract import PrefillResult, VerifyResult
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 from specmesh.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.remote import RELEASE_TIMEOUT, RemoteVerifier, VerifierClient
-from verifier_service.step_loop import BatchStats, SessionOwner, StepDriver
+from verifier_service.scheduler import BatchStats
 
 log = logging.getLogger("specmesh.remote_loop")
 
 
-class RemoteDriver(StepDriver, Protocol):
-    """What a remote loop asks of its driver beyond a ``StepLoop``'s: steps that may overlap (the engine core)."""
+class SessionOwner(Protocol):
+    """Who hears how a session's admission and prefill went (the engine core's request). Called on the loop's
+    thread."""
+
+    def admitted(self) -> bool:
+        """Its Prefill is about to be sent; False: it went away (nothing is sent)."""
+
+    def prefilled(self, result: PrefillResult) -> None:
+        """The prefill finished: the first token (and the prompt's features, when asked)."""
+
+    def failed(self, exc: BaseException) -> None:
+        """It never got (or lost) its session: refused, the call failed, closed."""
+
+
+class RemoteDriver(Protocol):
+    """The requests a remote loop steps (the engine core): steps that may overlap, several out at once."""
+
+    def pending(self) -> bool:
+        """Whether it has decoding requests to step now (it must neither lock nor block)."""
+
+    @property
+    def num_running(self) -> int:
+        """Its decoding requests (preempted ones and any sitting a step out included) (``BatchStats.decoding``)."""
+
+    def stop(self, exc: BaseException) -> None:
+        """End every request it holds with ``exc`` (the loop closes, or a step failed on a bug)."""
 
     def begin_step(self, launch: bool = True):
         """The requests that can step now with their trees (``.verifies``), marked as in a step; None if none.

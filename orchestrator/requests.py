@@ -53,7 +53,7 @@ class Method:
     policy: SpeculationPolicy = field(default_factory=lambda: StaticPolicy(0, 0))
     features: bool = False
     strict: bool = False
-    overlap: bool = False  # PEARL: draft the next tree while this step's forward runs (see EngineCore.draft)
+    overlap: bool = False  # PEARL: draft the next tree while this step's forward runs (see EngineCore.step)
     # drafter calls run on the drafting pool shared by every request, not inline on the core's thread: remote
     # drafters (their round trips then overlap each other's instead of adding up)
     background: bool = False

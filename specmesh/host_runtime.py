@@ -21,6 +21,14 @@ is built) moves what start-up built out of the collector's sight, so a collectio
 allocated since: the same run spent 7 ms in the GC. Servers call it once everything is loaded, right before
 they serve (``specmesh.serving.serve``); ``generate``/``bench`` once their models are loaded.
 ``SPECMESH_GC_FREEZE=0`` turns it off.
+
+**Exit.** A loop thread (the engine core's, a replica's step loop) is a daemon: a process never waits for it.
+But one that is still running when the interpreter finalizes, as it may be just after its last request's
+output woke the main thread, can be freeing a step's tensors: torch releases the interpreter lock while it frees
+one, and a daemon thread that takes the lock back during finalization is ended with a forced unwind through
+C++ frames that do not allow it, and the process aborts (SIGABRT, "terminate called without an active
+exception"; pytorch/pytorch#38228). ``close_at_exit`` registers such a loop to be closed (its thread joined)
+before finalization begins.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import gc
 import logging
 import os
 import platform
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +96,20 @@ def freeze_heap() -> bool:
 
 
 __all__ = ["freeze_heap", "tune_host_allocator"]
+
+
+_AT_EXIT: weakref.WeakSet = weakref.WeakSet()  # loops to close before the interpreter finalizes (module doc)
+
+
+def close_at_exit(loop) -> None:
+    """Call ``loop.close()`` (which joins its thread) at exit unless it is gone by then (module doc, "Exit")."""
+    _AT_EXIT.add(loop)
+
+
+@atexit.register
+def _close_loops() -> None:
+    for loop in list(_AT_EXIT):
+        try:
+            loop.close()
+        except Exception:  # closing is best effort: the process is ending
+            pass

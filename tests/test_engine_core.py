@@ -31,7 +31,6 @@ from orchestrator.policy import AdaptivePolicy, StaticPolicy, load_aware
 from orchestrator.requests import CoreEngine, Method, QueueOutput
 from specmesh.contract import CapacityError, VerifyCosts
 from specmesh.sampling import SamplingParams
-from specmesh.tree import TokenTree
 from verifier_service.costs import StepCosts
 from verifier_service.verifier import LocalVerifier
 
@@ -157,7 +156,7 @@ def test_the_load_aware_policy_reads_costs_refitted_to_the_cores_steps(model_set
     profile = VerifyCosts(1.0, 0.0, 1e-3)  # far off: a second a step
     core = EngineCore(local, costs=profile)
     try:
-        assert isinstance(core.costs, StepCosts) and core.costs is core.loop.costs and core.costs.profile is profile
+        assert isinstance(core.costs, StepCosts) and core.costs is core.scheduler.costs and core.costs.profile is profile
         prop = make_proposer("prompt_lookup_tree")
         pooled = core.method_steps(("prompt_lookup_tree", 8, 8))
         assert core.method_steps(("prompt_lookup_tree", 8, 8)) is pooled is not core.method_steps(("copy", 8, 8))
@@ -424,34 +423,6 @@ def test_core_engine_streams_from_many_threads_and_closing_cancels(model_sets, a
         stream = engine.stream(PROMPTS[0], greedy(MAX_POSITIONS - len(PROMPTS[0])))
         next(stream)
         stream.close()  # the consumer went away: the request is cancelled and its blocks come back
-        assert_idle(core)
-    finally:
-        core.close()
-
-
-def test_calls_and_core_requests_share_the_loops_forwards(model_sets, ar_reference):
-    runner = model_sets("cyclic").runner("target", "fast")
-    core = EngineCore(LocalVerifier(runner))
-    method, _, _ = method_of("prompt_lookup_tree")
-    called, shared = [], []
-
-    def caller() -> None:  # a remote orchestrator's session, plain decoding
-        called.append(core.loop.prefill("call", PROMPTS[0], greedy(MAX_NEW)).first_token)
-        while len(called) < MAX_NEW:
-            result = core.loop.verify("call", TokenTree.empty())
-            called.extend(result.tokens)
-            shared.append(result.batch_sessions)
-        core.loop.release("call")
-
-    try:
-        thread = threading.Thread(target=caller)
-        thread.start()
-        outputs = run_all(core, method, PROMPTS[1:5], greedy(MAX_NEW))
-        thread.join(60)
-        assert called[:MAX_NEW] == ar_reference("cyclic", "fast", PROMPTS[0], MAX_NEW)
-        for prompt, out in zip(PROMPTS[1:5], outputs, strict=True):
-            assert out.tokens == ar_reference("cyclic", "fast", prompt, MAX_NEW)
-        assert max(shared) > 1, "the caller's Verifys never shared a forward with the core's requests"
         assert_idle(core)
     finally:
         core.close()

@@ -144,7 +144,11 @@ def test_a_full_drafter_refuses_sessions_and_requests_fail_over(verifier, ar):
         with Client(s.address, timeout=120) as client:
             ids, errors = collect(client.stream(PROMPT, max_new_tokens=LONG, ignore_eos=True, proposer="draft_model"))
             assert ids == ar(LONG)
-            assert len(errors) == 1 and d.address in errors[0] and "RESOURCE_EXHAUSTED" in errors[0]
+            # the drafter refuses with RESOURCE_EXHAUSTED (asserted above); grpc.aio's client may report a refusal
+            # that lands while it writes the session's next message as INTERNAL "Internal error from Core"
+            # instead (grpc/grpc#36066: the failed write overwrites the server's status): a failover either way
+            assert len(errors) == 1 and d.address in errors[0]
+            assert "RESOURCE_EXHAUSTED" in errors[0] or "Internal error from Core" in errors[0], errors
             held.put(None)
             holder.cancel()
             assert sh.wait_until(lambda: sh.drafter_sessions(d) == 0)

@@ -168,7 +168,7 @@ def test_the_core_takes_the_stacks_window_however_wide(demo_stack):
         assert engine.method.lookahead == wide
         out = engine.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
         assert out == demo_stack.engine(None).generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
-        assert stack.core.loop.verifier.max_window_rows == stack.max_window_rows == wide.rows
+        assert stack.core.scheduler.verifier.max_window_rows == stack.max_window_rows == wide.rows
         assert stack.served_info().max_positions == stack.core.info.max_positions
     finally:
         stack.close()

@@ -214,7 +214,7 @@ def test_a_real_prometheus_stores_the_documented_names(tmp_path):
         status, _ = http_tests.post(app.url + "/v1/completions", {"model": served, "prompt": http_tests.PROMPTS[0],
                                                                   "max_tokens": 8, "temperature": 0})
         assert status == 200
-        verifier = VerifierMetrics(lambda: [core.loop for core in stack.shared_verifiers()], model_name=served)
+        verifier = VerifierMetrics(lambda: [core.scheduler for core in stack.shared_verifiers()], model_name=served)
         drafter = drafter_metrics()
         jobs = {"http_api": [f"127.0.0.1:{app.port}"],
                 "serve": [f"127.0.0.1:{start_metrics_server('127.0.0.1:0', service.metrics.registry)}"],

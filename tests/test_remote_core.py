@@ -157,7 +157,7 @@ def test_drafting_ahead_over_a_replica_starts_once_the_call_is_built(model_sets,
     step_loop = StepLoop(LocalVerifier(runner))
     with replica_core(step_loop, replica(step_loop)) as (_, core):
         events: list[str] = []
-        messages = core.loop.verifier  # the loop's RemoteVerifier: it builds each item's message
+        messages = core.remote.verifier  # the loop's RemoteVerifier: it builds each item's message
         build = messages.verify_request
         monkeypatch.setattr(messages, "verify_request", lambda *a: (events.append("item"), build(*a))[1])
         launch = core.launch

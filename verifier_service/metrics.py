@@ -1,8 +1,8 @@
 """Prometheus metrics of verifiers (`specmesh verifier`, and the embedded stack's shared verifiers).
 
 Read at scrape time, never pushed from the loop: a custom collector asks a callable for the
-process's current ``StepLoop``s (the embedded stack's engine cores have one each, made lazily per
-configuration) and sums their state (sessions, waiting admissions, KV blocks) and their ``BatchStats``, which
+process's current schedulers (a replica's ``StepLoop``; the embedded stack's engine core's ``Scheduler``)
+and sums their state (sessions, waiting admissions, KV blocks) and their ``BatchStats``, which
 the loop keeps anyway; its per-step histograms are ``specmesh.metrics.Buckets`` filled once per
 step. Names cannot clash with the orchestrator's (``orchestrator/metrics.py``), so an embedded
 server may put both in one registry. Every family carries the ``model_name`` label, as the orchestrator's do.
@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from specmesh.metrics import PREFIX, histogram_family, new_registry
-from verifier_service.step_loop import BatchStats, StepLoop
+from verifier_service.scheduler import BatchStats, Scheduler
+from verifier_service.step_loop import StepLoop
 
 LABELS = ["model_name"]
 EMPTY = BatchStats()  # what a verifier's histograms hold before its first step
@@ -65,7 +66,7 @@ def running_waiting(loop) -> tuple[int, int]:
     return max(0, loop.num_sessions - waiting), waiting
 
 
-def pool_load(loops: Iterable[StepLoop]) -> dict:
+def pool_load(loops: Iterable[StepLoop | Scheduler]) -> dict:
     """Sessions and KV blocks of step loops together: running, waiting, preempted, kv_blocks, kv_blocks_used
     (holding tokens), kv_blocks_reserved (taken by sessions), kv_usage (used / blocks)."""
     running = waiting = preempted = blocks = used = reserved = 0
@@ -85,9 +86,9 @@ class VerifierMetrics:
     """Metrics of the verifiers ``verifiers()`` returns at each scrape, registered in ``registry`` (default: a
     new one, ``.registry``), labelled ``model_name`` (the served model, as ``serve`` names it). ``verifiers``
     must be cheap and thread-safe (it runs on the HTTP thread): e.g. ``lambda: [loop]`` or
-    ``lambda: [core.loop for core in stack.shared_verifiers()]``."""
+    ``lambda: [core.scheduler for core in stack.shared_verifiers()]``."""
 
-    def __init__(self, verifiers: Callable[[], Iterable[StepLoop]],
+    def __init__(self, verifiers: Callable[[], Iterable[StepLoop | Scheduler]],
                  registry: CollectorRegistry | None = None, *, model_name: str) -> None:
         self.verifiers = verifiers
         self.model_name = model_name
