@@ -133,6 +133,9 @@ class ProposerSpec:
     # needs the target model in its own process (shares its embedding and LM head, reads its features): embedded
     # mode only for now; a drafter server refuses it
     needs_target: bool = False
+    # drafts well only with a trained head given as an option (``head=DIR``; without one, an untrained head: tests
+    # only): a benchmark's default methods leave it out
+    needs_head: bool = False
 
     @property
     def lossy(self) -> bool:
@@ -172,7 +175,7 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
     ProposerSpec("lookahead", "drafter_service.lookahead:lookahead_proposer", 12, 3,
                  help="lookahead decoding: n-grams from the verifier's 2-D Jacobi window (W x N-1 levels), "
                       "up to G of them starting with the last token verified as one tree"),
-    ProposerSpec("falcon", "drafter_service.falcon:falcon_proposer", 16, 6, needs_target=True,
+    ProposerSpec("falcon", "drafter_service.falcon:falcon_proposer", 16, 6, needs_target=True, needs_head=True,
                  help="a Falcon semi-autoregressive head (head=DIR, `specmesh train-falcon`) on the target's features: "
                       "k tokens per forward, a custom decoding tree"),
     ProposerSpec("grammar", "drafter_service.grammar_proposer:grammar_proposer", 16, 10,

@@ -134,6 +134,7 @@ def check_embedded_options(args: argparse.Namespace) -> tuple[Path, Path | None]
     resolved = resolve_models(args)
     try:
         models.check_device_name(getattr(args, "device", None))
+        models.check_dtype_name(getattr(args, "dtype", None))
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
     return resolved

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,6 +37,7 @@ from specmesh.grammar import GrammarTokenizer
 from specmesh.host_runtime import freeze_heap
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_runner, load_tokenizer
+from specmesh.sampling import SamplingParams
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.tree import MAX_TREE_NODES
 from verifier_service.lookahead import LookaheadConfig
@@ -269,6 +271,12 @@ class EmbeddedStack:
             core.close()
 
 
+# ``EmbeddedBackend.warm_up``'s request: a prompt that repeats itself (copying proposers propose, so a tree step
+# runs), and the tokens it generates
+WARM_UP_TEXT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a"
+WARM_UP_TOKENS = 8
+
+
 class EmbeddedBackend:
     """`specmesh serve --embedded`: every request runs on the stack's engine core (one thread steps them all, one
     forward per step) through its method's engine-wide proposer in this process (``EmbeddedStack.shared_engine``:
@@ -292,6 +300,22 @@ class EmbeddedBackend:
         request_id = engine.core.submit(plan.prompt, plan.sampling, engine.method, output, trace=trace)
         return lambda: engine.core.cancel(request_id)
 
+    def warm_up(self, proposer: str | None) -> float:
+        """Pay now what the server's first request would otherwise pay, before the server says it is ready: the
+        engine core (its KV pool and the forward's cost profile), then one short generation with ``proposer``
+        (the server's default method; None: plain decoding only) and one with plain decoding (the first prompt
+        chunk, plain step and tree step: the tokenizer, the proposer's set-up, torch's first kernels of each).
+        Its engines are fresh, over an in-memory store: a shared store and the method's own proposer learn
+        nothing from it. Returns its seconds."""
+        started = time.perf_counter()
+        self.stack.core  # noqa: B018 (built on first use: the pool, and the cost profile the policies read)
+        prompt = self.stack.tokenizer.encode(WARM_UP_TEXT)[-self.info.max_positions // 2 :]
+        sampling = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
+        for name in dict.fromkeys([proposer, None]):  # (one run when the default is plain decoding)
+            options = {"store_spec": "memory"} if name is not None else {}
+            self.stack.engine(name, shared=True, fresh=True, **options).generate(prompt, sampling)
+        return time.perf_counter() - started
+
     def _engine(self, plan) -> CoreEngine:
         return self.stack.engine(plan.proposer, plan.max_nodes, plan.max_depth, overlap=plan.overlap,
                                  policy=plan.policy, restart_depth=plan.restart_depth, shared=True)
@@ -306,13 +330,13 @@ class EmbeddedBackend:
         """Requests and KV blocks of the in-process verifiers (the figures of their /metrics)."""
         from verifier_service.metrics import pool_load
 
-        return pool_load(core.loop for core in self.stack.shared_verifiers())
+        return pool_load(core.scheduler for core in self.stack.shared_verifiers())
 
     def register_metrics(self, registry, model_name: str) -> None:
         """The shared verifiers' metrics (KV pool, batches) in ``registry``, beside serve's."""
         from verifier_service.metrics import VerifierMetrics
 
-        VerifierMetrics(lambda: [core.loop for core in self.stack.shared_verifiers()], registry, model_name=model_name)
+        VerifierMetrics(lambda: [core.scheduler for core in self.stack.shared_verifiers()], registry, model_name=model_name)
 
 
 class IncompatibleModels(ValueError):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (`specmesh serve --http HOST:PORT`), a FastAPI shell over GenerationService.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat template; 400 when it
-has none), ``GET /v1/models``, ``GET /health`` = ``GET /readyz`` (200 while a verifier is up, else 503; 503 while draining),
+has none; function calling: orchestrator/tool_calls.py), ``GET /v1/models``, ``GET /health`` = ``GET /readyz`` (200 while a verifier is up, else 503; 503 while draining),
 ``GET /livez`` (200 while the process answers), ``GET /load`` (requests, running / waiting, KV usage, draining: a
 router's view), ``GET /metrics`` (Prometheus), ``GET /openapi.json`` (behind the token when there is one; ``/docs`` and
 ``/redoc`` only without). The transport (TLS, timeouts, connection cap, drain) is orchestrator/http_server.py. Streaming is server-sent events ending in ``data: [DONE]``, with
@@ -16,7 +16,7 @@ Speculation options ride as extra body fields (``SpecmeshOptions``: ``proposer``
 ``lossy`` is true when the output may differ from the target's own (``proposer: "mjsd"``, asked for by name).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (malformed
-JSON, wrong types, unsupported options such as ``tools``, a prompt past the context), 401 a
+JSON, wrong types, unsupported options such as ``suffix``, a prompt past the context), 401 a
 missing or wrong bearer token when the server has tokens (checked before the body is read), 404 an unknown
 model, 413 a body past the limit, 429 the queue is full, 503 no verifier is up or the server is draining. A client that disconnects mid-stream cancels its request: the engine stops at its next
 step and releases the verifier's KV.
@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from orchestrator import tool_calls
 from orchestrator.service import Chunk, Final, GenerateRequest, GenerationService, Overloaded, Plan
 from specmesh import package_version, rpc
 from specmesh.chat import ChatTemplate, ChatTemplateError
@@ -176,6 +177,8 @@ class ChatRequest(_Common):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -212,8 +215,6 @@ def _refuse_unsupported(body: _Common) -> None:
                            param="top_logprobs")
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.tools:
-            raise ApiError(400, "tools are not supported", param="tools")
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -303,10 +304,17 @@ def _grammar(body: _Common) -> tuple[str, str] | None:
     return asked[0] if asked else None
 
 
-def _sampling(body: _Common, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+def _sampling(body: _Common, max_tokens: int, logprobs: int | None = None,
+              forced: tuple[str, str] | None = None) -> SamplingParams:
+    """``forced``: the grammar a tool_choice imposes (with it, the body may ask for no structured output)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = _logit_bias(body)
     grammar = _grammar(body)
+    if forced is not None:
+        if grammar is not None:
+            raise ApiError(400, "tool_choice \"required\" or a named function constrains the output already: send no "
+                                "response_format or guided_* field with it", param="tool_choice")
+        grammar = forced
     try:
         return SamplingParams(
             temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -332,7 +340,10 @@ def stats_extension(plan: Plan, final: Final) -> dict:
     accepted, reached = stats.position_counts()
     return {
         "proposer": plan.proposer or "none",
+        "max_nodes": plan.max_nodes,  # the request's tree budget per step
+        "max_depth": plan.max_depth,
         "acceptance": stats.acceptance,
+        "acceptance_rate": stats.acceptance_rate,
         "lossy": stats.lossy,  # the output may differ from the target's own decoding (mjsd)
         "steps": stats.num_steps,
         "tau": stats.tau,
@@ -363,8 +374,11 @@ class OpenAIApi:
     (readiness and new generation requests answer 503) and the generation requests in flight."""
 
     def __init__(self, service: GenerationService, chat_template: ChatTemplate | None, tokens: Sequence[str] = (),
-                 request_timeout: float | None = None, max_body_bytes: int | None = None) -> None:
+                 request_timeout: float | None = None, max_body_bytes: int | None = None,
+                 model_names: Sequence[str] = (), tool_parser: str | None = None) -> None:
         self.service, self.chat_template, self.tokens = service, chat_template, tuple(tokens)
+        self.tool_parser = tool_parser  # tool_choice "auto"'s parser (None: auto is refused)
+        self.model_names = tuple(dict.fromkeys([service.model_name, *model_names]))
         self._token_texts: dict[int, str] = {}
         self.request_timeout = request_timeout
         self.max_body_bytes = max_body_bytes or (BODY_BYTES_PER_PROMPT_BYTE * service.max_prompt_bytes
@@ -399,8 +413,9 @@ class OpenAIApi:
                            code="invalid_api_key")
 
     def check_model(self, name: str) -> None:
-        if name != self.service.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.service.model_name!r}",
+        if name not in self.model_names:
+            served = " or ".join(map(repr, self.model_names))
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
     async def start(self, request: GenerateRequest, request_id: str, fill_context: bool = False
@@ -514,16 +529,24 @@ class OpenAIApi:
 
 
     # ------------------------------------------------------------------------------------------ tokenizer
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] = ()) -> str:
         if self.chat_template is None:
             raise ApiError(400, f"the model {self.service.model_name!r} has no chat template (none in its "
                                 "tokenizer_config.json or chat_template.jinja; `serve --chat-template` gives one); "
                                 "use /v1/completions", param="messages")
+        dumped, variables = tool_calls.render_messages([m.model_dump(exclude_none=True) for m in messages], tools,
+                                                       self.chat_template.reads("tools"))
         try:
-            return self.chat_template.render([m.model_dump(exclude_none=True) for m in messages],
-                                             add_generation_prompt)
+            return self.chat_template.render(dumped, add_generation_prompt, **variables)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+
+    def tool_plan(self, body: ChatRequest) -> tool_calls.ToolPlan | None:
+        try:
+            return tool_calls.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
+        except tool_calls.ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         if body.model is not None:
@@ -549,11 +572,13 @@ class OpenAIApi:
     async def chat(self, body: ChatRequest) -> Response:
         self.check_model(body.model)
         _refuse_unsupported(body)
-        prompt = self.render_chat(body.messages)
+        tools = self.tool_plan(body)  # None: no tools (orchestrator/tool_calls.py)
+        prompt = self.render_chat(body.messages, tools=tools.tools if tools else ())
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context (OpenAI's)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        request = GenerateRequest(_sampling(body, max_tokens or 1, logprobs), prompt=prompt, operation="chat",
-                                  add_special_tokens=False, **_speculation(body))
+        sampling = _sampling(body, max_tokens or 1, logprobs, tools.grammar if tools else None)
+        request = GenerateRequest(sampling, prompt=prompt, operation="chat", add_special_tokens=False,
+                                  **_speculation(body))
         rid, model, n = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name, body.n or 1
         choices = await self.start_choices(request, rid, n, fill_context=max_tokens is None)
         plan = choices[0][0]
@@ -566,20 +591,36 @@ class OpenAIApi:
 
         if not body.stream:
             results = await _collect_all(choices)
+            messages = []
+            for i, (text, final, logprobs) in enumerate(results):
+                content, calls = tool_calls.extract(tools, text) if tools is not None else (text, [])
+                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                messages.append({"index": i, "message": message,
+                                 "logprobs": None if logprobs is None else self.chat_logprobs(logprobs),
+                                 "finish_reason": _finish_reason(final.result.finish_reason, calls)})
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": None if logprobs is None else self.chat_logprobs(logprobs),
-                             "finish_reason": final.result.finish_reason}
-                            for i, (text, final, logprobs) in enumerate(results)],
+                "choices": messages,
                 "usage": _usage(plan, [r[1] for r in results]), "specmesh": _choices_stats(plan, [r[1] for r in results])})
+
+        streams = [tool_calls.CallStream(tools) if tools is not None else None for _ in range(n)]
 
         def text_chunk(text: str, finish: str | None = None, logprobs: TokenLogprobs | None = None, index: int = 0,
                        **extra) -> dict:
-            return chunk({"content": text} if text else {}, finish, logprobs, index, **extra)
+            calls_stream = streams[index] if index < len(streams) else None
+            if calls_stream is None:
+                return chunk({"content": text} if text else {}, finish, logprobs, index, **extra)
+            delta = calls_stream.push(text, done=finish is not None)
+            return chunk(delta, _finish_reason(finish, calls_stream.calls) if finish else None, logprobs, index,
+                         **extra)
 
         opening = [chunk({"role": "assistant", "content": ""}, index=i) for i in range(n)]
         return _event_stream(plan, choices, text_chunk, opening, body.stream_options)
+
+
+def _finish_reason(reason: str | None, calls: Sequence[dict]) -> str | None:
+    """A choice's finish_reason: "tool_calls" when it ended (not cut short) with calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 async def _collect(first: Chunk | Final, stream: AsyncIterator[Chunk | Final]
@@ -718,14 +759,64 @@ class CountInFlight:
             self.api.in_flight -= 1
 
 
+WARM_UP_PROMPT = "def add(a, b):"
+
+
+def warm_up(app: FastAPI, max_tokens: int = 4) -> list[int]:
+    """Send the app its first requests in process, before its port opens: a completion and a streamed one (and a
+    chat completion when it has a chat template), plain decoding (``proposer: "none"``: no proposer learns from
+    them), each through the whole HTTP path (routing, body validation, tokenizing, the engine, the response's
+    encoding), so the first user's request pays none of their first-call costs. Returns their status codes (200
+    each; the caller logs anything else)."""
+    api: OpenAIApi = app.state.api
+    headers = [(b"content-type", b"application/json")]
+    if api.tokens:
+        headers.append((b"authorization", f"Bearer {api.tokens[0]}".encode()))
+    base = {"model": api.model_names[0], "max_tokens": max_tokens, "temperature": 0, "proposer": "none"}
+    calls = [("/v1/completions", {**base, "prompt": WARM_UP_PROMPT}),
+             ("/v1/completions", {**base, "prompt": WARM_UP_PROMPT, "stream": True})]
+    if api.chat_template is not None:
+        calls.append(("/v1/chat/completions", {**base, "messages": [{"role": "user", "content": WARM_UP_PROMPT}]}))
+
+    async def call(path: str, body: dict) -> int:
+        data = json.dumps(body).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+                 "headers": [*headers, (b"content-length", str(len(data)).encode())],
+                 "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+        sent, status = [False], [0]
+
+        async def receive() -> dict:
+            if sent[0]:
+                await asyncio.Event().wait()  # nothing more comes: the app ends the response first
+            sent[0] = True
+            return {"type": "http.request", "body": data, "more_body": False}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+
+        await app(scope, receive, send)
+        return status[0]
+
+    async def run() -> list[int]:
+        return [await call(path, body) for path, body in calls]
+
+    return asyncio.run(run())
+
+
 def build_app(service: GenerationService, chat_template: ChatTemplate | None = None, tokens: Sequence[str] = (),
-              request_timeout: float | None = None, max_body_bytes: int | None = None) -> FastAPI:
+              request_timeout: float | None = None, max_body_bytes: int | None = None,
+              model_names: Sequence[str] = (), tool_parser: str | None = None) -> FastAPI:
     """The FastAPI app (its OpenAIApi is ``app.state.api``); ``tokens``: bearer tokens accepted (none = no
     authentication; /health (= /readyz), /livez, /load and /metrics are always open, as /health and /metrics in vLLM; with tokens, /openapi.json needs one and
     the /docs and /redoc pages are off, since a browser cannot send it); ``request_timeout``: seconds a request
     may run (None = unbounded); ``max_body_bytes``: the largest body accepted (default: derived from the
-    service's prompt limit)."""
-    api = OpenAIApi(service, chat_template, tokens, request_timeout, max_body_bytes)
+    service's prompt limit); ``model_names``: the names a request's ``model`` may give (default: the service's
+    ``model_name`` alone; vLLM's --served-model-name), each listed by /v1/models; ``tool_parser``: how tool_choice
+    "auto" reads calls from the output (orchestrator/tool_calls.py's PARSERS; None: "auto" is refused, as vLLM
+    without --enable-auto-tool-choice)."""
+    api = OpenAIApi(service, chat_template, tokens, request_timeout, max_body_bytes, model_names, tool_parser)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding",
                   version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.api = api
@@ -764,8 +855,8 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
         return {"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": api.created, "owned_by": "specmesh",
-            "max_model_len": service.info.max_positions}]}
+            "id": name, "object": "model", "created": api.created, "owned_by": "specmesh",
+            "max_model_len": service.info.max_positions} for name in api.model_names]}
 
     @app.post("/tokenize", dependencies=auth, openapi_extra=_request_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict:

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import resource
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from pathlib import Path
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from specmesh.serving import split_host_port
+from specmesh.serving import json_logging, split_host_port
 
 log = logging.getLogger("specmesh.http")
 
@@ -203,6 +205,58 @@ def bind(address: str) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
+class LoadingResponder:
+    """The HTTP port's answer while the process loads its models and warms up, before the app serves it (a
+    context manager over the bound socket, plaintext ports only): ``/livez`` 200 (the process is alive: a
+    liveness probe must not restart a replica that is loading), every other path 503 with OpenAI's error shape
+    (``/health`` and ``/readyz`` included: it is not ready). One thread, ``http.server``'s: a few probes, no load.
+    On exit it stops accepting; the socket stays open for the app's server, which takes the connections queued
+    meanwhile."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        import http.server
+        import socketserver
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.split("?")[0] == "/livez":
+                    self._answer(200, {"status": "alive"})
+                else:
+                    self._answer(503, {"error": {"message": "the server is loading", "type": "server_error",
+                                                 "param": None, "code": "service_unavailable"}})
+
+            do_POST = do_GET  # noqa: N815
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:  # probes are not worth a line each
+                pass
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        self._server = Server(sock.getsockname()[:2], Handler, bind_and_activate=False)
+        self._server.socket.close()  # (the unbound one it made)
+        self._server.socket = sock
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="http-loading", daemon=True)
+
+    def __enter__(self) -> LoadingResponder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()  # (the socket is left open: the app's server listens on it next)
+        self._thread.join(timeout=5)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handlers: `specmesh serve` handles SIGTERM (drains both ports)."""
 
@@ -221,8 +275,9 @@ class HttpServer:
                  access_log: bool = False) -> None:
         limits = connection_cap(limits)
         throttle_accept_errors()
+        logs = {"log_config": None} if json_logging() else {}  # JSON: uvicorn's records go through the root's
         config = uvicorn.Config(
-            app, log_level="warning", access_log=access_log, lifespan="off", http=guarded_protocol(limits),
+            app, log_level="warning", access_log=access_log, lifespan="off", http=guarded_protocol(limits), **logs,
             backlog=ACCEPT_BATCH,
             timeout_keep_alive=limits.keep_alive, timeout_graceful_shutdown=1,
             **(dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key, ssl_ca_certs=tls.ca,

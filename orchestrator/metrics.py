@@ -7,7 +7,7 @@ request arrives and drives the ``RequestMetrics`` it returns through the request
     metrics.started()                          # a worker picked it up: waiting -> running
     metrics.emitted(n)                         # n tokens went to the client now (TTFT, inter-token latency)
     metrics.step(step_stats)                   # one speculative step (drafts, accepted tokens, failovers)
-    metrics.finished(reason, prompt, generated)  # once; later calls do nothing (call it from a finally)
+    metrics.finished(reason, prompt, generated, stats)  # once; later calls do nothing (call it from a finally)
 
 Names follow vLLM's (``specmesh_`` for ``vllm:``); every metric carries vLLM's ``model_name`` label.
 Labelled children exist from the start at 0, as vLLM's ``finished_reason`` ones do, so ``increase()`` and
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drafter_service.proposer import proposer_names, proposer_spec
-from orchestrator.stats import StepStats
+from orchestrator.stats import RequestStats, StepStats
 from specmesh.metrics import PREFIX, new_registry
 
 # vLLM's buckets, extended downwards: a speculative step can commit a token every few milliseconds
@@ -40,6 +40,8 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+ACCEPTANCE_RATE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+REQUEST_TAU_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 MAX_SOURCES = 32  # distinct `source` labels (proposer names) before the rest count as "other"
 FINISHED_REASONS = ("stop", "length", "error", "aborted")  # the stop checker's, and the two failures
 
@@ -101,6 +103,14 @@ class ServeMetrics:
         self.tokens_per_step = Histogram(PREFIX + "spec_decode_tokens_per_step",
                                          "Tokens committed per verification step (accepted + bonus); mean = tau.",
                                          model, registry=registry, buckets=TOKENS_PER_STEP_BUCKETS).labels(model_name)
+        # per request that drafted (a plain request has no acceptance to report)
+        self.request_acceptance_rate = Histogram(
+            PREFIX + "request_acceptance_rate",
+            "Per finished request that drafted: draft tokens accepted / draft tokens verified.", model,
+            registry=registry, buckets=ACCEPTANCE_RATE_BUCKETS).labels(model_name)
+        self.request_tau = Histogram(
+            PREFIX + "request_tau", "Per finished request that drafted: tokens committed per verification step.",
+            model, registry=registry, buckets=REQUEST_TAU_BUCKETS).labels(model_name)
         self._positions: list = []  # children of _accepted_per_pos, by position
         self._sources: dict[tuple[bool, str], object] = {}  # children of the per-source counters
         self._source_names: set[str] = set()
@@ -199,9 +209,10 @@ class RequestMetrics:
             m.failovers.inc()
         m.tokens_per_step.observe(step.num_accepted + 1)
 
-    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
-        """The request ended (``finish_reason``: the stop checker's, or 'error' / 'aborted'); only the first
-        call counts."""
+    def finished(self, finish_reason: str, prompt_tokens: int, generated_tokens: int,
+                 stats: RequestStats | None = None) -> None:
+        """The request ended (``finish_reason``: the stop checker's, or 'error' / 'aborted'; ``stats``: its steps,
+        for the per-request acceptance rate and tau when it drafted); only the first call counts."""
         with self._lock:
             state, self._state = self._state, _DONE
         if state == _DONE:
@@ -212,3 +223,6 @@ class RequestMetrics:
         m.prompt_tokens.inc(max(0, prompt_tokens))
         m.generation_tokens.inc(max(0, generated_tokens))
         m.success(finish_reason or "aborted").inc()
+        if stats is not None and any(s.num_proposed for s in stats.steps):
+            m.request_acceptance_rate.observe(stats.acceptance_rate)
+            m.request_tau.observe(stats.tau)

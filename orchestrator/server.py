@@ -12,6 +12,8 @@ The HTTP port's transport (TLS, timeouts, connection cap, drain on SIGTERM) is o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -24,7 +26,7 @@ from drafter_service.proposer import DEFAULT_PROPOSER, DEFAULT_PROPOSER_WHY, pro
 from drafter_service.remote import DrafterClient
 from orchestrator import http_api
 from orchestrator.arguments import add_embedded_arguments, add_speculation_arguments, check_embedded_options
-from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
+from orchestrator.http_server import HttpLimits, HttpServer, LoadingResponder, TlsFiles, bind
 from orchestrator.metrics import ServeMetrics
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY
 from orchestrator.service import (
@@ -37,6 +39,7 @@ from orchestrator.service import (
     RemoteBackend,
 )
 from orchestrator.stats import RequestStats, StepStats
+from orchestrator.vllm_args import add_vllm_arguments, apply_vllm_arguments, served_names
 from specmesh import models, rpc, serving
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, TokenLogprobs, UnknownSessionError
@@ -229,6 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--http-insecure", action="store_true",
                    help="serve --http in plaintext even though --tls-cert secures gRPC (e.g. behind a proxy that "
                         "terminates TLS); without it the HTTP port uses the same certificate")
+    add_vllm_arguments(p)
     add_metrics_argument(p)
     add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
     serving.add_server_arguments(p)
@@ -320,7 +324,10 @@ def build_service(args: argparse.Namespace, backend, tokenizer, model_name: str,
                   metrics: ServeMetrics) -> GenerationService:
     """The GenerationService `serve`'s options describe (also the Ray Serve orchestrator's)."""
     proposer = None if args.proposer == "none" else args.proposer
+    speculative = getattr(args, "speculative", None)  # --speculative-config's budget
+    budget = (speculative.max_nodes, speculative.max_depth) if speculative is not None else (None, None)
     return GenerationService(backend, tokenizer, model_name, proposer, args.max_concurrent, args.max_queued,
+                             default_budget=budget,
                              overlap=bool(args.overlap if args.overlap is not None else DEFAULT_OVERLAP),
                              policy=args.policy or DEFAULT_POLICY, restart_depth=args.restart_depth,
                              max_prompt_bytes=args.max_prompt_bytes, metrics=metrics,
@@ -347,6 +354,7 @@ def resolve_addresses(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args)
     serving.setup_tracing(args)  # before any server or channel
+    apply_vllm_arguments(args)  # vLLM's flags as specmesh's options (orchestrator/vllm_args.py)
     resolve_addresses(args)
     if args.embedded == bool(args.verifier):
         raise SystemExit("specmesh serve: give a MODEL to serve, the verifier replicas (--verifier HOST:PORT, "
@@ -354,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.embedded and args.target is not None:
         raise SystemExit("specmesh serve: --target is an --embedded option (the verifiers load the model)")
     security = serving.server_security(args)
+    if args.api_keys:  # --api-key: more bearer tokens, beside --token-file's
+        security = dataclasses.replace(security, tokens=tuple(dict.fromkeys(security.tokens + args.api_keys)))
     http_socket = None
     if args.http:  # bound first: a port in use is reported before any model is loaded
         try:
@@ -365,8 +375,32 @@ def run(args: argparse.Namespace) -> int:
             serving.check_port_free(args.listen)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"specmesh serve: --listen {args.listen}: {exc}") from None
+    loading = contextlib.ExitStack()
+    if http_socket is not None and (security.cert is None or args.http_insecure):  # plaintext: probes answered
+        loading.enter_context(LoadingResponder(http_socket))  # /livez 200, the rest 503, while it loads
+    with loading:
+        service, http = _build(args, security, http_socket)
+    if not args.listen:  # MODEL without --listen: the HTTP API alone
+        return serving.serve_http_only(args, http.run, http.drain, http_socket.getsockname()[1])
+    log.info("gRPC Generate service on %s%s", args.listen, "" if http else " (no HTTP API: --http or --port)")
+    return serving.serve(args, security, GenerateServicer(service), generate_pb2_grpc.add_GenerateServicer_to_server,
+                         GENERATE_SERVICE, http and http.run, http and http.drain)
+
+
+def _build(args: argparse.Namespace, security: rpc.Security, http_socket) -> tuple[GenerationService, HttpServer | None]:
+    """The backend (models loaded and warm, or replicas reached), the service over it and the HTTP server on
+    ``http_socket`` (None: no HTTP API)."""
     backend, tokenizer_dir, tokenizer = _embedded_backend(args) if args.embedded else _remote_backend(args, security)
-    model_name = args.model_name or models.served_name(args.target if args.embedded else backend.model or tokenizer_dir)
+    if args.embedded:  # before any port answers: /health's 200 (and gRPC's SERVING) mean a request is served now
+        seconds = backend.warm_up(None if args.proposer == "none" else args.proposer)
+        log.info("warmed up in %.1f s (the engine core, one request with %s and one plain)", seconds, args.proposer)
+    if args.max_model_len is not None:  # vLLM's --max-model-len: the context served, capped
+        if args.max_model_len > backend.info.max_positions:
+            raise SystemExit(f"specmesh serve: --max-model-len {args.max_model_len} is longer than the context "
+                             f"served ({backend.info.max_positions} positions)")
+        backend.info = dataclasses.replace(backend.info, max_positions=args.max_model_len)
+    names = served_names(args, models.served_name(args.target if args.embedded else backend.model or tokenizer_dir))
+    model_name = names[0]
     metrics = ServeMetrics(model_name)
     backend.register_metrics(metrics.registry, model_name)
     service = build_service(args, backend, tokenizer, model_name, metrics)
@@ -378,18 +412,19 @@ def run(args: argparse.Namespace) -> int:
             chat = ChatTemplate.load(tokenizer_dir, args.chat_template)
         except ChatTemplateError as exc:
             raise SystemExit(f"specmesh serve: {exc}") from None
-        app = http_api.build_app(service, chat, security.tokens, args.request_timeout)
+        app = http_api.build_app(service, chat, security.tokens, args.request_timeout, model_names=names,
+                                 tool_parser=args.tool_parser)
+        if args.embedded:  # the HTTP path's first calls too, in process, before the port answers
+            statuses = http_api.warm_up(app)
+            if any(status != 200 for status in statuses):
+                log.warning("the HTTP warm-up's requests answered %s", statuses)
         http = HttpServer(app, http_socket, HttpLimits(args.http_read_timeout, args.http_keep_alive,
                                                        args.http_max_connections),
                           http_tls(args, security), in_flight=lambda: app.state.api.in_flight,
                           on_drain=app.state.api.drain, access_log=args.access_log)
         log.info("OpenAI-compatible API on %s/v1 (chat template: %s%s)", http.url, "yes" if chat else "none",
                  ", bearer token required" if security.tokens else "")
-    if not args.listen:  # MODEL without --listen: the HTTP API alone
-        return serving.serve_http_only(args, http.run, http.drain, http_socket.getsockname()[1])
-    log.info("gRPC Generate service on %s%s", args.listen, "" if http else " (no HTTP API: --http or --port)")
-    return serving.serve(args, security, GenerateServicer(service), generate_pb2_grpc.add_GenerateServicer_to_server,
-                         GENERATE_SERVICE, http and http.run, http and http.drain)
+    return service, http
 
 
 def http_tls(args: argparse.Namespace, security: rpc.Security) -> TlsFiles | None:

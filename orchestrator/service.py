@@ -309,11 +309,13 @@ class GenerationService:
         max_prompt_bytes: int | None = None,
         metrics: ServeMetrics | None = None,
         log_requests: bool = True,
+        default_budget: tuple[int | None, int | None] = (None, None),
     ) -> None:
         """``max_prompt_bytes``: a text prompt longer than this (UTF-8) is refused before it is tokenized;
         None = PROMPT_BYTES_PER_POSITION per position of the context. ``overlap``, ``policy``,
         ``restart_depth``: defaults for requests that leave them unset. ``log_requests``: one INFO line per
-        finished request on the ``specmesh.requests`` logger (``request_line``)."""
+        finished request on the ``specmesh.requests`` logger (``request_line``). ``default_budget``: (max_nodes,
+        max_depth) of requests on the default proposer that leave them unset (None: the proposer's own)."""
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.log_requests = log_requests
         self.info = backend.info
@@ -321,6 +323,7 @@ class GenerationService:
             raise ValueError(f"{default_proposer} is lossy: it cannot be the default proposer; requests ask for it by "
                              "name")
         self.default_proposer = default_proposer
+        self.default_budget = default_budget
         self.overlap, self.policy, self.restart_depth = overlap, policy, restart_depth
         self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_POSITION * self.info.max_positions
         self.metrics = metrics if metrics is not None else ServeMetrics(model_name)
@@ -367,7 +370,11 @@ class GenerationService:
         if proposer is not None and proposer not in proposer_names():
             raise ValueError(f"unknown proposer {proposer!r}; choose from {', '.join(proposer_names())}, none")
         sampling = request_sampling(proposer, sampling)  # a lossy acceptance only for the proposer asked for
-        nodes, depth = resolve_budget(proposer, request.max_nodes, request.max_depth, self.backend.max_tree_nodes)
+        asked_nodes, asked_depth = request.max_nodes, request.max_depth
+        if not request.proposer:  # the server's default proposer: its budget too, where the request sets none
+            asked_nodes = self.default_budget[0] if asked_nodes is None else asked_nodes
+            asked_depth = self.default_budget[1] if asked_depth is None else asked_depth
+        nodes, depth = resolve_budget(proposer, asked_nodes, asked_depth, self.backend.max_tree_nodes)
         policy = request.policy or self.policy
         overlap = self.overlap if request.overlap is None else request.overlap
         restart = self.restart_depth if request.restart_depth is None else request.restart_depth
@@ -445,7 +452,7 @@ class GenerationService:
             if cancel is not None:
                 cancel()  # the client went away, or the deadline passed: the core ends it at its next step
                 result = GenerationResult([], "aborted", result.stats)
-            metrics.finished(result.finish_reason, len(plan.prompt), result.stats.num_generated)
+            metrics.finished(result.finish_reason, len(plan.prompt), result.stats.num_generated, result.stats)
             span.end()
             if self.log_requests:
                 request_log.info("%s", request_line(request_id, plan, result, started, first_token, failure))

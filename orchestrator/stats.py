@@ -62,6 +62,13 @@ class RequestStats:
         return sum(s.num_accepted + 1 for s in self.steps) / len(self.steps)
 
     @property
+    def acceptance_rate(self) -> float:
+        """Drafted tokens accepted per drafted token, over every step (vLLM's draft acceptance rate; a tree's
+        nodes all count as drafted, so a wide tree's rate is lower at the same tau); 0 with nothing drafted."""
+        proposed = sum(s.num_proposed for s in self.steps)
+        return sum(s.num_accepted for s in self.steps) / proposed if proposed else 0.0
+
+    @property
     def target_forwards_per_token(self) -> float:
         return (1 + self.num_steps) / max(self.num_generated, 1)
 

@@ -41,6 +41,7 @@ def _override_source(override: str) -> str:
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
         import jinja2
+        import jinja2.meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -54,7 +55,12 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
+        self._variables = jinja2.meta.find_undeclared_variables(env.parse(source))
         self.special_tokens = dict(special_tokens or {})
+
+    def reads(self, variable: str) -> bool:
+        """Whether the template reads ``variable`` (e.g. ``tools``: a template without it never shows them)."""
+        return variable in self._variables
 
     @classmethod
     def load(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:
@@ -80,8 +86,9 @@ class ChatTemplate:
         except Exception as exc:  # jinja2's TemplateSyntaxError
             raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
 
-    def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (OpenAI's shape: role + content, content a string or text parts)."""
+    def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = True, **variables) -> str:
+        """The prompt text for ``messages`` (OpenAI's shape: role + content, content a string or text parts);
+        ``variables``: more of the template's (``tools``)."""
         import jinja2
 
         plain = []
@@ -94,6 +101,6 @@ class ChatTemplate:
             plain.append({**message, "content": content if content is not None else ""})
         try:
             return self._template.render(messages=plain, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **self.special_tokens, **variables)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template refused the messages: {exc}") from None

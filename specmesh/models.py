@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 DTYPES = ("float32", "bfloat16", "float64")
+# vLLM's --dtype names: "float" is float32; float16 is refused with what to use (``check_dtype_name``)
+DTYPE_ALIASES = {"float": "float32", "half": None, "float16": None}
 DEVICE_HELP = ("where the model runs: auto (the first CUDA GPU if there is one, else the CPU), cpu, cuda or cuda:N "
                "(default: auto)")
 RUNNERS = ("auto", "fast", "hf")
@@ -163,7 +165,15 @@ def torch_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 
     if name == "auto":
         return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    check_dtype_name(name)
+    return getattr(torch, DTYPE_ALIASES.get(name) or name)
+
+
+def check_dtype_name(name: str | None) -> None:
+    """ValueError for a dtype the runners do not support (vLLM's float16), saying what to use."""
+    if name in DTYPE_ALIASES and DTYPE_ALIASES[name] is None:
+        raise ValueError(f"--dtype {name}: float16 is not supported; use bfloat16 (the same memory, and the default "
+                         "on a GPU)")
 
 
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -352,8 +362,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                         "$SPECMESH_GGUF_CACHE, default ~/.cache/specmesh/gguf; needs the gguf extra), or ORG/NAME on "
                         "the Hugging Face hub (its local cache; downloaded when missing) (default: the bundled demo "
                         "target)")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="target weights dtype; 'auto' = bfloat16 on a GPU, float32 on the CPU (default: auto)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES, *DTYPE_ALIASES), default="auto",
+                   help="target weights dtype; 'auto' = bfloat16 on a GPU, float32 on the CPU; vLLM's 'float' = "
+                        "float32 ('half'/'float16' are refused: use bfloat16) (default: auto)")
 
 
 def add_draft_dtype_argument(p: argparse.ArgumentParser, otherwise: str) -> None:

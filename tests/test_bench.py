@@ -232,6 +232,7 @@ def test_bench_default_methods_without_draft(pair, tmp_path):
     methods = list(report["methods"])
     assert {"ar", "prompt_lookup", "prompt_lookup_tree", "hf_ar", "hf_prompt_lookup"} <= set(methods)
     assert not {"draft_model", "draft_model_tree", "hf_assisted"} & set(methods)  # no draft model given
+    assert "falcon" not in methods  # a feature head only when named with its head (falcon:head=DIR)
     assert all(m["greedy_match_ar"] == 1.0 for label, m in report["methods"].items() if not label.startswith("hf_"))
 
 

@@ -116,7 +116,7 @@ def test_without_the_gguf_package_it_is_one_clear_line(gguf_file, cache, monkeyp
         models.model_dir(gguf_file)
 
 
-def test_serve_a_gguf_answers_chat_with_its_own_template(gguf_file, cache, tmp_path):
+def test_serve_a_gguf_answers_chat_with_its_own_template(gguf_file, cache, tmp_path):  # named as given, as vLLM does
     port, ready = free_port(), tmp_path / "ready"
     env = {**os.environ, models.GGUF_CACHE: str(cache)}
     proc = subprocess.Popen([sys.executable, "-m", "specmesh", "serve", str(gguf_file), "--port", str(port),
@@ -126,10 +126,10 @@ def test_serve_a_gguf_answers_chat_with_its_own_template(gguf_file, cache, tmp_p
         assert wait_until(lambda: ready.exists() or proc.poll() is not None, 180)
         url = f"http://127.0.0.1:{port}"
         message = [{"role": "user", "content": "def fibonacci(n):"}]
-        status, answer = post(url + "/v1/chat/completions", {"model": "demo.gguf", "max_tokens": 12,
+        status, answer = post(url + "/v1/chat/completions", {"model": str(gguf_file), "max_tokens": 12,
                                                              "temperature": 0, "messages": message})
         assert status == 200, answer
-        status, plain = post(url + "/v1/completions", {"model": "demo.gguf", "max_tokens": 12, "temperature": 0,
+        status, plain = post(url + "/v1/completions", {"model": str(gguf_file), "max_tokens": 12, "temperature": 0,
                                                        "prompt": "def fibonacci(n):\n"})  # the template's render
         assert status == 200 and answer["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
     finally:

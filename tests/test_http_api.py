@@ -234,7 +234,7 @@ def test_n_choices_are_independent_requests_streamed_with_their_indices(stack, c
     ask = dict(model=MODEL, prompt=PROMPTS[1] * 3, max_tokens=12, temperature=0,
                extra_body={"proposer": "draft_model"})
     client.completions.create(**{**ask, "prompt": PROMPTS[0]})  # the engine core exists from here on
-    verifier = server[0].backend.stack.shared_verifiers()[0].loop.verifier
+    verifier = server[0].backend.stack.shared_verifiers()[0].scheduler.verifier
     hits = verifier.allocator.hits
     many = client.completions.create(n=3, **ask)
     assert verifier.allocator.hits > hits  # the later choices found the first's prompt blocks
@@ -468,7 +468,7 @@ def test_models_health_and_metrics(server, client):
     assert load == {"requests": 0, "max_requests": service.max_requests, "running": 0, "waiting": 0, "preempted": 0,
                     "kv_blocks": load["kv_blocks"], "kv_blocks_used": 0, "kv_blocks_reserved": 0, "kv_usage": 0.0,
                     "draining": False}
-    assert load["kv_blocks"] == sum(v.loop.verifier.allocator.num_blocks for v in service.backend.stack.shared_verifiers())
+    assert load["kv_blocks"] == sum(v.scheduler.verifier.allocator.num_blocks for v in service.backend.stack.shared_verifiers())
     status, body = get(app.url + "/metrics")
     assert status == 200 and b"specmesh_" in body
 
@@ -520,8 +520,11 @@ def test_bad_input_gets_openai_errors(server):
                                      "top_logprobs": 2}), 400, "top_logprobs")
     assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                      "logprobs": True, "top_logprobs": 30}), 400, "top_logprobs")
+    assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],  # no parser
+                                     "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tool_choice")
     assert_openai_error(*post(chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                     "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools")
+                                     "tools": [{"type": "function", "function": {"name": "no spaces"}}],
+                                     "tool_choice": "required"}), 400, "tools")
     status, body = get(server[1].url + "/v1/nothing")
     assert_openai_error(status, json.loads(body), 404)
     # the server still serves

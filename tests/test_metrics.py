@@ -21,7 +21,7 @@ from spec_helpers import engine_for, greedy, make_prompts
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import proposer_names
 from orchestrator.metrics import ServeMetrics
-from orchestrator.stats import StepStats
+from orchestrator.stats import RequestStats, StepStats
 from specmesh.metrics import Buckets, add_metrics_argument, histogram_family, start_metrics_server
 from specmesh.tree import TokenTree
 from verifier_service.metrics import VerifierMetrics
@@ -97,6 +97,31 @@ def test_spec_decode_counters_are_sums_over_the_steps():
     assert value(r, "generation_tokens_total", model_name=MODEL) == sum(s.num_accepted + 1 for s in steps)
     text = generate_latest(r).decode()
     assert 'specmesh_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
+
+
+def test_per_request_acceptance_and_tau_histograms():
+    metrics = ServeMetrics(MODEL)
+    r = metrics.registry
+    rng = random.Random(5)
+    requests = [random_steps(rng, n) for n in (30, 12, 50)]
+    plain = [StepStats(num_proposed=0, tree_depth=0, num_accepted=0, accepted_sources=(), proposed_sources=(),
+                       draft_seconds=0.0, verify_seconds=0.01)] * 8
+    for steps in [*requests, plain]:
+        req = metrics.request()
+        req.started()
+        stats = RequestStats(steps=list(steps))
+        req.finished("length", 10, sum(s.num_accepted + 1 for s in steps), stats)
+    rates = [RequestStats(steps=steps).acceptance_rate for steps in requests]
+    taus = [RequestStats(steps=steps).tau for steps in requests]
+    assert 0 < min(rates) and max(rates) < 1
+    # a plain request (nothing drafted) is not observed: it has no acceptance to report
+    assert value(r, "request_acceptance_rate_count", model_name=MODEL) == len(requests)
+    assert value(r, "request_acceptance_rate_sum", model_name=MODEL) == pytest.approx(sum(rates))
+    assert value(r, "request_tau_count", model_name=MODEL) == len(requests)
+    assert value(r, "request_tau_sum", model_name=MODEL) == pytest.approx(sum(taus))
+    assert value(r, "request_acceptance_rate_bucket", model_name=MODEL, le="1.0") == len(requests)
+    for steps, rate in zip(requests, rates, strict=True):
+        assert rate == sum(s.num_accepted for s in steps) / sum(s.num_proposed for s in steps)
 
 
 def test_source_labels_are_bounded():

@@ -337,6 +337,7 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
     models.set_threads(args.threads)
     try:
         device = models.resolve_device(args.device)
+        models.check_dtype_name(args.dtype)
     except ValueError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
     if args.feedback_topk < 0:

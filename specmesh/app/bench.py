@@ -109,10 +109,17 @@ def needs_draft(name: str) -> bool:
 
 
 def default_methods(has_draft: bool) -> list[str]:
-    """Every in-process method: AR, every registered proposer, the HF peers (those needing a draft model
-    only with one). grpc: methods run only when asked for."""
+    """Every in-process method that needs nothing extra: AR, every registered proposer, the HF peers (those
+    needing a draft model only with one; a feature head's only when named with its head: ``falcon:head=DIR``).
+    grpc: methods run only when asked for."""
     return [m for m in method_names() if (has_draft or not needs_draft(m)) and not m.startswith(GRPC_PREFIX)
-            and not MethodSpec(m, m).lossy]  # a lossy method runs only when named
+            and not MethodSpec(m, m).lossy and not needs_head(m)]  # a lossy method runs only when named
+
+
+def needs_head(name: str) -> bool:
+    from drafter_service.proposer import proposer_names, proposer_spec
+
+    return name in proposer_names() and proposer_spec(name).needs_head
 
 
 def parse_method(spec: str, known: Sequence[str]) -> MethodSpec:

@@ -455,9 +455,12 @@ COMMANDS = {
     "drafter": Command("serve proposers: the Drafter gRPC service",
                        "Run a drafter replica: one bidirectional stream per session, candidate trees out.",
                        "drafter_service.server:add_arguments", "drafter_service.server:run"),
-    "serve": Command("serve Generate over remote verifiers and drafters (the orchestrator)",
-                     "Run the orchestrator: the Generate gRPC service that clients and `specmesh generate --server` "
-                     "talk to.",
+    "serve": Command("serve a model over the OpenAI-compatible API (`serve MODEL`), or front replicas",
+                     "`specmesh serve MODEL` loads MODEL (a Hugging Face directory, a .gguf file or a hub id) in "
+                     "this process and serves it over the OpenAI-compatible HTTP API on --host:--port "
+                     "(127.0.0.1:8000), as `vllm serve MODEL` does, vLLM's flags included; it answers /health once "
+                     "warm. Without MODEL it is the orchestrator: the Generate gRPC service (and --http) over "
+                     "verifier and drafter replicas (--verifier, --drafter), or over the models of --embedded.",
                      "orchestrator.server:add_arguments", "orchestrator.server:run"),
 }
 
