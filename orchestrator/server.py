@@ -391,14 +391,14 @@ def _build(args: argparse.Namespace, security: rpc.Security, http_socket) -> tup
     """The backend (models loaded and warm, or replicas reached), the service over it and the HTTP server on
     ``http_socket`` (None: no HTTP API)."""
     backend, tokenizer_dir, tokenizer = _embedded_backend(args) if args.embedded else _remote_backend(args, security)
-    if args.embedded:  # before any port answers: /health's 200 (and gRPC's SERVING) mean a request is served now
-        seconds = backend.warm_up(None if args.proposer == "none" else args.proposer)
-        log.info("warmed up in %.1f s (the engine core, one request with %s and one plain)", seconds, args.proposer)
-    if args.max_model_len is not None:  # vLLM's --max-model-len: the context served, capped
+    if args.max_model_len is not None:  # vLLM's --max-model-len: the context served, capped (checked before warm-up)
         if args.max_model_len > backend.info.max_positions:
             raise SystemExit(f"specmesh serve: --max-model-len {args.max_model_len} is longer than the context "
                              f"served ({backend.info.max_positions} positions)")
         backend.info = dataclasses.replace(backend.info, max_positions=args.max_model_len)
+    if args.embedded:  # before any port answers: /health's 200 (and gRPC's SERVING) mean a request is served now
+        seconds = backend.warm_up(None if args.proposer == "none" else args.proposer)
+        log.info("warmed up in %.1f s (the engine core, one request with %s and one plain)", seconds, args.proposer)
     names = served_names(args, models.served_name(args.target if args.embedded else backend.model or tokenizer_dir))
     model_name = names[0]
     metrics = ServeMetrics(model_name)

@@ -11,19 +11,15 @@ import time
 
 import pytest
 
-from orchestrator.server import add_arguments
 from orchestrator.vllm_args import apply_vllm_arguments, parse_speculative_config, served_names
 from tests.service_helpers import TARGET, wait_until
 from tests.test_http_api import free_port, get, post
+from tests.test_newcomer import parse as serve_args
 
 
 def parse(*argv: str):
-    import argparse
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    p.add_argument("--command", default="serve")
-    args = p.parse_args(argv)
+    """`serve`'s options as its run() sees them once vLLM's flags are applied."""
+    args = serve_args(*argv)
     apply_vllm_arguments(args)
     return args
 

@@ -223,11 +223,15 @@ class StepLoop:
         self.step()
         return True
 
-    def _release(self, session_id: str) -> None:
-        exc = SessionReleasedError(f"session {session_id!r} was released")
+    def _end_session(self, session_id: str, exc: Exception) -> None:
+        """Out of the scheduler (its blocks back); its Prefill, if still waiting or prefilling, ends with ``exc``."""
         session = self.scheduler.remove(session_id)
         if session is not None and session.future is not None and not session.future.done():
-            _settle(session.future, exc=exc)  # still waiting, or prefilling
+            _settle(session.future, exc=exc)
+
+    def _release(self, session_id: str) -> None:
+        exc = SessionReleasedError(f"session {session_id!r} was released")
+        self._end_session(session_id, exc)
         with self._cond:
             for calls in (self._verifies, self._parked):
                 _, verify = calls.pop(session_id, (None, None))
@@ -317,9 +321,7 @@ class StepLoop:
 
     def _fail_all(self, exc: Exception) -> None:
         for sid in self.scheduler.session_ids():
-            session = self.scheduler.remove(sid)
-            if session is not None and session.future is not None and not session.future.done():
-                _settle(session.future, exc=exc)
+            self._end_session(sid, exc)
         for _, future in [*self._verifies.values(), *self._parked.values()]:
             if not future.cancelled():
                 _settle(future, exc=exc)
