@@ -36,7 +36,8 @@ from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback
 from specmesh.tree import TokenTree
 
-# Defaults measured on the stdlib pair (README, "Where it stands"; benchmarks/results/*_lookahead2d.md)
+# Defaults measured on the stdlib pair (docs/PERFORMANCE.md, "Jacobi, lookahead, CLLM, MJSD";
+# benchmarks/results/{functions,continuation}_issue14.md)
 DEFAULT_WINDOW = 2
 DEFAULT_NGRAM = 4
 DEFAULT_GUESSES = 4

@@ -190,7 +190,7 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
 )}
 
 
-# The default of `generate`, `serve` and the drafter server, chosen by measurement (README, "Where it stands"):
+# The default of `generate`, `serve` and the drafter server, chosen by measurement (docs/PERFORMANCE.md):
 # on the benchmark pair level with the best single proposer on a first request (1.88-1.92x greedy), the
 # fastest sampled (1.17-1.19x) and once its store has seen similar requests (2.3-2.5x); on the demo pair
 # 1.13x first (copy 1.25x) and 1.78x after; draft_model, the earlier default, ran at 0.55x there.

@@ -31,7 +31,7 @@ from specmesh.contract import Budget, ForwardCosts, VerifyCosts
 Phase = Literal["sequential", "restart", "predraft"]
 
 POLICIES = ("static", "adaptive")
-# Measured with `specmesh bench` on the stdlib-code pair (see README): overlapping drafting with
+# Measured with `specmesh bench` on the stdlib-code pair (docs/PERFORMANCE.md): overlapping drafting with
 # verification, and verifying without waiting when nothing drafted ahead was usable, was fastest
 # for every proposer across processes and for the draft model in process.
 DEFAULT_OVERLAP = True

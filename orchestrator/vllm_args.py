@@ -8,8 +8,8 @@ namespace in place before anything loads: ``--served-model-name`` → the served
 ``--no-enable-prefix-caching`` → ``--no-prefix-caching``, ``--speculative-config`` → ``--proposer`` (and
 ``--draft``, the default tree budget), ``--enable-auto-tool-choice`` / ``--tool-call-parser`` → tool_choice
 "auto"'s parser (orchestrator/tool_calls.py); ``--dtype half`` and the flags of features not built (tensor
-parallelism beyond one device, EAGLE/MTP/Medusa heads) are refused with what to use. README, "vLLM's command
-line", has the table.
+parallelism beyond one device, EAGLE/MTP/Medusa heads) are refused with what to use. docs/http-api.md,
+"vLLM's command line", has the table.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class SpeculativeConfig:
 
 
 def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
-    v = p.add_argument_group("vLLM's names", "the flags of `vllm serve` for what specmesh has (README: \"vLLM's "
-                                             "command line\"); what it lacks is refused with what to use")
+    v = p.add_argument_group("vLLM's names", "the flags of `vllm serve` for what specmesh has (docs/http-api.md: "
+                                             "\"vLLM's command line\"); what it lacks is refused with what to use")
     v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's ids in the HTTP API: a request may name any of them; responses, /v1/models' "
                         "first entry, traces and metrics carry the first (default: --model-name, else MODEL as "

@@ -26,7 +26,7 @@ MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's chat cap;
 
 ACCEPTANCES = ("exact", "mjsd")  # exact: lossless; mjsd: lossy joint-likelihood acceptance (opt-in)
 # MJSD accepts the longest drafted prefix whose joint likelihood ratio p/q is at least this; chosen by measurement
-# on the stdlib-code pair (README, "MJSD"): speed against the target's perplexity of the outputs
+# on the stdlib-code pair (docs/PERFORMANCE.md, "Jacobi, lookahead, CLLM, MJSD"): speed against the target's perplexity of the outputs
 DEFAULT_MJSD_THRESHOLD = 0.3
 
 

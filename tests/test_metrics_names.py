@@ -2,7 +2,7 @@
 
 - Each process's registry (serve, verifier, drafter), after some activity, exposes the same series in the text
   0.0.4 format and in OpenMetrics (what a Prometheus server negotiates), with HELP/TYPE for exactly those, no
-  colon and no ``_created`` series; together they are the README's metric tables.
+  colon and no ``_created`` series; together they are the metric tables of docs/observability.md.
 - Labelled children exist at 0 before their first event; every verifier and drafter sample has ``model_name``.
 - A real Prometheus (Debian's `prometheus`, skipped where absent) scraping the HTTP API's /metrics, the
   ``--metrics`` ports and a text-only endpoint stores the documented names, the same from every endpoint, with
@@ -36,7 +36,7 @@ from verifier_service.step_loop import StepLoop
 from verifier_service.verifier import LocalVerifier
 
 MODEL = "m"
-README = Path(__file__).resolve().parents[1] / "README.md"
+OBSERVABILITY = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
 ROW = re.compile(r"^\| (`specmesh_.+?`) \| (counter|gauge|histogram) \|", re.M)
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 # what a Prometheus 2.x server sends
@@ -45,9 +45,9 @@ PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/ope
 
 
 def documented() -> dict[str, str]:
-    """family -> type, from the README's metric tables."""
+    """family -> type, from the metric tables of docs/observability.md."""
     families = {}
-    for names, kind in ROW.findall(README.read_text()):
+    for names, kind in ROW.findall(OBSERVABILITY.read_text()):
         for name in re.findall(r"`(specmesh_\w+)`", names):
             families[name] = kind
     return families
@@ -128,7 +128,7 @@ def test_text_and_openmetrics_expose_the_same_series(registries, process):
         assert all(has_samples(name, kind, names) for name, kind in typed.items()), typed
 
 
-def test_the_readme_documents_every_series(registries):
+def test_the_observability_page_documents_every_series(registries):
     families = {}
     for registry in registries.values():
         families |= families_of(generate_openmetrics(registry).decode(), parse_openmetrics)
