@@ -130,8 +130,8 @@ class ProposerSpec:
     # how the verifier accepts this proposer's trees (specmesh.sampling.ACCEPTANCES): "exact" (lossless), or
     # "mjsd" (LOSSY: the orchestrator turns it on for requests that ask for this proposer, and only for them)
     acceptance: str = "exact"
-    # needs the target model in its own process (shares its embedding and LM head, reads its features): embedded
-    # mode only for now; a drafter server refuses it
+    # needs the target model in its own process (shares its embedding and LM head, reads its features): embedded,
+    # or a drafter server started with ``--target`` (its shared tables); a drafter server without one refuses it
     needs_target: bool = False
     # drafts well only with a trained head given as an option (``head=DIR``; without one, an untrained head: tests
     # only): a benchmark's default methods leave it out

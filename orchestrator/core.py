@@ -498,7 +498,7 @@ class EngineCore:
     def _join_predrafts(self, step: Step) -> None:
         """The step's forward is over: a greedy request's pre-draft stops where it is (its contents never change
         greedy output); a sampled one runs to its budget (a seed then reproduces). Waits for the drafting thread.
-        Pre-drafts never launched (the forward failed first, or the verifier does not call ``waiting``) start now."""
+        Pre-drafts never launched (the forward failed before ``launch``) start now."""
         self.launch(step)
         for request in step.requests:
             if request.ahead is not None and request.sampling.greedy:

@@ -5,8 +5,8 @@ behind gRPC instead of a ``LocalVerifier``; it offers the core what ``StepLoop``
 ``call_soon``, ``close``) and steps every request on that replica from one thread:
 
     EngineCore.begin_step   every request that can step, with its tree (remote drafters asked together)
-    -> one VerifyBatch call with every tree: one forward on the replica (once the call is built,
-       EngineCore.launch: the drafting thread starts drafting ahead while the loop only waits)
+    -> one VerifyBatch call with every tree: one forward on the replica (every request here drafts in the
+       background: its pre-drafts were asked at begin_step, before the call went out)
     -> EngineCore.end_step  commit, stream, stop checks, when the answer lands
 
 The thread runs an asyncio event loop of its own with a ``grpc.aio`` channel to the replica, so calls are
