@@ -139,7 +139,7 @@ def run_core(core, method, prompts, concurrency: int, sampling, clock: ForwardCl
     """Closed loop on the engine core through callbacks (``bench --concurrency``'s driver): ``concurrency``
     requests in flight, a finished request submits the next prompt (on the core thread). No client threads."""
     from orchestrator.requests import CoreEngine
-    from specmesh.app.bench_load import run_level_on_core
+    from specmesh_app.bench_load import run_level_on_core
 
     steps, model_s = core.stats.steps, clock.model_s if clock else 0.0
     level = [(str(i), prompt, sampling.max_new_tokens) for i, prompt in enumerate(prompts)]
