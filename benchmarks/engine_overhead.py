@@ -138,7 +138,7 @@ class ForwardClock:
 def run_core(core, method, prompts, concurrency: int, sampling, clock: ForwardClock | None = None) -> dict:
     """Closed loop on the engine core through callbacks (``bench --concurrency``'s driver): ``concurrency``
     requests in flight, a finished request submits the next prompt (on the core thread). No client threads."""
-    from orchestrator.requests import CoreEngine
+    from orchestrator.embedded import CoreEngine
     from specmesh_app.bench_load import run_level_on_core
 
     steps, model_s = core.stats.steps, clock.model_s if clock else 0.0
