@@ -3,7 +3,7 @@
 A verify step sends a few rows (a tree's nodes, a batch's pending tokens) through every matrix of the target,
 and on a real vocabulary (SmolLM2: 49,152 x 576) the output layer is the largest of them. On a CPU the speed
 of ``x [rows, in] @ W`` for a few rows depends on how W is stored, differently per dtype; this script measures
-what the fast runner chooses (``specmesh.fast_llama.in_out_layout`` and ``head_blocks``) against the
+what the fast runner chooses (``specmesh.cpu_platform.in_out_layout`` and ``head_blocks``) against the
 alternatives, one thread, median of ``--repeats`` calls:
 
 - ``products``: the model's output layer alone, per dtype: ``in_out`` (x @ a contiguous [hidden, vocab]),
@@ -36,7 +36,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
 from benchmarks.falcon_head_cost import median_ms  # noqa: E402
-from specmesh.fast_llama import FastLlamaRunner, blocked_product, head_blocks  # noqa: E402
+from specmesh.cpu_platform import blocked_product, head_blocks  # noqa: E402
+from specmesh.fast_llama import FastLlamaRunner  # noqa: E402
 
 ROWS = (1, 2, 3, 4, 8, 16, 32)
 FORWARD_ROWS = (1, 2, 4, 8, 16, 24)

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay is not None:
         replay(args.replay, bench)
     emulate(args.wait_ms / 1000)
-    from specmesh.app.cli import main as specmesh_main
+    from specmesh_app.cli import main as specmesh_main
 
     return specmesh_main(["bench", *bench])
 

@@ -108,7 +108,8 @@ class ForwardClock:
     the split is only meaningful with ``torch.cuda.synchronize`` per step, which this does not add."""
 
     def __init__(self, runner) -> None:
-        from specmesh import fast_llama
+        from specmesh.kernel_attention import KernelAttention
+        from specmesh.sdpa_attention import SdpaAttention
 
         self.model_s = 0.0
         forward = runner.forward_batch
@@ -121,7 +122,7 @@ class ForwardClock:
                 self.model_s += time.perf_counter() - start
 
         runner.forward_batch = timed_forward
-        for cls in (fast_llama._SdpaAttention, fast_llama._KernelAttention):  # their constructors: host work
+        for cls in (SdpaAttention, KernelAttention):  # their constructors: host work
             init = cls.__init__
 
             def timed_init(obj, *args, _init=init, **kwargs):
@@ -138,8 +139,8 @@ class ForwardClock:
 def run_core(core, method, prompts, concurrency: int, sampling, clock: ForwardClock | None = None) -> dict:
     """Closed loop on the engine core through callbacks (``bench --concurrency``'s driver): ``concurrency``
     requests in flight, a finished request submits the next prompt (on the core thread). No client threads."""
-    from orchestrator.requests import CoreEngine
-    from specmesh.app.bench_load import run_level_on_core
+    from orchestrator.embedded import CoreEngine
+    from specmesh_app.bench_load import run_level_on_core
 
     steps, model_s = core.stats.steps, clock.model_s if clock else 0.0
     level = [(str(i), prompt, sampling.max_new_tokens) for i, prompt in enumerate(prompts)]

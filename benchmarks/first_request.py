@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specmesh.app.local_mesh import ServiceProcess  # noqa: E402
+from specmesh_app.local_mesh import ServiceProcess  # noqa: E402
 
 PROMPTS = ("def fibonacci(n):", "def is_prime(n):", "class Stack:", "def merge_sort(items):", "def gcd(a, b):",
            "def parse_args(argv):", "def read_lines(path):", "def flatten(nested):", "import os\n\ndef walk(root):",

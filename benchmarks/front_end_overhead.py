@@ -30,9 +30,9 @@ import grpc
 import openai
 from tqdm import tqdm
 
-from specmesh.app.bench import load_prompts
-from specmesh.app.local_mesh import ServiceProcess
 from specmesh.client import Client
+from specmesh_app.bench import load_prompts
+from specmesh_app.local_mesh import ServiceProcess
 
 MODEL = "bench"
 

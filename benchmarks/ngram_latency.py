@@ -26,10 +26,10 @@ import numpy as np
 from drafter_service.ngram_store import MemoryNGramStore, RedisNGramStore, StoreConfig, tokenizer_fingerprint
 from drafter_service.proposer import DraftSessionState
 from drafter_service.retrieval import RetrievalProposer
-from specmesh.app.local_mesh import LocalRedis
 from specmesh.contract import Budget
 from specmesh.models import load_tokenizer
 from specmesh.sampling import SamplingParams
+from specmesh_app.local_mesh import LocalRedis
 
 
 def measure(store, sequences: list[tuple[list[int], list[int]]], budget: Budget) -> dict:

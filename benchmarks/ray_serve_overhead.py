@@ -1,5 +1,5 @@
 """What Ray Serve costs: the same greedy requests through the plain `specmesh serve` mesh and through the Ray
-Serve application (specmesh/app/deploy.py), at 1 and 16 concurrent clients, on one machine.
+Serve application (specmesh_app/deploy.py), at 1 and 16 concurrent clients, on one machine.
 
     python benchmarks/ray_serve_overhead.py --target ../shared/models/stdlib-code/target \
         --draft ../shared/models/stdlib-code/draft --prompts ../shared/data/stdlib_functions.jsonl \
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specmesh.app.bench import load_prompts
-from specmesh.app.local_mesh import LocalMesh
+from specmesh_app.bench import load_prompts
+from specmesh_app.local_mesh import LocalMesh
 
 MODEL = "bench"
 
@@ -69,7 +69,7 @@ def start_ray(args, verifier: list[str], drafter: list[str], serve_args: list[st
     import ray
     from ray import serve
 
-    from specmesh.app.deploy import application
+    from specmesh_app.deploy import application
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # logical CPUs: scheduling only

@@ -56,9 +56,9 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 from benchmarks.kv_pressure import ROOT, free_port, get  # noqa: E402
-from specmesh.app.bench import load_prompts  # noqa: E402
-from specmesh.app.bench_load import WARMUP_TOKENS, closed_loop  # noqa: E402
-from specmesh.app.local_mesh import ServiceProcess  # noqa: E402
+from specmesh_app.bench import load_prompts  # noqa: E402
+from specmesh_app.bench_load import WARMUP_TOKENS, closed_loop  # noqa: E402
+from specmesh_app.local_mesh import ServiceProcess  # noqa: E402
 
 MODEL = "serve-load"
 METHODS = ("fused", "prompt_lookup_tree", "draft_model", "none")

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specmesh.app.local_mesh import ServiceProcess  # noqa: E402
+from specmesh_app.local_mesh import ServiceProcess  # noqa: E402
 
 DEFAULT_PROMPTS = ROOT / "benchmarks/data/tool_prompts.jsonl"
 TOOLS = [

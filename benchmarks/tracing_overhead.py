@@ -197,8 +197,8 @@ def measure_embedded(sink: SinkProcess, prompts: list[str], requests: int, max_n
 # ------------------------------------------------------------------ 3. mesh
 def measure_mesh(sink: SinkProcess, prompts: list[str], requests: int, max_new: int, proposer: str,
                  ratio: float) -> dict:
-    from specmesh.app.local_mesh import LocalMesh
     from specmesh.client import Client
+    from specmesh_app.local_mesh import LocalMesh
 
     common = ["--threads", "1"]
     meshes = {}

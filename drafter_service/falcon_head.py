@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmesh.fast_llama import in_out_layout
+from specmesh.cpu_platform import in_out_layout
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -2,7 +2,9 @@
 
 This is the one place where the embedded wiring is chosen; the gRPC and Ray
 deployments run their requests on the same engine core, over verifier replicas
-(orchestrator/remote_loop.py) and remote drafters.
+(orchestrator/remote_loop.py) and remote drafters. ``CoreEngine`` is the per-request
+engine's ``stream``/``generate`` over the core, what ``EmbeddedStack.engine(shared=True)``
+returns.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -27,9 +29,10 @@ from drafter_service.proposer import make_proposer, proposer_spec
 from orchestrator.arguments import resolve_models
 from orchestrator.core import EngineCore
 from orchestrator.drafter_link import only
-from orchestrator.engine import Engine
+from orchestrator.engine import Engine, GenerationResult, StepEvent
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
-from orchestrator.requests import CoreEngine, Method, RequestOutput
+from orchestrator.requests import Method, QueueOutput, RequestOutput
+from orchestrator.stats import RequestStats
 from specmesh import models
 from specmesh.blocks import DEFAULT_BLOCK_SIZE
 from specmesh.contract import ModelInfo
@@ -47,6 +50,42 @@ log = logging.getLogger("specmesh.embedded")
 
 MAX_WINDOW_ROWS = 32  # the largest lookahead window ((N - 1) x W rows) a request on the engine core may ask for
 MAX_METHOD_ENGINES = 64  # methods whose engines (proposer, drafter, policy) the stack keeps for its engine core
+
+
+class CoreEngine:
+    """The per-request engine's ``stream``/``generate`` over an EngineCore: for callers that consume one request
+    on their own thread (``specmesh generate``, bench, tests). Many threads may use one at once."""
+
+    def __init__(self, core: EngineCore, method: Method) -> None:
+        self.core, self.method = core, method
+
+    def stream(self, prompt: Sequence[int], sampling: SamplingParams,
+               result: GenerationResult | None = None) -> Iterator[StepEvent]:
+        """Yield the request's events; ``result`` is filled in as the stream ends. Closing the iterator early
+        cancels the request."""
+        output = QueueOutput()
+        request_id = self.core.submit(prompt, sampling, self.method, output)
+        done = False
+        try:
+            for event in output.events():
+                if result is not None:
+                    result.text_limit = event.text_limit  # known before the event goes out, as the engine's
+                yield event
+            done = True
+        finally:
+            if not done:  # closed early: cancel, and wait for the core to end it (at most one step)
+                self.core.cancel(request_id)
+                for _ in output.events():
+                    pass
+            if result is not None and output.result is not None:
+                result.token_ids, result.finish_reason = output.result.token_ids, output.result.finish_reason
+                result.stats, result.text_limit = output.result.stats, output.result.text_limit
+
+    def generate(self, prompt: Sequence[int], sampling: SamplingParams) -> GenerationResult:
+        result = GenerationResult([], "", RequestStats())
+        for event in self.stream(prompt, sampling, result):
+            result.events.append(event)
+        return result
 
 
 @dataclass

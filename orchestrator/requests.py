@@ -5,8 +5,8 @@ where its events go.
   committed tokens, stats, the tree drafted ahead), owned by the core thread.
 - ``Method``: drafter candidates, policy, target features, strict, overlap, background drafting.
 - ``RequestOutput``: the two callbacks a front end gives (``event`` per step, ``finish`` once), called on the core
-  thread; ``QueueOutput`` for a blocking consumer; ``CoreEngine``, the per-request engine's ``stream`` /
-  ``generate`` over a core.
+  thread; ``QueueOutput`` for a blocking consumer (``embedded.CoreEngine``, the per-request engine's ``stream`` /
+  ``generate`` over a core, reads one).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
 
 if TYPE_CHECKING:
-    from orchestrator.core import EngineCore
     from verifier_service.lookahead import LookaheadConfig
 
 
@@ -143,39 +142,3 @@ class QueueOutput:
             yield item
         if self.error is not None:
             raise self.error
-
-
-class CoreEngine:
-    """The per-request engine's ``stream``/``generate`` over an EngineCore: for callers that consume one request
-    on their own thread (``specmesh generate``, bench, tests). Many threads may use one at once."""
-
-    def __init__(self, core: EngineCore, method: Method) -> None:
-        self.core, self.method = core, method
-
-    def stream(self, prompt: Sequence[int], sampling: SamplingParams,
-               result: GenerationResult | None = None) -> Iterator[StepEvent]:
-        """Yield the request's events; ``result`` is filled in as the stream ends. Closing the iterator early
-        cancels the request."""
-        output = QueueOutput()
-        request_id = self.core.submit(prompt, sampling, self.method, output)
-        done = False
-        try:
-            for event in output.events():
-                if result is not None:
-                    result.text_limit = event.text_limit  # known before the event goes out, as the engine's
-                yield event
-            done = True
-        finally:
-            if not done:  # closed early: cancel, and wait for the core to end it (at most one step)
-                self.core.cancel(request_id)
-                for _ in output.events():
-                    pass
-            if result is not None and output.result is not None:
-                result.token_ids, result.finish_reason = output.result.token_ids, output.result.finish_reason
-                result.stats, result.text_limit = output.result.stats, output.result.text_limit
-
-    def generate(self, prompt: Sequence[int], sampling: SamplingParams) -> GenerationResult:
-        result = GenerationResult([], "", RequestStats())
-        for event in self.stream(prompt, sampling, result):
-            result.events.append(event)
-        return result

@@ -38,18 +38,20 @@ import logging
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
+from specmesh.kernel_attention import KernelAttention, KernelMetadata, KernelRunner, kernel_metadata
+from specmesh.runner_options import GRAPH_MODES
+
 if TYPE_CHECKING:
-    from specmesh.fast_llama import FastLlamaRunner, KernelMetadata
+    from specmesh.contract import ModelInfo
     from specmesh.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 
-GRAPH_MODES = ("auto", "on", "off")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 NEW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -58,6 +60,30 @@ ALIGN = 4  # int32 elements per 16 bytes: the kernel compiles a variant per poin
 # the start-up check's tolerance on the probe's logits, relative to their largest value: the graph replays the
 # same kernels on the same rows, but a padded batch may pick other GEMM tilings than the eager one
 CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+class GraphRunner(KernelRunner, Protocol):
+    """What the graphs read of their runner (``fast_llama.FastLlamaRunner``, which imports this module)."""
+
+    info: ModelInfo
+    dtype: torch.dtype
+    lm_head: torch.Tensor  # [hidden, vocab]
+
+    def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention, logit_rows=None, hidden_rows=None):
+        """The stack over packed rows ids/pos [T]: (logits [R, vocab] float32, features or None)."""
+        ...
+
+    def _to_device(self, values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        ...
+
+    def forward_eager(self, cache, input_ids: Sequence[int], position_ids: Sequence[int]) -> torch.Tensor:
+        ...
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, in float64 (the start-up checks of compiled layers and CUDA graphs)."""
+    want = want.double()
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def graph_choice(choice: str, device: torch.device, attention: str) -> str | None:
@@ -88,7 +114,7 @@ def _aligned(n: int) -> int:
 class PoolGraphs:
     """One pool's static buffers and captured graphs, keyed by bucket (T, S, N)."""
 
-    def __init__(self, runner: FastLlamaRunner, pool: KVPool, capture: bool, required: bool = False) -> None:
+    def __init__(self, runner: GraphRunner, pool: KVPool, capture: bool, required: bool = False) -> None:
         self.runner, self.pool, self.capture, self.required = runner, pool, capture, required
         self.failed = False  # a capture failed under ``auto``: every later step of this pool runs eager
         device = pool.device
@@ -197,11 +223,9 @@ class PoolGraphs:
 
     def _body(self, key: tuple[int, int, int, int]) -> None:
         """The padded step on the static buffers, its logits into ``self.logits[:T_bucket]``. What a graph records."""
-        from specmesh.fast_llama import _KernelAttention
-
         t, s, n, splits = key
         a, b, c = self.offsets
-        attention = _KernelAttention.of(
+        attention = KernelAttention.of(
             self.runner, self.pool.keys, self.pool.values, self.pool.block_size, self.small[a : a + s + 1],
             self.small[b : b + s], self.small[c : c + s], self.tables[:s], self.slots[:t], self.words[:t], n, splits,
         )
@@ -247,8 +271,6 @@ class PoolGraphs:
     def check(self) -> bool:
         """Hold a graphed decode step to the eager one on a probe session of this pool: True when they agree. A
         failure or mismatch raises if graphs are ``required``, else logs a warning and returns False."""
-        from specmesh.fast_llama import kernel_metadata, relative_error
-
         runner = self.runner
         try:
             cache = self.pool.open(8)
@@ -275,4 +297,4 @@ class PoolGraphs:
         return True
 
 
-__all__ = ["GRAPH_MODES", "PoolGraphs", "bucket", "graph_choice"]
+__all__ = ["PoolGraphs", "bucket", "graph_choice", "relative_error"]

@@ -16,7 +16,8 @@ accepted tree rows; the prefix is never copied.
 
 ``specmesh.blocks.BlockAllocator`` is the bookkeeping (no torch); ``KVPool`` adds the tensors and
 ``PagedKVCache`` is one session's view of them, with the cache interface of
-``FastKVCache`` (reserve / write / kv / keep / truncate / length).
+``FastKVCache`` (reserve / write / kv / keep / truncate / length): one session's keys and values in
+preallocated tensors of its own, the fast runner's cache outside a pool.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class PagedKVCache:
     def slot_runs(self, end: int) -> list[tuple[int, int]]:
         """[(first slot, last slot + 1)] of the runs of consecutive blocks that hold positions [0, end), in
         position order: one for a contiguous table; a table stitched from prefix-cache blocks and its own, two or
-        a few. Attention reads each run in place (``fast_llama._SdpaAttention``) instead of gathering the table."""
+        a few. Attention reads each run in place (``sdpa_attention.SdpaAttention``) instead of gathering the table."""
         if self._runs is None:  # [(first block, blocks)] per run, rebuilt when the table changes
             table = np.asarray(self.table, np.int64)
             cuts = np.flatnonzero(np.diff(table) != 1) + 1
@@ -226,4 +227,62 @@ def compact(caches: Sequence[PagedKVCache], prefix_lens: Sequence[int],
             store.index_copy_(2, dst_slots, store.index_select(2, src_slots))
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "KVPool", "PagedKVCache", "compact", "gather_blocks"]
+class FastKVCache:
+    """Keys/values of one session in preallocated tensors, grown in chunks.
+
+    keys/values: [num_layers, num_kv_heads, capacity, head_dim].
+    """
+
+    CHUNK = 256
+
+    @torch.inference_mode()
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, max_len: int):
+        self.shape = (num_layers, num_kv_heads, 0, head_dim)
+        self.dtype, self.device, self.max_len = dtype, device, max_len
+        self.keys = torch.empty(self.shape, dtype=dtype, device=device)
+        self.values = torch.empty(self.shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @torch.inference_mode()
+    def reserve(self, length: int) -> None:
+        capacity = self.keys.shape[2]
+        if length <= capacity:
+            return
+        new_cap = min(max(length, capacity * 2, self.CHUNK), max(self.max_len, length))
+        layers, heads, _, dim = self.shape
+        keys = torch.empty((layers, heads, new_cap, dim), dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = keys, values
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    @torch.inference_mode()
+    def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
+        """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending)."""
+        offsets = list(keep_offsets)
+        if offsets != list(range(len(offsets))):
+            src = prefix_len + torch.tensor(offsets, dtype=torch.long).to(self.device, non_blocking=True)
+            dst = slice(prefix_len, prefix_len + len(offsets))
+            self.keys[:, :, dst] = self.keys.index_select(2, src)
+            self.values[:, :, dst] = self.values.index_select(2, src)
+        self.length = prefix_len + len(offsets)
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values: [num_kv_heads, n, head_dim] for positions [start, start + n) (reserved)."""
+        self.keys[layer, :, start : start + keys.shape[1]] = keys
+        self.values[layer, :, start : start + keys.shape[1]] = values
+
+    def kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_kv_heads, end, head_dim] keys and values of positions [0, end) (views)."""
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_kv_heads, length, head_dim] keys and values of one layer."""
+        return self.kv(layer, self.length)
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "FastKVCache", "KVPool", "PagedKVCache", "compact",
+           "gather_blocks"]

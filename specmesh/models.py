@@ -9,11 +9,12 @@ are imported only by the functions that load something, so that building a parse
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from specmesh.runner_options import ATTENTION_BACKENDS, COMPILE_MODES, GRAPH_MODES, cpu_has_fast_bf16
 
 if TYPE_CHECKING:
     import torch
@@ -28,9 +29,6 @@ DTYPE_ALIASES = {"float": "float32", "half": None, "float16": None}
 DEVICE_HELP = ("where the model runs: auto (the first CUDA GPU if there is one, else the CPU), cpu, cuda or cuda:N "
                "(default: auto)")
 RUNNERS = ("auto", "fast", "hf")
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # the fast runner's (specmesh.fast_llama.attention_backend)
-COMPILE_MODES = ("auto", "on", "off", "frozen")  # the fast runner's torch.compile of its layers (fast_llama.compile_choice)
-GRAPH_MODES = ("auto", "on", "off")  # the fast runner's CUDA graphs (cuda_graphs.graph_choice)
 
 
 def demo_model(kind: str) -> Path:
@@ -209,22 +207,6 @@ def resolve_device(name: str | None) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"device {name!r}: choose auto, cpu, cuda or cuda:N")
     return device
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_bf16``, ...); empty where unknown."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True on x86 CPUs whose matmuls run natively in bfloat16 (AVX512-BF16 or AMX), where a bf16 draft is
-    about twice as fast as float32. Elsewhere bf16 is emulated and slower."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def draft_dtype(name: str | None, otherwise: str, device: torch.device | None = None) -> torch.dtype:

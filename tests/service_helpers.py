@@ -1,6 +1,6 @@
 """Real specmesh servers as separate processes on 127.0.0.1, for the service tests.
 
-Processes are specmesh.app.local_mesh.ServiceProcess: port 0 reported through
+Processes are specmesh_app.local_mesh.ServiceProcess: port 0 reported through
 --ready-file, SIGKILL when the test process dies, every wait bounded.
 """
 
@@ -10,8 +10,8 @@ import time
 
 import grpc
 
-from specmesh.app.local_mesh import ServiceProcess
 from specmesh.models import demo_model
+from specmesh_app.local_mesh import ServiceProcess
 
 TARGET = str(demo_model("target"))
 DRAFT = str(demo_model("draft"))

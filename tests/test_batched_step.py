@@ -18,9 +18,8 @@ import pytest
 import torch
 from spec_helpers import fragment
 
-from specmesh import fast_llama
-from specmesh.fast_llama import FastKVCache
-from specmesh.kv_pool import compact
+from specmesh import sdpa_attention
+from specmesh.kv_pool import FastKVCache, compact
 from specmesh.model_runner import TreeMask, tree_attend_mask
 from specmesh.padded_attention import PAD_LIMIT
 from specmesh.tree import TokenTree, ancestor_mask
@@ -85,7 +84,7 @@ def test_padded_attention_equals_one_forward_per_session(model_sets, monkeypatch
     runner = model_sets("random").runner("target", "fast")
     rng = random.Random(4)
     # mixed: sessions up to 18 positions share the padded call, longer ones (and those crossing it) keep their own
-    monkeypatch.setattr(fast_llama, "PAD_LIMIT", PAD_LIMIT if limit is None else limit * runner.kv_size)
+    monkeypatch.setattr(sdpa_attention, "PAD_LIMIT", PAD_LIMIT if limit is None else limit * runner.kv_size)
     pool = runner.new_pool(num_blocks=400, block_size=4)
     pool.keys.fill_(float("nan"))  # what an unwritten slot may hold (the pool is torch.empty): it must never leak
     pool.values.fill_(float("nan"))

@@ -28,7 +28,7 @@ from spec_helpers import engine_for, fragment, greedy, make_prompts, window_for
 from drafter_service.proposer import make_proposer, proposer_names, proposer_spec
 from specmesh.blocks import BlockAllocator
 from specmesh.contract import CapacityError, UnknownSessionError
-from specmesh.fast_llama import FastKVCache
+from specmesh.kv_pool import FastKVCache
 from specmesh.model_runner import tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, ancestor_mask

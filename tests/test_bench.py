@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specmesh.app import cli
-from specmesh.app.bench import is_loop, method_names, parse_method, spread
+from specmesh_app import cli
+from specmesh_app.bench import is_loop, method_names, parse_method, spread
 
 EOS_TOKEN = "<|endoftext|>"
 TEXT = [

@@ -118,7 +118,7 @@ def test_unexpected_tensor_names_go_through_transformers(tmp_path: Path) -> None
 def test_generate_runs_without_importing_transformers() -> None:
     """The README's run line loads the demo pair and its tokenizer without transformers (seconds of start-up)."""
     code = ("import contextlib, io, sys\n"
-            "from specmesh.app.cli import main\n"
+            "from specmesh_app.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
             "    main(['generate', 'def f(n):', '--max-new-tokens', '8'])\n"
             "print('transformers' in sys.modules)\n")

@@ -20,7 +20,7 @@ from specmesh.client import Client
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import json, sys
-from specmesh.app import cli
+from specmesh_app import cli
 try:
     code = cli.main(sys.argv[1:])
 except SystemExit as exc:

@@ -155,8 +155,8 @@ def test_a_draft_without_a_tokenizer_is_one_line(tmp_path):
 def test_every_run_drafts_with_a_fresh_proposer():
     """--compare-ar times the method as it ran when shown: a learning proposer (fused's retrieval member) does
     not draft the later runs from the earlier runs' output, which would flatter the speedup."""
-    from specmesh.app import cli
     from specmesh.sampling import SamplingParams
+    from specmesh_app import cli
 
     args = cli.build_parser(["generate"]).parse_args(["generate", "def f(x):", "--compare-ar", "--threads", "1"])
     sampling = SamplingParams(max_new_tokens=48, ignore_eos=True)

@@ -22,7 +22,7 @@ from spec_helpers import batched_events, engine_for, greedy, tiny_llama
 from test_tree_attention import ancestors_of, tree_parents
 
 from specmesh.cuda_graphs import NEW_BUCKETS, ROW_BUCKETS, PoolGraphs, bucket, graph_choice
-from specmesh.fast_llama import kernel_metadata
+from specmesh.kernel_attention import kernel_metadata
 from specmesh.model_runner import TreeMask
 
 pytest.importorskip("triton")

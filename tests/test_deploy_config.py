@@ -2,7 +2,7 @@
 
 - The two Ray Serve configs, deploy/serve_config.yaml (laptop) and the `serveConfigV2` inside
   deploy/k8s/rayservice.yaml (KubeRay), parse as Serve's schema with no key Serve would silently ignore; their
-  `args` are specmesh.app.deploy.AppArgs whose option lists parse as the `specmesh` commands they are for;
+  `args` are specmesh_app.deploy.AppArgs whose option lists parse as the `specmesh` commands they are for;
   their deployments and autoscaling policies name what exists.
 - deploy/k8s/*.yaml: built-in kinds against Kubernetes' schemas (kubernetes-validate, strict), the RayService
   against KubeRay's CRD schema vendored in deploy/k8s/schemas/ (unknown fields rejected, as kubectl's strict
@@ -30,7 +30,7 @@ K8S = DEPLOY / "k8s"
 CRD_SCHEMA = K8S / "schemas" / "rayservice-v1.json"
 KUBERNETES_VERSION = "1.33.0"  # the oldest these manifests target; kubernetes-validate ships 1.25 to 1.37
 
-APP_IMPORT_PATH = "specmesh.app.deploy:build_app"
+APP_IMPORT_PATH = "specmesh_app.deploy:build_app"
 GENERATE_SERVICER = "specmesh.v1.generate_pb2_grpc.add_GenerateServicer_to_server"
 # AppArgs field -> the `specmesh` command whose options it holds, and the options Serve decides for it
 SERVE_CONFIGS = ["laptop", "kuberay"]
@@ -106,7 +106,7 @@ def check_serve_config(config: dict) -> None:
 def check_app_args(args: dict) -> dict[str, argparse.Namespace]:
     """``args`` as AppArgs, each option list parsed by its command the way the application parses it (options
     Serve decides refused): field -> parsed options."""
-    from specmesh.app.deploy import REPLICA_OPTIONS, SERVE_OPTIONS, AppArgs, parse_options
+    from specmesh_app.deploy import REPLICA_OPTIONS, SERVE_OPTIONS, AppArgs, parse_options
 
     app_args = AppArgs.model_validate(args)
     decided = {"verifier": REPLICA_OPTIONS, "drafter": REPLICA_OPTIONS, "serve": SERVE_OPTIONS}
@@ -293,7 +293,7 @@ def test_app_args_checks_reject_broken_args():
 
 def test_policy_check_rejects_broken_policies():
     with pytest.raises(AttributeError):
-        check_policy({"policy_function": "specmesh.app.autoscaling:NoSuchPolicy"})
+        check_policy({"policy_function": "specmesh_app.autoscaling:NoSuchPolicy"})
     policy = copy.deepcopy(deployments(serve_config("laptop"))["Verifier"]["autoscaling_config"]["policy"])
     policy["policy_kwargs"]["target_session"] = 8  # misspelt kwarg
     with pytest.raises(TypeError):

@@ -47,7 +47,7 @@ def serve_config(which: str) -> dict:
 def app_options(which: str) -> dict[str, argparse.Namespace]:
     """The application's option lists, parsed by the `specmesh` commands as the application parses them."""
     pytest.importorskip("ray.serve")
-    from specmesh.app.deploy import AppArgs, parse_options
+    from specmesh_app.deploy import AppArgs, parse_options
 
     (app,) = serve_config(which)["applications"]
     args = AppArgs.model_validate(app["args"])

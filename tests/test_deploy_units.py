@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("ray")  # the [ray] extra
 
-from specmesh.app import autoscaling  # noqa: E402
-from specmesh.app.deploy import AppArgs, Roster, ServeCallContext, application, build_app, parse_options  # noqa: E402
+from specmesh_app import autoscaling  # noqa: E402
+from specmesh_app.deploy import AppArgs, Roster, ServeCallContext, application, build_app, parse_options  # noqa: E402
 
 
 class Clock:
@@ -132,7 +132,7 @@ class _ProxyContext:
 def test_generate_through_serve_s_grpc_proxy_needs_the_token():
     """Serve's gRPC proxy runs no interceptor: the Orchestrator checks the bearer token itself."""
     from specmesh import rpc
-    from specmesh.app.deploy import Orchestrator
+    from specmesh_app.deploy import Orchestrator
 
     cls = Orchestrator.func_or_class
     orchestrator = cls.__new__(cls)  # only the security settings matter here

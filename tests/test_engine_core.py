@@ -27,8 +27,9 @@ from drafter_service.drafter import LocalDrafter
 from drafter_service.proposer import Proposer, make_proposer, proposer_names, proposer_spec
 from orchestrator.core import MAX_METHOD_POOLS, EngineCore
 from orchestrator.drafter_link import only
+from orchestrator.embedded import CoreEngine
 from orchestrator.policy import AdaptivePolicy, StaticPolicy, load_aware
-from orchestrator.requests import CoreEngine, Method, QueueOutput
+from orchestrator.requests import Method, QueueOutput
 from specmesh.contract import CapacityError, VerifyCosts
 from specmesh.sampling import SamplingParams
 from verifier_service.costs import StepCosts

@@ -115,7 +115,7 @@ def test_reduced_vocabulary_head_saves_drafts_and_ships_exact_q(tmp_path, runner
 
 
 def test_draft_vocabulary_takes_the_most_frequent_tokens():
-    from specmesh.app.train_falcon import draft_vocabulary
+    from specmesh_app.train_falcon import draft_vocabulary
 
     ids = torch.tensor([[5, 5, 5, 2, 2, 9], [9, 9, 9, 9, 1, 7]])
     assert draft_vocabulary(ids, 12, 2).tolist() == [5, 9]  # 9 (5 times), 5 (3 times)
@@ -251,7 +251,7 @@ def _engine(runner, proposer: FalconProposer, budget, overlap: bool, restart_dep
 @pytest.fixture(scope="module")
 def trained_heads(tmp_path_factory, target, runners):
     """Heads trained for a second on the tiny target's own greedy text (so that drafts get accepted)."""
-    from specmesh.app.train_falcon import FalconTrainConfig, train_falcon
+    from specmesh_app.train_falcon import FalconTrainConfig, train_falcon
 
     runner = runners["fast"]
     corpus = tmp_path_factory.mktemp("falcon-corpus")
@@ -441,7 +441,7 @@ class _CharTokenizer:
 
 
 def test_train_falcon_tiny_head_loss_falls_and_loads(tmp_path, target, runners):
-    from specmesh.app.train_falcon import FalconTrainConfig, train_falcon
+    from specmesh_app.train_falcon import FalconTrainConfig, train_falcon
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -481,7 +481,7 @@ def test_train_falcon_tiny_head_loss_falls_and_loads(tmp_path, target, runners):
 
 
 def test_glancing_schedule_and_rows():
-    from specmesh.app.train_falcon import glance_lambda, glanced_rows
+    from specmesh_app.train_falcon import glance_lambda, glanced_rows
 
     assert glance_lambda(0, 4) == pytest.approx(0.4) and glance_lambda(3, 4) == pytest.approx(0.1)
     assert glance_lambda(0.5, 1) == pytest.approx(0.2) and glance_lambda(1, 1) == 0.0  # falls within an epoch

@@ -49,7 +49,7 @@ def _install_recording(record: Path) -> None:
 
 
 if __name__ == "__main__":
-    from specmesh.app.cli import main
+    from specmesh_app.cli import main
 
     _install_recording(Path(sys.argv[1]))
     sys.exit(main(sys.argv[2:]))

@@ -11,20 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specmesh import fast_llama
+from specmesh import cpu_platform, sdpa_attention
+from specmesh.cpu_platform import blocked_product, head_blocks
+from specmesh.cuda_graphs import relative_error
 from specmesh.fast_llama import (
-    COMPILE_ENV,
     FastLlamaRunner,
     _post_attention,
     _pre_attention,
-    blocked_product,
     compile_choice,
-    head_blocks,
     make_runner,
     supports,
 )
 from specmesh.model_runner import ModelRunner, tree_attend_mask
-from specmesh.models import cpu_flags
+from specmesh.runner_options import COMPILE_ENV, cpu_flags
 
 
 def _llama(num_kv_heads: int) -> LlamaForCausalLM:
@@ -136,7 +135,7 @@ def test_the_runner_picks_its_weight_layouts_by_dtype(monkeypatch) -> None:
     """float32 on a CPU: contiguous [in, out] layers and a blocked copy of the output layer for 2+ rows, which
     changes no logit beyond float32 rounding; bfloat16: F.linear's own [out, in] storage (views, no copy) and no
     blocked copy; float64: contiguous [in, out], no blocked copy."""
-    monkeypatch.setattr(fast_llama, "HEAD_BLOCK", 16)
+    monkeypatch.setattr(cpu_platform, "HEAD_BLOCK", 16)
     assert FastLlamaRunner(_llama(2)).head_blocks is None
     bf16_model = _llama(2).to(torch.bfloat16)
     head_ptr = bf16_model.lm_head.weight.data_ptr()
@@ -191,7 +190,7 @@ def test_half_precision_attention_through_float32(monkeypatch, dtype) -> None:
     half-precision kernels' are (a wrong cast or scale would not); prompt chunks, decode rows and a tree."""
     import numpy as np
 
-    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
+    monkeypatch.setattr(cpu_platform, "_UPCAST_DTYPES", frozenset({dtype}))
     seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
@@ -201,7 +200,7 @@ def test_half_precision_attention_through_float32(monkeypatch, dtype) -> None:
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)  # both modules' F
     exact = FastLlamaRunner(_llama(2))
     half, kernels = FastLlamaRunner(_llama(2).to(dtype)), FastLlamaRunner(_llama(2).to(dtype))
-    monkeypatch.setattr(fast_llama, "PAD_LIMIT", 20 * half.kv_size)
+    monkeypatch.setattr(sdpa_attention, "PAD_LIMIT", 20 * half.kv_size)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 97, n) for n in (3, 5, 60)]  # the short two share the padded call, 60 has its own
     pools = [r.new_pool(num_blocks=64, block_size=4) for r in (exact, half, kernels)]
@@ -217,10 +216,10 @@ def test_half_precision_attention_through_float32(monkeypatch, dtype) -> None:
         assert {g for g, _, _ in seen} == {1, 2}, seen  # the per-session and the padded call
         assert all(d == ((torch.float32 if n == 1 else dtype),) * 3 for _, n, d in seen), seen
         want = exact.forward_batch(caches[0], ids, positions, num_new, attends).double()
-        monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset())  # the half-precision kernels throughout
-        monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {})
+        monkeypatch.setattr(cpu_platform, "_UPCAST_DTYPES", frozenset())  # the half-precision kernels throughout
+        monkeypatch.setattr(cpu_platform, "_NATIVE_UPCAST_ROWS", {})
         plain = kernels.forward_batch(caches[2], ids, positions, num_new, attends).double()
-        monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
+        monkeypatch.setattr(cpu_platform, "_UPCAST_DTYPES", frozenset({dtype}))
         error, kernel_error = (got.double() - want).abs(), (plain - want).abs()
         assert error.max() <= 1.25 * kernel_error.max() and error.mean() <= 1.25 * kernel_error.mean(), (
             error.max(), kernel_error.max(), error.mean(), kernel_error.mean())
@@ -237,9 +236,9 @@ def test_the_frozen_stack_runs_the_steps_it_is_fastest_for(monkeypatch, dtype, n
     eager layers, with the same logits either way."""
     from specmesh.fast_llama import _FrozenStack
 
-    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset() if native else frozenset({torch.bfloat16}))
-    monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 6} if native else {})
-    monkeypatch.setattr(fast_llama, "FROZEN_HALF_MAX_ROWS", 4)
+    monkeypatch.setattr(cpu_platform, "_UPCAST_DTYPES", frozenset() if native else frozenset({torch.bfloat16}))
+    monkeypatch.setattr(cpu_platform, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 6} if native else {})
+    monkeypatch.setattr(cpu_platform, "FROZEN_HALF_MAX_ROWS", 4)
     model = _llama(2).to(dtype)
     eager, frozen = FastLlamaRunner(model), FastLlamaRunner(model)
     stack, rows_seen = _FrozenStack(frozen), []
@@ -259,23 +258,23 @@ def test_the_frozen_stack_runs_the_steps_it_is_fastest_for(monkeypatch, dtype, n
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_products_turn_to_float32_from_the_rows_where_it_is_faster(monkeypatch, dtype) -> None:
-    """``_linear`` on a CPU with AVX-512-BF16 but no AMX (forced here: ``_NATIVE_UPCAST_ROWS``): bf16 products of
+    """``cpu_platform.linear`` on a CPU with AVX-512-BF16 but no AMX (forced here: ``_NATIVE_UPCAST_ROWS``): bf16 products of
     ``NATIVE_BF16_UPCAST_ROWS`` (4 here) or more rows go through float32, fewer keep the bf16 kernel; float16 (no
     native support) from 2 rows; float32 never. Either way within one rounding of the exact product."""
-    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({torch.float16}))
-    monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 4})
-    calls, upcast = [], fast_llama._linear_upcast
+    monkeypatch.setattr(cpu_platform, "_UPCAST_DTYPES", frozenset({torch.float16}))
+    monkeypatch.setattr(cpu_platform, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 4})
+    calls, upcast = [], cpu_platform._linear_upcast
 
     def spy(x, weight_t, bias):
         calls.append(x.shape[0])
         return upcast(x, weight_t, bias)
 
-    monkeypatch.setattr(fast_llama, "_linear_upcast", spy)
+    monkeypatch.setattr(cpu_platform, "_linear_upcast", spy)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=gen).to(dtype)
     for rows in (1, 2, 3, 4, 9):
         x = torch.randn(rows, 64, generator=gen).to(dtype)
-        got, exact = fast_llama._linear(x, weight.t()), x.double() @ weight.double().t()
+        got, exact = cpu_platform.linear(x, weight.t()), x.double() @ weight.double().t()
         ulp = exact.abs().clamp_min(1e-3) * {torch.float32: 2**-20, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
         assert got.dtype == dtype and ((got.double() - exact).abs() <= ulp + 1e-5).all()
     assert calls == {torch.float32: [], torch.bfloat16: [4, 9], torch.float16: [2, 3, 4, 9]}[dtype]
@@ -288,19 +287,19 @@ ONEDNN_BF16 = ({"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()) or "avx_ne_c
 @pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN's bf16 weight reorder needs AVX-512 (BW, VL, DQ) or "
                     "AVX-NE-CONVERT, which this CPU lacks (the runner packs only where the CPU multiplies bf16)")
 def test_bf16_products_on_packed_weights_equal_torchs(monkeypatch) -> None:
-    """Where the CPU multiplies bf16 natively (forced here: ``_packs_products``) a bf16 runner packs its weights
+    """Where the CPU multiplies bf16 natively (forced here: ``cpu_platform.packs_products``) a bf16 runner packs its weights
     for oneDNN once and its products below the float32 rows run on them (not under --compile frozen, never in
     float32): the same logits as torch's kernel, one session or several; weights that would take more than
     PACKED_MAX_MEMORY_SHARE of the memory stay unpacked."""
     from spec_helpers import tiny_llama
 
-    monkeypatch.setattr(fast_llama, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 6})  # past it: float32 (not packed)
-    monkeypatch.setattr(fast_llama, "_packs_products", lambda device, dtype: False)
+    monkeypatch.setattr(cpu_platform, "_NATIVE_UPCAST_ROWS", {torch.bfloat16: 6})  # past it: float32 (not packed)
+    monkeypatch.setattr(cpu_platform, "packs_products", lambda device, dtype: False)
     plain = FastLlamaRunner(tiny_llama(seed=5).to(torch.bfloat16))
-    monkeypatch.setattr(fast_llama, "_packs_products", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(cpu_platform, "packs_products", lambda device, dtype: dtype == torch.bfloat16)
     packed = FastLlamaRunner(tiny_llama(seed=5).to(torch.bfloat16))
     assert packed.packed and not plain.packed
-    assert all(hasattr(w, fast_llama._PACKED) for layer in packed.layers for w in (layer[1], layer[3], layer[6], layer[7]))
+    assert all(hasattr(w, cpu_platform._PACKED) for layer in packed.layers for w in (layer[1], layer[3], layer[6], layer[7]))
     assert not FastLlamaRunner(tiny_llama(seed=5).float()).packed
     calls, pointwise = [], torch.ops.mkldnn._linear_pointwise
 
@@ -323,11 +322,11 @@ def test_bf16_products_on_packed_weights_equal_torchs(monkeypatch) -> None:
                                                                        *range(starts[1], starts[1] + rows)],
                                             [rows, rows], [None, None]))
         for g, w in zip(got, want, strict=True):
-            assert fast_llama.relative_error(g, w) <= 1e-2 and bool((g.argmax(-1) == w.argmax(-1)).all())
+            assert relative_error(g, w) <= 1e-2 and bool((g.argmax(-1) == w.argmax(-1)).all())
     assert calls and max(calls) < 6 and 1 in calls and 3 in calls  # 2 x 9 rows: float32, as before
     small = [torch.zeros(64, 32, dtype=torch.bfloat16).t()]
-    assert not fast_llama.pack_weights(small, memory_bytes=64 * 32 * 2 * 7)
-    assert not hasattr(small[0], fast_llama._PACKED)
+    assert not cpu_platform.pack_weights(small, memory_bytes=64 * 32 * 2 * 7)
+    assert not hasattr(small[0], cpu_platform._PACKED)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -337,22 +336,22 @@ def test_half_precision_products_through_float32_equal_the_half_kernel(monkeypat
     a time (``_linear_upcast``): the exact product rounded once, as the half-precision kernel's (float32
     accumulation), up to summation order; one row keeps the half kernel. Blocks of 1,000 elements here, so the
     weights span several (with a ragged last one)."""
-    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
-    monkeypatch.setattr(fast_llama, "UPCAST_BLOCK", 1000)
+    monkeypatch.setattr(cpu_platform, "_UPCAST_DTYPES", frozenset({dtype}))
+    monkeypatch.setattr(cpu_platform, "UPCAST_BLOCK", 1000)
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(out, 64, generator=gen).to(dtype)
     b = torch.randn(out, generator=gen).to(dtype) if bias else None
     x = torch.randn(rows, 64, generator=gen).to(dtype)
     exact = x.double() @ weight.double().t() + (b.double() if bias else 0)
-    got = fast_llama._linear(x, weight.t(), b)
+    got = cpu_platform.linear(x, weight.t(), b)
     want = torch.addmm(b, x, weight.t()) if bias else x @ weight.t()
     assert got.dtype == dtype and got.shape == (rows, out)
     ulp = exact.abs().clamp_min(1e-3) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
     assert ((got.double() - exact).abs() <= ulp + 1e-5).all()  # within one rounding of the exact product
     assert (got == want).float().mean() > 0.95  # and the half kernel's own result almost everywhere
     calls = []
-    monkeypatch.setattr(fast_llama, "_linear_upcast", lambda *a: calls.append(a) or x[:, :0])
-    fast_llama._linear(x[:1], weight.t(), b)
+    monkeypatch.setattr(cpu_platform, "_linear_upcast", lambda *a: calls.append(a) or x[:, :0])
+    cpu_platform.linear(x[:1], weight.t(), b)
     assert not calls  # one row: the half-precision kernel
 
 
@@ -365,26 +364,26 @@ def test_products_through_float32_use_the_runners_float32_copies(monkeypatch, dt
     (``keep_float32_copies``)."""
     from spec_helpers import tiny_llama
 
-    monkeypatch.setattr(fast_llama, "_UPCAST_DTYPES", frozenset({dtype}))
-    monkeypatch.setattr(fast_llama, "_packs_products", lambda device, dtype: False)
-    keep = fast_llama.keep_float32_copies
-    monkeypatch.setattr(fast_llama, "keep_float32_copies", lambda weights, memory_bytes=None: False)
+    monkeypatch.setattr(cpu_platform, "_UPCAST_DTYPES", frozenset({dtype}))
+    monkeypatch.setattr(cpu_platform, "packs_products", lambda device, dtype: False)
+    keep = cpu_platform.keep_float32_copies
+    monkeypatch.setattr(cpu_platform, "keep_float32_copies", lambda weights, memory_bytes=None: False)
     plain = FastLlamaRunner(tiny_llama(seed=7).to(dtype))
-    monkeypatch.setattr(fast_llama, "keep_float32_copies", keep)
+    monkeypatch.setattr(cpu_platform, "keep_float32_copies", keep)
     copied = FastLlamaRunner(tiny_llama(seed=7).to(dtype))
     assert copied.float32_copies and not plain.float32_copies
     weights = [w for layer in copied.layers for w in (layer[1], layer[3], layer[6], layer[7])] + [copied.lm_head]
     for w in weights:
-        w32 = getattr(w, fast_llama._FLOAT32)
+        w32 = getattr(w, cpu_platform._FLOAT32)
         assert w32.dtype == torch.float32 and w32.shape == w.shape and torch.equal(w32, w.float())
     assert not FastLlamaRunner(tiny_llama(seed=7).float()).float32_copies
-    calls, upcast = [], fast_llama._linear_upcast
+    calls, upcast = [], cpu_platform._linear_upcast
 
     def spy(x, weight_t, bias):
-        calls.append(hasattr(weight_t, fast_llama._FLOAT32))
+        calls.append(hasattr(weight_t, cpu_platform._FLOAT32))
         return upcast(x, weight_t, bias)
 
-    monkeypatch.setattr(fast_llama, "_linear_upcast", spy)
+    monkeypatch.setattr(cpu_platform, "_linear_upcast", spy)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
     outs = []
     for runner in (copied, plain):
@@ -394,14 +393,14 @@ def test_products_through_float32_use_the_runners_float32_copies(monkeypatch, dt
                                      [3, len(prompts[1])], [None, None])
         outs.append((first, batch))
     for got, want in zip(outs[0], outs[1], strict=True):
-        assert fast_llama.relative_error(got, want) <= 1e-2 and bool((got.argmax(-1) == want.argmax(-1)).all())
+        assert relative_error(got, want) <= 1e-2 and bool((got.argmax(-1) == want.argmax(-1)).all())
     assert any(calls) and not all(calls)  # the copied runner's products by its copies, the plain one's converted
     small = [torch.zeros(64, 32, dtype=dtype).t()]
-    assert not fast_llama.keep_float32_copies(small, memory_bytes=64 * 32 * 4 * 7)
-    assert not hasattr(small[0], fast_llama._FLOAT32)
-    assert fast_llama.keep_float32_copies(small, memory_bytes=64 * 32 * 4 * 8)
-    assert torch.equal(getattr(small[0], fast_llama._FLOAT32), small[0].float())
-    setattr(small[0], fast_llama._FLOAT32, torch.ones(32, 64))  # what is multiplied is the copy
+    assert not cpu_platform.keep_float32_copies(small, memory_bytes=64 * 32 * 4 * 7)
+    assert not hasattr(small[0], cpu_platform._FLOAT32)
+    assert cpu_platform.keep_float32_copies(small, memory_bytes=64 * 32 * 4 * 8)
+    assert torch.equal(getattr(small[0], cpu_platform._FLOAT32), small[0].float())
+    setattr(small[0], cpu_platform._FLOAT32, torch.ones(32, 64))  # what is multiplied is the copy
     assert torch.equal(upcast(torch.ones(3, 32, dtype=dtype), small[0], None), torch.full((3, 64), 32.0, dtype=dtype))
 
 def test_greedy_equals_ar_through_the_blocked_output_layer(monkeypatch) -> None:
@@ -409,7 +408,7 @@ def test_greedy_equals_ar_through_the_blocked_output_layer(monkeypatch) -> None:
     the whole matrix) keeps greedy speculative output equal to AR, for a tree proposer and a chain."""
     from spec_helpers import add_cycles, engine_for, greedy, make_prompts, tiny_llama
 
-    monkeypatch.setattr(fast_llama, "HEAD_BLOCK", 32)
+    monkeypatch.setattr(cpu_platform, "HEAD_BLOCK", 32)
     target = add_cycles(tiny_llama(seed=21), seed=22).float()
     runner = FastLlamaRunner(target)
     assert runner.head_blocks is not None
@@ -517,8 +516,8 @@ def test_a_stitched_table_is_read_in_place(monkeypatch, num_kv_heads, dtype) -> 
     from specmesh import kv_pool
     from specmesh.kv_pool import PagedKVCache
 
-    monkeypatch.setattr(fast_llama, "IN_PLACE_MIN_BYTES", 0)  # these contexts are tiny: read every one in place
-    monkeypatch.setattr(fast_llama, "IN_PLACE_ALONE_BYTES", 0)
+    monkeypatch.setattr(sdpa_attention, "IN_PLACE_MIN_BYTES", 0)  # these contexts are tiny: read every one in place
+    monkeypatch.setattr(sdpa_attention, "IN_PLACE_ALONE_BYTES", 0)
     model = _llama(num_kv_heads).to(dtype)
     runner = FastLlamaRunner(model)
     pool = runner.new_pool(num_blocks=96, block_size=4)
@@ -560,9 +559,9 @@ def test_a_stitched_table_is_read_in_place(monkeypatch, num_kv_heads, dtype) -> 
 def test_stitched_sessions_read_in_place_past_a_size_and_a_count(context_bytes) -> None:
     """in_place_sessions: a session reads in place past IN_PLACE_ALONE_BYTES whatever the others do, past
     IN_PLACE_MIN_BYTES exactly when IN_PLACE_SHARED or more sessions are that large, never below it."""
-    alone, least = fast_llama.IN_PLACE_ALONE_BYTES, fast_llama.IN_PLACE_MIN_BYTES
-    chosen = fast_llama.in_place_sessions(context_bytes)
-    shared = sum(b >= least for b in context_bytes) >= fast_llama.IN_PLACE_SHARED
+    alone, least = sdpa_attention.IN_PLACE_ALONE_BYTES, sdpa_attention.IN_PLACE_MIN_BYTES
+    chosen = sdpa_attention.in_place_sessions(context_bytes)
+    shared = sum(b >= least for b in context_bytes) >= sdpa_attention.IN_PLACE_SHARED
     assert len(chosen) == len(context_bytes)
     for size, in_place in zip(context_bytes, chosen, strict=True):
         assert in_place == (size >= alone or (shared and size >= least))
@@ -585,8 +584,8 @@ def test_a_short_stitched_table_is_gathered(monkeypatch) -> None:
     for cache in (paged, plain):
         runner.forward(cache, prompt, list(range(len(prompt))))
     assert len(paged.slot_runs(paged.length)) == 2
-    for alone_bytes, gathered in ((fast_llama.IN_PLACE_ALONE_BYTES, True), (0, False)):
-        monkeypatch.setattr(fast_llama, "IN_PLACE_ALONE_BYTES", alone_bytes)
+    for alone_bytes, gathered in ((sdpa_attention.IN_PLACE_ALONE_BYTES, True), (0, False)):
+        monkeypatch.setattr(sdpa_attention, "IN_PLACE_ALONE_BYTES", alone_bytes)
         gathers.clear()
         position = paged.length
         got = runner.forward_batch([paged], [5], [position], [1], [None])

@@ -31,9 +31,9 @@ from orchestrator.engine import GenerationResult
 from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
 from orchestrator.service import GenerationService
 from orchestrator.stats import RequestStats
-from specmesh.app.local_mesh import ServiceProcess
 from specmesh.chat import ChatTemplate
 from specmesh.sampling import SamplingParams
+from specmesh_app.local_mesh import ServiceProcess
 from tests.service_helpers import DRAFT, TARGET, start_all, verifier, wait_until
 
 MODEL = "demo-target"

@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.http_api import BODY_BYTES_PER_PROMPT_BYTE, BODY_OVERHEAD_BYTES, build_app
 from orchestrator.http_server import HttpLimits, TlsFiles
-from specmesh.app.local_mesh import ServiceProcess
+from specmesh_app.local_mesh import ServiceProcess
 from tests.service_helpers import DRAFT, TARGET, start_all, wait_until
 from tests.test_http_api import (
     MODEL,

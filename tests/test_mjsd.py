@@ -266,7 +266,7 @@ def test_fused_refuses_a_lossy_member(model_sets):
 def test_policies_and_defaults_never_choose_mjsd():
     from drafter_service.proposer import DEFAULT_PROPOSER
     from orchestrator.server import add_arguments
-    from specmesh.app.bench import default_methods
+    from specmesh_app.bench import default_methods
 
     assert not proposer_spec(DEFAULT_PROPOSER).lossy
     assert "mjsd" not in default_methods(has_draft=True)

@@ -1,4 +1,4 @@
-"""specmesh on Ray Serve (specmesh/app/deploy.py): a local Ray cluster, the real application, real faults.
+"""specmesh on Ray Serve (specmesh_app/deploy.py): a local Ray cluster, the real application, real faults.
 
 One cluster for the module (a Ray start costs seconds). The application serves the bundled demo pair in
 float64, so outputs are compared token for token with plain greedy decoding of the embedded engine in this
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray = pytest.importorskip("ray")  # the [ray] extra
 from ray import serve  # noqa: E402
 
-from specmesh.app.deploy import application  # noqa: E402
+from specmesh_app.deploy import application  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    def __init__(self"]
 APP = "specmesh"
@@ -274,7 +274,7 @@ def test_verifier_pool_autoscales_up_under_load_and_back_down(cluster, stack):
     name = "scaling"
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                    "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
-                   "policy": {"policy_function": "specmesh.app.autoscaling:VerifierAutoscaling",
+                   "policy": {"policy_function": "specmesh_app.autoscaling:VerifierAutoscaling",
                               "policy_kwargs": {"target_sessions": 1}}}
     scaling_app = application({"verifier": VERIFIER_ARGS, "drafter": None, "serve": ["--proposer", "prompt_lookup",
                                                                                   "--tokenizer", TARGET]},

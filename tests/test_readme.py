@@ -121,7 +121,7 @@ def parse_line(argv: list[str]) -> str | None:
     addresses resolved, as `serve` does before loading anything); else what is wrong."""
     from orchestrator.server import resolve_addresses
     from orchestrator.vllm_args import apply_vllm_arguments
-    from specmesh.app.cli import COMMANDS, build_parser
+    from specmesh_app.cli import COMMANDS, build_parser
 
     command = next((a for a in argv if not a.startswith("-")), None)
     if command not in COMMANDS:
@@ -158,7 +158,7 @@ def test_a_wrong_command_line_is_caught():
 
 
 def serve_options() -> set[str]:
-    from specmesh.app.cli import build_parser
+    from specmesh_app.cli import build_parser
 
     parser = build_parser(["serve"])
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]

@@ -28,12 +28,12 @@ from drafter_service.remote import DrafterClient
 from drafter_service.retrieval import RetrievalProposer
 from drafter_service.tree_builders import weighted_paths_tree
 from specmesh import rpc
-from specmesh.app import cli
-from specmesh.app.local_mesh import LocalRedis
 from specmesh.contract import Budget
 from specmesh.feedback import DraftFeedback, VerifyFeedback
 from specmesh.models import load_tokenizer
 from specmesh.sampling import SamplingParams
+from specmesh_app import cli
+from specmesh_app.local_mesh import LocalRedis
 
 PROMPTS = make_prompts(4, seed=11)
 MAX_NEW = 40

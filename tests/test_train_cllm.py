@@ -1,4 +1,4 @@
-"""`specmesh train-cllm` (specmesh/app/train_cllm.py) on a tiny random model: Jacobi trajectories end at the
+"""`specmesh train-cllm` (specmesh_app/train_cllm.py) on a tiny random model: Jacobi trajectories end at the
 greedy continuation, Jacobi decoding reproduces it, training lowers its own objective, and the command saves
 a loadable model directory that says what it is."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specmesh.app import cli
-from specmesh.app.train_cllm import CllmConfig, Example, cllm_loss, collect, jacobi_decode, jacobi_trajectory
 from specmesh.models import demo_model
+from specmesh_app import cli
+from specmesh_app.train_cllm import CllmConfig, Example, cllm_loss, collect, jacobi_decode, jacobi_trajectory
 from tests.spec_helpers import naive_greedy, tiny_llama
 
 VOCAB = 4096  # the bundled demo tokenizer's

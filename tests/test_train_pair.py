@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmesh.app.train_pair import (
+from specmesh_app.train_pair import (
     ModelSize,
     TrainPairConfig,
     add_arguments,

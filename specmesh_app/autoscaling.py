@@ -1,4 +1,4 @@
-"""Ray Serve autoscaling policies for the verifier and drafter pools (specmesh/app/deploy.py).
+"""Ray Serve autoscaling policies for the verifier and drafter pools (specmesh_app/deploy.py).
 
 Serve's default policy counts the requests its handles route to a replica. Verifier and drafter replicas serve
 gRPC sessions that the orchestrator opens directly (one request = one session for its whole life), which
@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-# the metric names replicas report (specmesh/app/deploy.py)
+# the metric names replicas report (specmesh_app/deploy.py)
 SESSIONS, KV_USAGE = "sessions", "kv_usage"
 DRAFT_LATENCY_MS, DRAFT_BUSY = "draft_latency_ms", "draft_busy"
 
@@ -58,7 +58,7 @@ def drafter_replicas(current: int, metrics: Mapping[str, Mapping[Any, float]] | 
 
 
 class VerifierAutoscaling:
-    """``autoscaling_config.policy: {policy_function: specmesh.app.autoscaling:VerifierAutoscaling,
+    """``autoscaling_config.policy: {policy_function: specmesh_app.autoscaling:VerifierAutoscaling,
     policy_kwargs: {target_sessions: 8, target_kv_usage: 0.7}}``."""
 
     def __init__(self, target_sessions: float = 8, target_kv_usage: float = 0.7) -> None:
@@ -72,7 +72,7 @@ class VerifierAutoscaling:
 
 
 class DrafterAutoscaling:
-    """``autoscaling_config.policy: {policy_function: specmesh.app.autoscaling:DrafterAutoscaling,
+    """``autoscaling_config.policy: {policy_function: specmesh_app.autoscaling:DrafterAutoscaling,
     policy_kwargs: {target_busy: 0.6, target_latency_ms: 20}}``."""
 
     def __init__(self, target_busy: float = 0.6, target_latency_ms: float = 20.0) -> None:

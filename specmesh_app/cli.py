@@ -412,7 +412,7 @@ class Command:
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
     from orchestrator.arguments import add_embedded_arguments
-    from specmesh.app import bench
+    from specmesh_app import bench
 
     bench.add_arguments(p)  # bench's own options; the model options are shared with generate
     add_embedded_arguments(p)
@@ -425,26 +425,26 @@ COMMANDS = {
                         "warm-up, prefill included, as `specmesh bench` measures it; with --server, as this client "
                         "sees it) on stderr. Ctrl-C prints the stats so far (finish=interrupted) and exits with "
                         "status 130.",
-                        "specmesh.app.cli:add_generate_arguments", "specmesh.app.cli:cmd_generate"),
+                        "specmesh_app.cli:add_generate_arguments", "specmesh_app.cli:cmd_generate"),
     "bench": Command("measure speculative methods against autoregressive decoding and HF peers",
                      "Run every prompt of a JSONL file through AR and each method, interleaved, in one process; "
                      "print a markdown table and write JSON.",
-                     "specmesh.app.cli:_bench_arguments", "specmesh.app.bench:run"),
+                     "specmesh_app.cli:_bench_arguments", "specmesh_app.bench:run"),
     "train-pair": Command("train a small target/draft pair (Llama architecture, byte-level BPE)",
                           "Train a tokenizer, a target and a draft model on Python source files and save them in "
                           "Hugging Face format.",
-                          "specmesh.app.train_pair:add_arguments", "specmesh.app.train_pair:run"),
+                          "specmesh_app.train_pair:add_arguments", "specmesh_app.train_pair:run"),
     "train-cllm": Command("fine-tune a copy of a target into a consistency LLM (CLLM) for Jacobi decoding",
                           "Collect the target's Jacobi trajectories on a corpus and fine-tune a copy with the "
                           "global consistency loss plus the AR loss; saves a model directory (a different model "
                           "from its base: label it so).",
-                          "specmesh.app.train_cllm:add_arguments", "specmesh.app.train_cllm:run"),
+                          "specmesh_app.train_cllm:add_arguments", "specmesh_app.train_cllm:run"),
     "train-falcon": Command("train a Falcon semi-autoregressive draft head for a target (the `falcon` proposer)",
                             "Dump the target's final-layer features over a corpus, then train a head (LSTM + one "
                             "decoder layer on the target's embedding and LM head) with Coupled Sequential Glancing "
                             "Distillation; saves a head folder (config.json + model.safetensors) that "
                             "`--methods falcon:head=DIR` loads.",
-                            "specmesh.app.train_falcon:add_arguments", "specmesh.app.train_falcon:run"),
+                            "specmesh_app.train_falcon:add_arguments", "specmesh_app.train_falcon:run"),
     "ingest": Command("tokenize files and fill an n-gram store for retrieval drafting (REST)",
                       "Tokenize files (directories are walked) and add their n-grams to a Redis store or to a "
                       "snapshot file that drafters load with --ngram-store.",

@@ -1,7 +1,7 @@
 """specmesh on Ray Serve: verifier, drafter and orchestrator pools as separate deployments.
 
     serve run deploy/serve_config.yaml            # a laptop; the YAML says how many of each, and where
-    import path: specmesh.app.deploy:build_app    # args: AppArgs below
+    import path: specmesh_app.deploy:build_app    # args: AppArgs below
 
 Deployments (each scales on its own; deploy/README.md has the reasons):
 
@@ -16,7 +16,7 @@ Deployments (each scales on its own; deploy/README.md has the reasons):
   engine's own gRPC clients do that (and fail over between drafters), where Serve's handles would route every
   call anew.
 - Replicas report their load to Serve's autoscaler (``record_autoscaling_stats``: sessions and KV pool use
-  for verifiers, drafting time for drafters), which specmesh/app/autoscaling.py turns into replica counts.
+  for verifiers, drafting time for drafters), which specmesh_app/autoscaling.py turns into replica counts.
 - Stopping a replica (scale-down, redeploy) drains it: it withdraws from ``Membership``, refuses new sessions
   (UNAVAILABLE: the orchestrator uses another replica) and waits up to ``drain_timeout_s`` for its open ones.
 """
@@ -38,8 +38,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from specmesh import models, rpc, serving
-from specmesh.app.autoscaling import DRAFT_BUSY, DRAFT_LATENCY_MS, KV_USAGE, SESSIONS
 from specmesh.host_runtime import freeze_heap, tune_host_allocator
+from specmesh_app.autoscaling import DRAFT_BUSY, DRAFT_LATENCY_MS, KV_USAGE, SESSIONS
 
 log = logging.getLogger("specmesh.deploy")
 
@@ -73,7 +73,7 @@ class AppArgs(BaseModel):
 def parse_options(command: str, options: Sequence[str], decided_by_serve: Iterable[str] = ()) -> argparse.Namespace:
     """``options`` parsed as `specmesh <command>` would; ValueError with argparse's message if they do not
     parse, or if they set one of ``decided_by_serve``."""
-    from specmesh.app.cli import build_parser
+    from specmesh_app.cli import build_parser
 
     for option in options:
         if option.split("=", 1)[0] in decided_by_serve:
@@ -432,7 +432,7 @@ class Orchestrator:
 
 # ------------------------------------------------------------------ the application
 def build_app(args: dict) -> serve.Application:
-    """The application builder of ``import_path: specmesh.app.deploy:build_app``: ``args`` as AppArgs."""
+    """The application builder of ``import_path: specmesh_app.deploy:build_app``: ``args`` as AppArgs."""
     return application(args)
 
 

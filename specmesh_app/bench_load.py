@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from drafter_service.draft_kv import draft_kv
-from specmesh.app.bench_runners import MethodSpec, asked_sampling
 from specmesh.sampling import SamplingParams
+from specmesh_app.bench_runners import MethodSpec, asked_sampling
 
 PROFILE_ROWS = 30  # operators per table of --profile
 WARMUP_TOKENS = 16  # new tokens per request of the warm-up before each level
@@ -129,7 +129,7 @@ def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[s
 
 
 def grpc_streamer(client, spec: MethodSpec) -> tuple[Streamer, None]:
-    from specmesh.app.bench_runners import GrpcRunner
+    from specmesh_app.bench_runners import GrpcRunner
 
     params = GrpcRunner(client, spec).params
 

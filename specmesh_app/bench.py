@@ -67,8 +67,10 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.arguments import add_penalty_arguments, penalty_options
-from specmesh.app.bench_load import load_table
-from specmesh.app.bench_runners import (
+from specmesh.atomic_io import check_writable, write_text_atomic
+from specmesh.sampling import SamplingParams
+from specmesh_app.bench_load import load_table
+from specmesh_app.bench_runners import (
     GRPC_PREFIX,
     HF_METHODS,
     ForwardMeter,
@@ -78,8 +80,6 @@ from specmesh.app.bench_runners import (
     measured_run,
     method_runner,
 )
-from specmesh.atomic_io import check_writable, write_text_atomic
-from specmesh.sampling import SamplingParams
 
 # Options of HF methods when the spec leaves them unset (specmesh budgets default per proposer in the
 # proposer registry, drafter_service/proposer.py; HF assisted keeps transformers' own defaults).
@@ -439,8 +439,8 @@ def _grpc_client(args, specs, target_dir, draft_dir, resources: contextlib.ExitS
     """A client of `specmesh serve` when grpc: methods run: --server, or a mesh spawned here."""
     if not any(s.is_grpc for s in specs):
         return None
-    from specmesh.app.local_mesh import LocalMesh
     from specmesh.client import Client
+    from specmesh_app.local_mesh import LocalMesh
 
     address = args.server
     if address is None:
@@ -484,7 +484,7 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
     if not prompts:
         raise SystemExit("specmesh bench: no prompts to run")
     if args.concurrency is not None:
-        from specmesh.app.bench_load import run_load_bench
+        from specmesh_app.bench_load import run_load_bench
 
         try:
             load = run_load_bench(args, specs, stack, prompts, base, client)
@@ -656,7 +656,7 @@ def markdown_table(report: dict) -> str:
 
 # ----------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Bench options; the model options (--target, --draft, --runner, --dtype, --threads) come from specmesh.app.cli."""
+    """Bench options; the model options (--target, --draft, --runner, --dtype, --threads) come from specmesh_app.cli."""
     parser.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="JSONL with id, prompt, max_new_tokens")
     parser.add_argument("--methods", nargs="+", metavar="SPEC",
                         help="NAME or NAME:key=value,... with NAME one of ar, a proposer (keys: max_nodes, max_depth, "
