@@ -19,7 +19,7 @@ Usage (from the repository root; SmolLM2 made by ``../shared/tools/smollm2.sh``)
     python benchmarks/cpu_forward.py --target ~/.cache/specmesh-bench/smollm2-135m-instruct/hf \\
         --json benchmarks/results/cpu_forward_smollm2.json
     python benchmarks/cpu_forward.py --target ~/.cache/specmesh-bench/smollm2-135m-instruct/hf \
-        --only-frozen --frozen-dtypes bfloat16 --json benchmarks/results/cpu_forward_smollm2_bf16_frozen.json
+        --only-frozen --frozen-dtypes bfloat16 --json benchmarks/results/cpu_forward_smollm2_bf16_frozen_dispatch.json
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ engine's host time (the rest), reported as "host ms/step" and "host µs/extra".
 Greedy, ignore_eos: every request generates exactly --max-new-tokens tokens, and the outputs of both engines
 are checked equal. One torch thread (--threads). Usage:
 
-    python benchmarks/engine_overhead.py --json benchmarks/results/engine_overhead.json
+    python benchmarks/engine_overhead.py --prompts ../shared/data/stdlib_functions.jsonl \\
+        --json benchmarks/results/engine_overhead_final.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ and, with --tracing, gRPC on a second `serve` exporting OpenTelemetry spans, all
 
     python benchmarks/front_end_overhead.py --target ../shared/models/stdlib-code/target \
         --draft ../shared/models/stdlib-code/draft --prompts ../shared/data/stdlib_functions.jsonl \
-        --limit 16 --max-new-tokens 128 --proposer fused --tracing --json benchmarks/results/front_ends.json
+        --limit 16 --max-new-tokens 128 --proposer fused --tracing --json /tmp/front_end_overhead.json
 
 `specmesh serve --embedded --http` runs as a child process (with --tracing a second one, with
 OTEL_EXPORTER_OTLP_ENDPOINT pointing at an OTLP receiver in this process that counts the spans); the

@@ -6,7 +6,7 @@ checkouts with one script), with a KV pool that holds ``--contexts`` full contex
 OpenAI's default is). Reports how many completed and how many were refused (HTTP status counts), completion
 tokens, finish reasons, wall time, tokens/s, and the server's preemption counter (``/metrics``).
 
-    python benchmarks/kv_pressure.py --json benchmarks/results/kv_pressure_after.json
+    python benchmarks/kv_pressure.py --contexts 0.5 --json benchmarks/results/kv_pressure_halfctx_after.json
     python benchmarks/kv_pressure.py --repo ../before --json /tmp/before.json   # an older checkout's server
 
 A benchmark, not a test: a run takes minutes on a CPU (the demo target's context is 2,048 tokens).

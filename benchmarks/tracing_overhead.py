@@ -1,7 +1,7 @@
 """What tracing costs per speculative step: the same greedy requests with tracing on and off.
 
     python -m benchmarks.tracing_overhead [--prompts ../shared/data/stdlib_functions.jsonl] [--requests 24]
-        [--max-new-tokens 64] [--proposer draft_model] [--json benchmarks/results/tracing_overhead.json]
+        [--max-new-tokens 64] [--proposer draft_model] [--json benchmarks/results/tracing_overhead_draft_model.json]
 
 Spans go over OTLP/gRPC to a sink in this process that counts them (as a collector would receive them, in a process of its own).
 Three measurements, each interleaving on and off so that load on the machine hits both alike:
