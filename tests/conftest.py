@@ -16,12 +16,6 @@ from pathlib import Path
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # a local Ray cluster stays on 127.0.0.1: Ray 2.60 swaps loopback for the interface's address without this
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# Under pytest-xdist (`-n N`) the machine's cores are shared by N workers: each worker, and every server process
-# it spawns (they inherit the environment), gets its share of intra-op threads instead of torch's default of
-# one per core, which on 2 cores with 2 workers oversubscribes them 2x and makes tiny-model steps spin.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
-if _WORKERS > 1:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 import pytest  # noqa: E402
 import torch
@@ -61,7 +55,12 @@ SINGLE_THREAD_MODULES = {
 }
 
 
+# Under pytest-xdist (`-n N`) the machine's cores are shared by N workers: each worker, and every server process
+# it spawns (they inherit the environment), gets its share of intra-op threads instead of torch's default of
+# one per core, which on 2 cores with 2 workers oversubscribes them 2x and makes tiny-model steps spin.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

@@ -212,6 +212,33 @@ def batched_events(target_runner: ModelRunner, proposer: str, jobs: Sequence[tup
         core.close()
 
 
+def results_on_core(verifier: LocalVerifier, method, jobs: Sequence[tuple[list[int], SamplingParams]],
+                    in_flight: int = 16) -> list:
+    """Each (prompt, sampling) job's GenerationResult, run on one EngineCore over ``verifier`` with ``method``
+    (``orchestrator.requests.Method``), ``in_flight`` requests at a time: batched forwards, one drafter for all,
+    as `serve` runs them (a distribution test's thousands of samples, in a fraction of one request at a time's
+    time). Asserts that the requests shared forwards."""
+    from orchestrator.core import EngineCore
+    from orchestrator.requests import QueueOutput
+
+    core = EngineCore(verifier)
+    results = []
+    try:
+        for start in range(0, len(jobs), in_flight):
+            outputs = []
+            for prompt, sampling in jobs[start:start + in_flight]:
+                outputs.append(QueueOutput())
+                core.submit(prompt, sampling, method, outputs[-1])
+            for output in outputs:
+                for _ in output.events():  # drained: the request has finished
+                    pass
+                results.append(output.result)
+        assert len(jobs) < 2 or core.stats.max_batch > 1
+    finally:
+        core.close()
+    return results
+
+
 def window_for(proposer: Proposer) -> LookaheadConfig | None:
     """The verifier window a proposer asks for (lookahead), as orchestrator/embedded.py configures it."""
     return LookaheadConfig(*proposer.feedback_window) if proposer.feedback_window is not None else None

@@ -392,24 +392,38 @@ def e2e():
     return target, make_runner(target, "fast")
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "pearl"])
-@pytest.mark.parametrize("warp", ["plain", "topk_topp"])
-def test_falcon_sampling_matches_target_distribution(e2e, warp, overlap):
+def falcon_pairs(runner, proposer: FalconProposer, warp: str, overlap: bool, on_core: bool) -> tuple[Counter, int]:
+    """(counts of the 2nd and 3rd generated tokens of E2E_SAMPLES seeded samples, draft tokens accepted): on the
+    engine core (``on_core``: 16 requests in flight, one head drafting for all, as `serve` runs it) or on the
+    per-request Engine."""
+    from spec_helpers import results_on_core
+
+    from orchestrator.requests import Method
+
+    temperature, top_k, top_p = WARPS[warp]
+    jobs = [(E2E_PROMPT, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i, max_new_tokens=4,
+                                        ignore_eos=True)) for i in range(E2E_SAMPLES)]
+    if on_core:
+        policy = StaticPolicy(6, 4, restart_depth=0) if overlap else StaticPolicy(6, 4)
+        method = Method(only(LocalDrafter(proposer), "falcon"), policy, features=True, strict=True, overlap=overlap)
+        results = results_on_core(LocalVerifier(runner, features=True), method, jobs)
+    else:
+        engine = _engine(runner, proposer, (6, 4), overlap, restart_depth=0 if overlap else None)
+        results = [engine.generate(prompt, sp) for prompt, sp in jobs]
+    counts = Counter(tuple(res.token_ids[1:3]) for res in results)
+    return counts, sum(s.num_accepted for res in results for s in res.stats.steps)
+
+
+@pytest.mark.parametrize("on_core,overlap,warp", [(True, False, "plain"), (True, True, "plain"),
+                                                  (True, False, "topk_topp"), (True, True, "topk_topp"),
+                                                  (False, False, "plain"), (False, True, "topk_topp")],
+                         ids=["core-sequential-plain", "core-pearl-plain", "core-sequential-topk_topp",
+                              "core-pearl-topk_topp", "engine-sequential-plain", "engine-pearl-topk_topp"])
+def test_falcon_sampling_matches_target_distribution(e2e, on_core, overlap, warp):
     model, runner = e2e
     proposer = FalconProposer(random_head(target_tables(runner).to(torch.float32), k=2, seed=1), samples=2)
-    engine = _engine(runner, proposer, (6, 4), overlap, restart_depth=0 if overlap else None)
-    temperature, top_k, top_p = WARPS[warp]
-    counts, accepted = {}, 0
-    for i in range(E2E_SAMPLES):
-        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i, max_new_tokens=4,
-                            ignore_eos=True)
-        res = engine.generate(E2E_PROMPT, sp)
-        key = tuple(res.token_ids[1:3])
-        counts[key] = counts.get(key, 0) + 1
-        accepted += sum(s.num_accepted for s in res.stats.steps)
-    from collections import Counter
-
-    assert chisquare_p(Counter(counts), exact_pair_law(model, E2E_PROMPT, WARPS[warp])) > P_PASS
+    counts, accepted = falcon_pairs(runner, proposer, warp, overlap, on_core)
+    assert chisquare_p(counts, exact_pair_law(model, E2E_PROMPT, WARPS[warp])) > P_PASS
     # the tree's sampled nodes were accepted, not all rejected (PEARL with restart depth 0: only trees drafted
     # ahead are verified, used when the sampled bonus token was guessed)
     assert accepted > (0.005 if overlap else 0.05) * E2E_SAMPLES
@@ -419,14 +433,8 @@ def test_reduced_vocabulary_falcon_sampling_matches_target_distribution(e2e):
     """Drafting from 5 of the 8 tokens: three tokens always have q = 0, and the output law is still the target's."""
     model, runner = e2e
     head = random_head(target_tables(runner).to(torch.float32), k=2, seed=1, draft_vocab=5)
-    engine = _engine(runner, FalconProposer(head, samples=2), (6, 4), False)
-    counts, accepted = {}, 0
-    for i in range(E2E_SAMPLES):
-        res = engine.generate(E2E_PROMPT, SamplingParams(temperature=1.0, seed=i, max_new_tokens=4, ignore_eos=True))
-        key = tuple(res.token_ids[1:3])
-        counts[key] = counts.get(key, 0) + 1
-        accepted += sum(s.num_accepted for s in res.stats.steps)
-    assert chisquare_p(Counter(counts), exact_pair_law(model, E2E_PROMPT, WARPS["plain"])) > P_PASS
+    counts, accepted = falcon_pairs(runner, FalconProposer(head, samples=2), "plain", False, on_core=True)
+    assert chisquare_p(counts, exact_pair_law(model, E2E_PROMPT, WARPS["plain"])) > P_PASS
     assert accepted > 0.05 * E2E_SAMPLES
     outside = set(range(8)) - set(head.vocab_ids.tolist())
     assert any(t in outside for key in counts for t in key)  # tokens the head cannot draft still come out

@@ -217,15 +217,26 @@ def processed_pair_law(model, prompt, sp: SamplingParams) -> dict[tuple, float]:
     ("fused", dict(repetition_penalty=2.0, top_k=5, top_p=0.9)),
 ], ids=["tree_penalties_bias", "fused_repetition_warped"])
 def test_speculative_sampling_with_processors_has_the_processed_law(e2e, proposer, options):
+    """On the engine core (16 requests in flight: the processors' per-row state in a batch, as `serve` runs it)."""
+    from spec_helpers import results_on_core, window_for
+
+    from drafter_service.drafter import LocalDrafter
+    from drafter_service.proposer import make_proposer
+    from orchestrator.drafter_link import only
+    from orchestrator.policy import StaticPolicy
+    from orchestrator.requests import Method
+    from verifier_service.verifier import LocalVerifier
+
     model, target_runner, draft_runner = e2e
-    engine = engine_for(target_runner, proposer, 4, 2, draft_runner=draft_runner)
-    counts, accepted, steps = Counter(), 0, 0
+    prop = make_proposer(proposer, draft_runner=draft_runner)
+    verifier = LocalVerifier(target_runner, feedback_topk=prop.feedback_topk, lookahead=window_for(prop))
+    method = Method(only(LocalDrafter(prop), proposer), StaticPolicy(4, 2), strict=True)
     base = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, **options)
-    for i in range(SAMPLES):
-        res = engine.generate(E2E_PROMPT, SamplingParams(**{**base.__dict__, "seed": i}))
-        counts[tuple(res.token_ids[1:3])] += 1
-        accepted += sum(s.num_accepted for s in res.stats.steps)
-        steps += res.stats.num_steps
+    jobs = [(E2E_PROMPT, SamplingParams(**{**base.__dict__, "seed": i})) for i in range(SAMPLES)]
+    results = results_on_core(verifier, method, jobs)
+    counts = Counter(tuple(res.token_ids[1:3]) for res in results)
+    accepted = sum(s.num_accepted for res in results for s in res.stats.steps)
+    steps = sum(res.stats.num_steps for res in results)
     assert accepted / steps > 0.05  # speculation was exercised
     law = processed_pair_law(model, E2E_PROMPT, base)
     assert chisquare_p(counts, law) > P_PASS

@@ -437,6 +437,13 @@ def exact_pair_law(model, prompt: list[int], warp: tuple[float, int, float]) -> 
     return {(b, c): float(law[b, c]) for b in range(v) for c in range(v)}
 
 
+def proposer_options(proposer: str | None) -> tuple[str | None, dict]:
+    """"NAME:key=value,..." -> (NAME, the proposer's options); None -> (None, {}) (plain decoding)."""
+    name, _, options = (proposer or "").partition(":")
+    opts = dict(kv.split("=") for kv in options.split(",")) if options else {}
+    return name or None, {k: int(v) if v.isdigit() else v for k, v in opts.items()}
+
+
 def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int,
                  overlap: bool = False) -> tuple[Counter, float]:
     """(counts of the 2nd and 3rd generated tokens, acceptance: draft tokens accepted per step, or with
@@ -444,10 +451,8 @@ def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int
     from spec_helpers import engine_for
 
     temperature, top_k, top_p = warp
-    name, _, options = (proposer or "").partition(":")  # "NAME:key=value,..." = proposer options
-    opts = dict(kv.split("=") for kv in options.split(",")) if options else {}
-    opts = {k: int(v) if v.isdigit() else v for k, v in opts.items()}
-    engine = engine_for(target_runner, name or None, 4, 2, draft_runner=draft_runner, **opts)
+    name, opts = proposer_options(proposer)
+    engine = engine_for(target_runner, name, 4, 2, draft_runner=draft_runner, **opts)
     if overlap:  # PEARL as shipped: restarts verify no tree; trees drafted ahead, reused when the bonus was guessed
         engine.overlap, engine.policy = True, StaticPolicy(4, 2, restart_depth=0)
     counts: Counter = Counter()
@@ -466,95 +471,41 @@ def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int
     return counts, accepted / max(steps, 1)
 
 
-def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, seed0: int, overlap: bool,
+def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, seed0: int, overlap: bool = False,
                          in_flight: int = 16) -> tuple[Counter, float]:
     """``sample_pairs`` on the engine core: the ``n`` requests run ``in_flight`` at a time (batched forwards, one
-    drafter serving them all); acceptance = draft tokens accepted per step."""
-    from spec_helpers import window_for
+    drafter serving them all; ``proposer`` None: plain decoding); acceptance = draft tokens accepted per step."""
+    from spec_helpers import results_on_core, window_for
 
     from drafter_service.drafter import LocalDrafter
     from drafter_service.proposer import make_proposer
-    from orchestrator.core import EngineCore
     from orchestrator.drafter_link import only
-    from orchestrator.requests import Method, QueueOutput
+    from orchestrator.requests import Method
 
     temperature, top_k, top_p = warp
-    prop = make_proposer(proposer, draft_runner=draft_runner)
-    core = EngineCore(LocalVerifier(target_runner, feedback_topk=prop.feedback_topk, lookahead=window_for(prop)))
-    method = Method(only(LocalDrafter(prop), proposer), StaticPolicy(4, 2, restart_depth=0 if overlap else None),
-                    strict=True, overlap=overlap)
+    name, opts = proposer_options(proposer)
+    if name is None:  # plain decoding on the same core
+        verifier, method = LocalVerifier(target_runner), Method()
+    else:
+        prop = make_proposer(name, draft_runner=draft_runner, **opts)
+        verifier = LocalVerifier(target_runner, feedback_topk=prop.feedback_topk, lookahead=window_for(prop))
+        method = Method(only(LocalDrafter(prop), name), StaticPolicy(4, 2, restart_depth=0 if overlap else None),
+                        strict=True, overlap=overlap)
+    jobs = [(E2E_PROMPT, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + i,
+                                        max_new_tokens=4, ignore_eos=True)) for i in range(n)]
     counts: Counter = Counter()
     accepted = steps = 0
-    try:
-        for start in range(0, n, in_flight):
-            outputs = []
-            for i in range(start, min(n, start + in_flight)):
-                sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + i,
-                                    max_new_tokens=4, ignore_eos=True)
-                outputs.append(QueueOutput())
-                core.submit(E2E_PROMPT, sp, method, outputs[-1])
-            for output in outputs:
-                tokens = [t for event in output.events() for t in event.tokens]
-                assert len(tokens) == 4
-                counts[tuple(tokens[1:3])] += 1
-                accepted += sum(s.num_accepted for s in output.result.stats.steps)
-                steps += output.result.stats.num_steps
-        assert core.stats.max_batch > 1
-    finally:
-        core.close()
+    for result in results_on_core(verifier, method, jobs, in_flight):
+        assert len(result.token_ids) == 4
+        counts[tuple(result.token_ids[1:3])] += 1
+        accepted += sum(s.num_accepted for s in result.stats.steps)
+        steps += result.stats.num_steps
     return counts, accepted / max(steps, 1)
 
 
-@pytest.mark.parametrize("proposer,warp,overlap", [("draft_model", "plain", False), ("draft_model_tree", "topk_topp", True),
-                                                   ("fused", "topk_topp", True)])
-def test_core_sampling_matches_the_exact_law(e2e_models, proposer, warp, overlap):
-    """Batched on the engine core (and overlapped): still the target's distribution."""
-    model, target_runner, draft_runner = e2e_models
-    counts, acceptance = sample_pairs_on_core(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES,
-                                              seed0=0, overlap=overlap)
-    assert acceptance > 0.02
-    assert chisquare_p(counts, exact_pair_law(model, E2E_PROMPT, WARPS[warp])) > P_PASS
-
-
-@pytest.fixture(scope="module")
-def ar_pairs(e2e_models):
-    """warp name -> autoregressive samples, drawn on first use (inside a test, single-threaded)."""
-    _, target_runner, _ = e2e_models
-    memo: dict[str, Counter] = {}
-
-    def get(name: str) -> Counter:
-        if name not in memo:
-            memo[name] = sample_pairs(target_runner, None, None, WARPS[name], E2E_SAMPLES, seed0=10**6)[0]
-        return memo[name]
-
-    return get
-
-
-@pytest.mark.parametrize(
-    "proposer,warp,overlap",
-    [("draft_model", "plain", False), ("draft_model_tree", "plain", False), ("prompt_lookup", "plain", False),
-     ("draft_model", "topk_topp", False), ("draft_model", "plain", True), ("draft_model_tree", "plain", True),
-     # learning proposers: trees built from earlier requests' samples (store, top-k table, calibration)
-     ("retrieval:span=2,min_n=1", "plain", False), ("recycling", "plain", False),
-     ("fused:members=copy+recycling+draft_model", "plain", False),
-     ("fused", "topk_topp", True),
-     # Jacobi: deterministic guesses (the target's greedy predictions), point masses to the verifier
-     ("jacobi", "plain", False), ("jacobi", "topk_topp", True),
-     # lookahead: pool n-grams from the prompt and the verifier's window (argmax only), point masses; 4 tokens
-     # are too few for a deeper window's n-grams to be used (N = 3 keeps seeded samples: test_verifier_feedback)
-     ("lookahead:window=3,ngram=2", "plain", False), ("lookahead:window=3,ngram=2", "topk_topp", False)],
-)
-def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
-    model, target_runner, draft_runner = e2e_models
-    law = exact_pair_law(model, E2E_PROMPT, WARPS[warp])
-    counts, acceptance = sample_pairs(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES, seed0=0,
-                                      overlap=overlap)
-    # speculation was really exercised (not all rejected); with overlap: tokens accepted from reused
-    # drafted-ahead trees per request (a sampled guess of the bonus token is right ~7% of the time here)
-    assert acceptance > (0.02 if overlap else 0.05)
+def assert_same_law_as_autoregressive(counts: Counter, ar: Counter, law: dict[tuple, float]) -> None:
+    """``counts`` fit the exact law, and (two-sample test) autoregressive samples of the same stack."""
     assert chisquare_p(counts, law) > P_PASS
-    # two-sample test against autoregressive samples of the same stack
-    ar = ar_pairs(warp)
     cells = [c for c in law if counts.get(c, 0) + ar.get(c, 0) >= 10]
     rest = [sum(x.get(c, 0) for c in law if c not in cells) for x in (counts, ar)]
     table = np.array([[counts.get(c, 0) for c in cells] + [rest[0]], [ar.get(c, 0) for c in cells] + [rest[1]]])
@@ -562,10 +513,69 @@ def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, 
     assert stats.chi2_contingency(table).pvalue > P_PASS
 
 
-def test_engine_autoregressive_sampling_matches_exact_law(e2e_models, ar_pairs):
+@pytest.fixture(scope="module")
+def ar_pairs(e2e_models):
+    """(warp name, on the core?) -> autoregressive samples of that stack, drawn on first use (inside a test,
+    single-threaded)."""
+    _, target_runner, _ = e2e_models
+    memo: dict[tuple[str, bool], Counter] = {}
+
+    def get(name: str, core: bool = False) -> Counter:
+        if (name, core) not in memo:
+            sample = sample_pairs_on_core if core else sample_pairs
+            memo[name, core] = sample(target_runner, None, None, WARPS[name], E2E_SAMPLES, seed0=10**6)[0]
+        return memo[name, core]
+
+    return get
+
+
+# Every proposer family on the engine core, which `generate`, `bench` and `serve` run: 16 requests in flight,
+# batched forwards, one drafter for all of them (and PEARL's overlap where marked)
+CORE_CASES = [
+    ("draft_model", "plain", False), ("draft_model_tree", "plain", False), ("prompt_lookup", "plain", False),
+    ("draft_model", "topk_topp", False), ("draft_model", "plain", True), ("draft_model_tree", "plain", True),
+    ("draft_model_tree", "topk_topp", True),
+    # learning proposers: trees built from earlier requests' samples (store, top-k table, calibration)
+    ("retrieval:span=2,min_n=1", "plain", False), ("recycling", "plain", False),
+    ("fused:members=copy+recycling+draft_model", "plain", False),
+    ("fused", "topk_topp", True),
+    # Jacobi: deterministic guesses (the target's greedy predictions), point masses to the verifier
+    ("jacobi", "plain", False), ("jacobi", "topk_topp", True),
+    # lookahead: pool n-grams from the prompt and the verifier's window (argmax only), point masses; 4 tokens
+    # are too few for a deeper window's n-grams to be used (N = 3 keeps seeded samples: test_verifier_feedback)
+    ("lookahead:window=3,ngram=2", "plain", False), ("lookahead:window=3,ngram=2", "topk_topp", False),
+]
+
+
+@pytest.mark.parametrize("proposer,warp,overlap", CORE_CASES)
+def test_core_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
+    model, target_runner, draft_runner = e2e_models
+    counts, acceptance = sample_pairs_on_core(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES,
+                                              seed0=0, overlap=overlap)
+    # speculation was really exercised (not all rejected); with overlap most steps restart with no tree
+    assert acceptance > (0.005 if overlap else 0.02)
+    assert_same_law_as_autoregressive(counts, ar_pairs(warp, core=True), exact_pair_law(model, E2E_PROMPT, WARPS[warp]))
+
+
+# The per-request Engine (its own drafting link and PEARL loop; the structured-output and tracing benchmarks
+# run it): a chain, a tree drafted ahead, and the default mix under a warp
+@pytest.mark.parametrize("proposer,warp,overlap", [("draft_model", "plain", False), ("draft_model_tree", "plain", True),
+                                                   ("fused", "topk_topp", True)])
+def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
+    model, target_runner, draft_runner = e2e_models
+    counts, acceptance = sample_pairs(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES, seed0=0,
+                                      overlap=overlap)
+    # speculation was really exercised (not all rejected); with overlap: tokens accepted from reused
+    # drafted-ahead trees per request (a sampled guess of the bonus token is right ~7% of the time here)
+    assert acceptance > (0.02 if overlap else 0.05)
+    assert_same_law_as_autoregressive(counts, ar_pairs(warp), exact_pair_law(model, E2E_PROMPT, WARPS[warp]))
+
+
+@pytest.mark.parametrize("core", [False, True], ids=["engine", "core"])
+def test_autoregressive_sampling_matches_exact_law(e2e_models, ar_pairs, core):
     model = e2e_models[0]
     for name, warp in WARPS.items():
-        assert chisquare_p(ar_pairs(name), exact_pair_law(model, E2E_PROMPT, warp)) > P_PASS, name
+        assert chisquare_p(ar_pairs(name, core), exact_pair_law(model, E2E_PROMPT, warp)) > P_PASS, name
 
 
 @pytest.mark.parametrize("warp", [(1.0, 3, 1.0), (1.0, 0, 0.4), (0.7, 4, 0.6)], ids=["top_k", "top_p", "all"])
