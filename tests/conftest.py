@@ -64,12 +64,29 @@ if _WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# Modules whose module-scoped fixtures start server processes (a mesh, a Redis, an HTTP server): under xdist their
+# tests run on one worker, so the servers start once, not once per worker. The session's `mesh` likewise.
+SERVER_MODULES = {
+    "test_falcon_grpc", "test_grpc_faults", "test_grpc_security", "test_http_api", "test_http_hardening",
+    "test_metrics_services", "test_retrieval", "test_tracing",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup`, the tests that start a local Ray cluster run on one worker, one after another:
-    two clusters at once on 2 cores starve each other's raylets and Serve's health checks."""
+    """Under `--dist loadgroup` (pyproject's addopts): the tests that start a local Ray cluster run on one worker,
+    one after another (two clusters at once on 2 cores starve each other's raylets and Serve's health checks); the
+    tests of a module with its own servers, and those of the session's mesh, run on one worker each. The slow
+    tests are handed out first (xdist deals groups by size, then in collection order), so that none starts last and
+    leaves the other workers idle while it runs."""
     for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif "mesh" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("mesh"))
+        elif module in SERVER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the slow ones first
 
 
 @pytest.fixture(autouse=True)

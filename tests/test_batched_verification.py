@@ -200,6 +200,7 @@ def simulate_batched(names: list[str], trials: int, seed: int) -> dict[str, Coun
     return counts
 
 
+@pytest.mark.slow
 def test_batched_sampling_matches_target_distribution():
     counts = simulate_batched(list(SCENARIOS), TRIALS, seed=7)
     for name, (vocab, _, _, k) in SCENARIOS.items():

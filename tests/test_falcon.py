@@ -419,6 +419,7 @@ def falcon_pairs(runner, proposer: FalconProposer, warp: str, overlap: bool, on_
                                                   (False, False, "plain"), (False, True, "topk_topp")],
                          ids=["core-sequential-plain", "core-pearl-plain", "core-sequential-topk_topp",
                               "core-pearl-topk_topp", "engine-sequential-plain", "engine-pearl-topk_topp"])
+@pytest.mark.slow
 def test_falcon_sampling_matches_target_distribution(e2e, on_core, overlap, warp):
     model, runner = e2e
     proposer = FalconProposer(random_head(target_tables(runner).to(torch.float32), k=2, seed=1), samples=2)

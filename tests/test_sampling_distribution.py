@@ -216,6 +216,7 @@ def _drafter(widths, mode):
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(name):
     vocab, widths, mode, k = SCENARIOS[name]
     world = World(vocab, seed=sum(map(ord, name)))
@@ -561,6 +562,7 @@ def test_core_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, wa
 # run it): a chain, a tree drafted ahead, and the default mix under a warp
 @pytest.mark.parametrize("proposer,warp,overlap", [("draft_model", "plain", False), ("draft_model_tree", "plain", True),
                                                    ("fused", "topk_topp", True)])
+@pytest.mark.slow
 def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
     model, target_runner, draft_runner = e2e_models
     counts, acceptance = sample_pairs(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES, seed0=0,

@@ -40,17 +40,27 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+MAX_PROMPT_TOKENS = 1900  # the demo target's context is 2048 positions, and a request asks for up to 128 tokens
+
+
 def prompts() -> list[str]:
-    """Windows of 100 to 3000 characters of this repository's Python sources: many prompt lengths."""
+    """Windows of 100 to 3000 characters of this repository's Python sources (many prompt lengths), each within
+    MAX_PROMPT_TOKENS of the demo tokenizer (the sources change; the windows are cut to fit, not dropped)."""
+    from specmesh.text_tokenizer import load_text_tokenizer
+
+    tokenizer = load_text_tokenizer(sh.TARGET)
     root = Path(__file__).resolve().parents[1]
     texts = [p.read_text() for p in sorted((root / "specmesh").rglob("*.py")) if p.stat().st_size > 4000]
     rng = random.Random(0)
     out = []
     for _ in range(200):
         text = rng.choice(texts)
-        size = rng.randint(100, 3000)  # up to ~1600 tokens: within the 2048-position context
+        size = rng.randint(100, 3000)  # ~1,000-1,900 tokens at the top
         start = rng.randrange(0, len(text) - size)
-        out.append(text[start : start + size])
+        window = text[start : start + size]
+        while len(tokenizer.encode(window)) > MAX_PROMPT_TOKENS:
+            window = window[: len(window) * 9 // 10]
+        out.append(window)
     return out
 
 

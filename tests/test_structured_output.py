@@ -226,6 +226,7 @@ def constrained_law(model, tokenizer: GrammarTokenizer, prompt, steps: int) -> d
 @pytest.mark.parametrize("proposer,shared", [("draft_model_tree", True), ("prompt_lookup_tree", True),
                                              ("grammar:then=draft_model", True), ("draft_model_tree", False)],
                          ids=["core-draft_model_tree", "core-prompt_lookup_tree", "core-grammar", "engine-draft_model_tree"])
+@pytest.mark.slow
 def test_speculative_sampling_under_a_grammar_has_the_constrained_law(demo_stack, grammar_tokenizer, hf_target,
                                                                      proposer, shared):
     """On the stack's engine core (``shared``: 16 requests in flight, each with its own grammar state in the batch,

@@ -492,6 +492,7 @@ def test_kernel_path_refuses_a_tree_out_of_order(runners):
         kernel.forward(cache, [8, 9], [3, 3], TreeMask(3, backwards))
 
 
+@pytest.mark.slow
 def test_benchmark_smoke(tmp_path):
     """benchmarks/tree_attention.py --smoke: its tiny grid runs (checked against SDPA) and writes JSON + table."""
     import json
