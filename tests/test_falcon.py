@@ -416,9 +416,9 @@ def falcon_pairs(runner, proposer: FalconProposer, warp: str, overlap: bool, on_
 
 @pytest.mark.parametrize("on_core,overlap,warp", [(True, False, "plain"), (True, True, "plain"),
                                                   (True, False, "topk_topp"), (True, True, "topk_topp"),
-                                                  (False, False, "plain"), (False, True, "topk_topp")],
+                                                  (False, True, "topk_topp")],
                          ids=["core-sequential-plain", "core-pearl-plain", "core-sequential-topk_topp",
-                              "core-pearl-topk_topp", "engine-sequential-plain", "engine-pearl-topk_topp"])
+                              "core-pearl-topk_topp", "engine-pearl-topk_topp"])
 @pytest.mark.slow
 def test_falcon_sampling_matches_target_distribution(e2e, on_core, overlap, warp):
     model, runner = e2e

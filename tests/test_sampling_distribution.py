@@ -516,16 +516,14 @@ def assert_same_law_as_autoregressive(counts: Counter, ar: Counter, law: dict[tu
 
 @pytest.fixture(scope="module")
 def ar_pairs(e2e_models):
-    """(warp name, on the core?) -> autoregressive samples of that stack, drawn on first use (inside a test,
-    single-threaded)."""
+    """warp name -> autoregressive samples on the engine core, drawn on first use (inside a test, single-threaded)."""
     _, target_runner, _ = e2e_models
-    memo: dict[tuple[str, bool], Counter] = {}
+    memo: dict[str, Counter] = {}
 
-    def get(name: str, core: bool = False) -> Counter:
-        if (name, core) not in memo:
-            sample = sample_pairs_on_core if core else sample_pairs
-            memo[name, core] = sample(target_runner, None, None, WARPS[name], E2E_SAMPLES, seed0=10**6)[0]
-        return memo[name, core]
+    def get(name: str) -> Counter:
+        if name not in memo:
+            memo[name] = sample_pairs_on_core(target_runner, None, None, WARPS[name], E2E_SAMPLES, seed0=10**6)[0]
+        return memo[name]
 
     return get
 
@@ -555,13 +553,13 @@ def test_core_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, wa
                                               seed0=0, overlap=overlap)
     # speculation was really exercised (not all rejected); with overlap most steps restart with no tree
     assert acceptance > (0.005 if overlap else 0.02)
-    assert_same_law_as_autoregressive(counts, ar_pairs(warp, core=True), exact_pair_law(model, E2E_PROMPT, WARPS[warp]))
+    assert_same_law_as_autoregressive(counts, ar_pairs(warp), exact_pair_law(model, E2E_PROMPT, WARPS[warp]))
 
 
 # The per-request Engine (its own drafting link and PEARL loop; the structured-output and tracing benchmarks
-# run it): a chain, a tree drafted ahead, and the default mix under a warp
-@pytest.mark.parametrize("proposer,warp,overlap", [("draft_model", "plain", False), ("draft_model_tree", "plain", True),
-                                                   ("fused", "topk_topp", True)])
+# run it): a chain drafted in sequence, and the default mix (trees) drafted ahead under a warp; the two-sample test
+# against the core's autoregressive samples (the same verifier and model; the exact law is the same)
+@pytest.mark.parametrize("proposer,warp,overlap", [("draft_model", "plain", False), ("fused", "topk_topp", True)])
 @pytest.mark.slow
 def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
     model, target_runner, draft_runner = e2e_models
@@ -573,11 +571,10 @@ def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, 
     assert_same_law_as_autoregressive(counts, ar_pairs(warp), exact_pair_law(model, E2E_PROMPT, WARPS[warp]))
 
 
-@pytest.mark.parametrize("core", [False, True], ids=["engine", "core"])
-def test_autoregressive_sampling_matches_exact_law(e2e_models, ar_pairs, core):
+def test_autoregressive_sampling_matches_exact_law(e2e_models, ar_pairs):
     model = e2e_models[0]
     for name, warp in WARPS.items():
-        assert chisquare_p(ar_pairs(name, core), exact_pair_law(model, E2E_PROMPT, warp)) > P_PASS, name
+        assert chisquare_p(ar_pairs(name), exact_pair_law(model, E2E_PROMPT, warp)) > P_PASS, name
 
 
 @pytest.mark.parametrize("warp", [(1.0, 3, 1.0), (1.0, 0, 0.4), (0.7, 4, 0.6)], ids=["top_k", "top_p", "all"])
