@@ -194,22 +194,12 @@ def batched_events(target_runner: ModelRunner, proposer: str, jobs: Sequence[tup
     """Every (prompt, sampling) job submitted at once to one EngineCore whose requests share one in-process drafter
     of ``proposer`` (a static budget, strict): each job's StepEvents that carry tokens. Asserts that the jobs shared
     forwards."""
-    from orchestrator.core import EngineCore
-    from orchestrator.requests import Method, QueueOutput
+    from orchestrator.requests import Method
 
     prop = make_proposer(proposer)
-    core = EngineCore(LocalVerifier(target_runner))
     method = Method(only(LocalDrafter(prop), prop.name), StaticPolicy(max_nodes, max_depth), strict=True)
-    try:
-        outputs = []
-        for prompt, sampling in jobs:
-            outputs.append(QueueOutput())
-            core.submit(prompt, sampling, method, outputs[-1])
-        events = [[event for event in output.events() if event.tokens] for output in outputs]
-        assert core.stats.max_batch > 1
-        return events
-    finally:
-        core.close()
+    results = results_on_core(LocalVerifier(target_runner), method, jobs, in_flight=len(jobs))
+    return [[event for event in result.events if event.tokens] for result in results]
 
 
 def results_on_core(verifier: LocalVerifier, method, jobs: Sequence[tuple[list[int], SamplingParams]],
@@ -217,7 +207,7 @@ def results_on_core(verifier: LocalVerifier, method, jobs: Sequence[tuple[list[i
     """Each (prompt, sampling) job's GenerationResult, run on one EngineCore over ``verifier`` with ``method``
     (``orchestrator.requests.Method``), ``in_flight`` requests at a time: batched forwards, one drafter for all,
     as `serve` runs them (a distribution test's thousands of samples, in a fraction of one request at a time's
-    time). Asserts that the requests shared forwards."""
+    time); each result's ``events`` are its StepEvents. Asserts that the requests shared forwards."""
     from orchestrator.core import EngineCore
     from orchestrator.requests import QueueOutput
 
@@ -230,8 +220,8 @@ def results_on_core(verifier: LocalVerifier, method, jobs: Sequence[tuple[list[i
                 outputs.append(QueueOutput())
                 core.submit(prompt, sampling, method, outputs[-1])
             for output in outputs:
-                for _ in output.events():  # drained: the request has finished
-                    pass
+                events = list(output.events())  # drained: the request has finished
+                output.result.events = events
                 results.append(output.result)
         assert len(jobs) < 2 or core.stats.max_batch > 1
     finally:
