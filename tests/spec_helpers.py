@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -405,14 +405,22 @@ class ForwardingProposer(Proposer):
 
 
 class ContextRecorder(ForwardingProposer):
-    """Wraps a proposer and records the context (committed tokens) it is asked to continue."""
+    """Wraps a proposer and records the context (committed tokens) it is asked to continue.
 
-    def __init__(self, inner: Proposer) -> None:
+    ``whole_budgets``: every tree is drafted to its budget, the pre-draft's stop event and any deadline
+    ignored, so which drafted-ahead trees get used depends on the drafts alone and not on whether the
+    drafter thread got a core before the verification ended (a loaded machine otherwise stops every
+    pre-draft before its first new level)."""
+
+    def __init__(self, inner: Proposer, whole_budgets: bool = False) -> None:
         super().__init__(inner)
         self.contexts: list[list[int]] = []
+        self.whole_budgets = whole_budgets
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
         self.contexts.append(list(state.tokens))
+        if self.whole_budgets:
+            budget = replace(budget, deadline=None, stop=None)
         return self.inner.propose(state, budget)
 
 

@@ -80,7 +80,8 @@ def check_overlap_contexts(contexts, log, prompt, generated) -> None:
 def test_overlapped_greedy_equals_ar(model_sets, ar_reference, close_draft, proposer, budget, restart_depth):
     kind = "cyclic"
     target = model_sets(kind).runner("target", "fast")
-    recorder = ContextRecorder(make_proposer(proposer, draft_runner=close_draft))
+    # whole budgets: the non-vacuity check below counts trees drafted ahead, which must not hang on scheduling
+    recorder = ContextRecorder(make_proposer(proposer, draft_runner=close_draft), whole_budgets=True)
     verifier = RecordingVerifier(target, feedback_topk=recorder.feedback_topk, lookahead=window_for(recorder))
     engine = overlapped(engine_for(target, recorder, *budget, verifier=verifier), restart_depth)
     predrafted = accepted = 0
