@@ -14,7 +14,9 @@ merge.
     specmesh bench --prompts ../shared/data/stdlib_functions.jsonl --target ../shared/models/stdlib-code/target \\
         --limit 16 --max-new-tokens 128 --methods ar --json /tmp/ar.json
     python benchmarks/draft_cost.py --ar /tmp/ar.json --target ../shared/models/stdlib-code/target \\
-        --proposers fused prompt_lookup_tree copy [--json OUT.json]
+        --proposers fused prompt_lookup_tree copy suffix:max_spec_factor=2 [--json OUT.json]
+
+A report of ``bench --chat`` is replayed with the prompts through the target's chat template, as it ran them.
 
 The numbers are µs per step (mean and p90 over every step of every prompt), the process's CPU time per step (every
 thread: an n-gram store's learner adds the committed tokens on a thread of its own, and on a GPU host that work
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from drafter_service.drafter import LocalDrafter  # noqa: E402
 from drafter_service.fusion import FusedProposer  # noqa: E402
-from drafter_service.proposer import make_proposer, proposer_spec  # noqa: E402
+from drafter_service.proposer import make_proposer, proposer_names  # noqa: E402
 from specmesh.contract import Budget  # noqa: E402
 from specmesh.feedback import DraftFeedback, VerifyFeedback  # noqa: E402
 from specmesh.models import load_tokenizer  # noqa: E402
@@ -76,9 +78,17 @@ class Timed:
 
 
 def replay(name: str, prompts: list[list[int]], outputs: list[list[int]], topk_rng_seed: int = 0) -> dict:
-    """Replay every (prompt, output) through a fresh drafter of proposer ``name``; timings in µs per step."""
-    proposer = make_proposer(name)
-    nodes, depth = proposer_spec(name).default_budget
+    """Replay every (prompt, output) through a fresh drafter of proposer ``name`` (a bench method spec:
+    ``NAME`` or ``NAME:key=value,...``, budgets and proposer options); timings in µs per step."""
+    from specmesh_app.bench import parse_method
+
+    spec = parse_method(name, proposer_names())
+    options = dict(spec.options)
+    nodes, depth = options.pop("max_nodes"), options.pop("max_depth")
+    for key in ("overlap", "policy", "restart_depth"):
+        if options.pop(key, None) is not None:
+            raise ValueError(f"{name}: {key} is the engine's, not the drafter's: a replay has no engine")
+    proposer = make_proposer(spec.name, **options)
     parts: dict[str, float] = defaultdict(float)
     timer = Timed(parts)
     if isinstance(proposer, FusedProposer):
@@ -145,9 +155,17 @@ def recorded_ar(report_path: Path, target: str, prompts_path: str | None = None
     if not records or "token_ids" not in records[0]:
         raise ValueError(f"{report_path} holds no `ar` records with token ids")
     prompt_file = Path(prompts_path or report["config"]["prompts"])
-    by_id = {p["id"]: p["prompt"] for p in map(json.loads, prompt_file.read_text().splitlines()) if p}
+    by_id = {p["id"]: p for p in map(json.loads, prompt_file.read_text().splitlines()) if p}
     tokenizer = load_tokenizer(target)
-    prompts = [tokenizer.encode(by_id[r["prompt_id"]], add_special_tokens=False) for r in records]
+    if report["config"].get("chat"):  # the report's run sent them through the chat template (bench --chat)
+        from specmesh.chat import ChatTemplate
+        from specmesh_app.bench import chat_messages
+
+        template = ChatTemplate.load(target)
+        texts = [template.render(chat_messages(by_id[r["prompt_id"]]), add_generation_prompt=True) for r in records]
+    else:
+        texts = [by_id[r["prompt_id"]]["prompt"] for r in records]
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
     for r, p in zip(records, prompts, strict=True):
         if len(p) != r["prompt_tokens"]:
             raise ValueError(f"{r['prompt_id']}: {len(p)} prompt tokens here, {r['prompt_tokens']} in the report")

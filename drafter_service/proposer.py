@@ -165,6 +165,9 @@ _REGISTRY: dict[str, ProposerSpec] = {spec.name: spec for spec in (
                  help="several such continuations, merged into a tree"),
     ProposerSpec("copy", "drafter_service.copy_proposer:copy_proposer", 16, 10,
                  help="CopySpec: the longest repeated match anywhere in the context, several as a tree"),
+    ProposerSpec("suffix", "drafter_service.suffix:suffix_proposer", 32, 24,
+                 help="SuffixDecoding: the most frequent continuations of the context's longest match in counted "
+                      "suffix tries of this request and of earlier outputs, deeper the longer the match"),
     ProposerSpec("retrieval", "drafter_service.retrieval:retrieval_proposer", 16, 10,
                  help="REST: the most frequent continuations in an n-gram store that learns from every output"),
     ProposerSpec("recycling", "drafter_service.recycling:recycling_proposer", 10, 6,

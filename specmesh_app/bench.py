@@ -401,7 +401,19 @@ def load_prompts(path: Path, limit: int | None) -> list[dict]:
     for row in rows:
         if "id" not in row or "prompt" not in row:
             raise ValueError(f"{path}: every line needs 'id' and 'prompt'")
+        messages = row.get("messages")
+        if messages is not None and not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise ValueError(f"{path}: {row['id']}: 'messages' must be a list of {{role, content}} objects")
     return rows[:limit] if limit else rows
+
+
+def chat_messages(row: dict) -> list[dict]:
+    """What ``--chat`` renders for a prompt row: its ``messages`` (a conversation, e.g. earlier turns and an
+    answer sent back with a change request), else its ``prompt`` as the one user message. Without ``--chat``
+    the row's ``prompt`` text is sent as it is."""
+    return row.get("messages") or [{"role": "user", "content": row["prompt"]}]
 
 
 def run_bench(args: argparse.Namespace) -> dict:
@@ -474,7 +486,7 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
         if template is None:
             ids = stack.tokenizer.encode(row["prompt"])
         else:  # the rendered template holds its special tokens
-            text = template.render([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True)
+            text = template.render(chat_messages(row), add_generation_prompt=True)
             ids = stack.tokenizer.encode(text, add_special_tokens=False)
         max_new = args.max_new_tokens or int(row.get("max_new_tokens", 128))
         if len(ids) + max_new + 1 > stack.target_runner.info.max_positions:
@@ -708,7 +720,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefix_cache_hit_tokens)")
     parser.add_argument("--chat", action="store_true",
                         help="send every prompt as a user message in the target's chat template (with the "
-                             "assistant's turn opened), as the OpenAI chat endpoint does; default: raw text")
+                             "assistant's turn opened), as the OpenAI chat endpoint does, or a row's 'messages' (a "
+                             "conversation) when it has them; default: raw text")
     parser.add_argument("--perplexity", action="store_true",
                         help="score every method's outputs with the target's perplexity (one target forward per "
                              "output, outside the timed runs); without it only ar and the lossy methods (mjsd) are "
