@@ -74,7 +74,7 @@ class SuffixProposer(Proposer):
             self.global_index = SuffixIndex(self.max_depth, self.global_tokens)
 
     def prepare(self, state: DraftSessionState) -> None:
-        session = state.scratch[self.name] = _Session(SuffixIndex(self.max_depth, None, max(256, len(state.tokens))))
+        state.scratch[self.name] = session = _Session(self._session_index(state))
         self._sync(state, session)
 
     def propose(self, state: DraftSessionState, budget: Budget) -> TokenTree:
@@ -114,9 +114,13 @@ class SuffixProposer(Proposer):
             session.indexed = committed
 
     def _reindex(self, state: DraftSessionState, session: _Session) -> None:
-        session.index = SuffixIndex(self.max_depth, None, max(256, len(state.tokens)))
+        session.index = self._session_index(state)
         session.indexed = 0
         self._sync(state, session)
+
+    def _session_index(self, state: DraftSessionState) -> SuffixIndex:
+        """An empty index for a session's context, unbounded (the session's own tokens), sized for its length."""
+        return SuffixIndex(self.max_depth, None, max(256, len(state.tokens)))
 
     @property
     def stats(self) -> dict[str, int]:

@@ -585,7 +585,7 @@ class SuffixIndex:
             with self.lock:
                 n, score, length = _speculate(*self.arrays, context, 0, context.size, min_match, max_nodes,
                                               max_depth, min_prob, spec_factor, spec_offset, out, out_probs)
-        return Speculation(out[0, :n].copy(), out[1, :n].copy(), out_probs[0, :n].copy(), float(score), int(length))
+        return _speculation(out, out_probs, n, score, length, False)
 
     def count(self, pattern) -> int:
         """Occurrences of ``pattern`` (exact up to the depth; a longer one: 1 if it occurs, else 0)."""
@@ -639,6 +639,11 @@ def propose(local: SuffixIndex, global_index: SuffixIndex | None, tokens, new_lo
             if n >= 0:
                 break
             local.reserve(new_hi - new_lo)
+    return _speculation(out, out_probs, n, score, length, from_global)
+
+
+def _speculation(out: np.ndarray, out_probs: np.ndarray, n, score, length, from_global) -> Speculation:
+    """The tree a compiled speculation wrote into ``out`` / ``out_probs`` (rows 0-1 / 0), copied out of them."""
     return Speculation(out[0, :n].copy(), out[1, :n].copy(), out_probs[0, :n].copy(), float(score), int(length),
                        bool(from_global))
 

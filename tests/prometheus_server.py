@@ -8,7 +8,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from service_helpers import wait_until
 
 START_TIMEOUT_S = 20.0
 
@@ -56,12 +56,7 @@ class Prometheus:
         return set(self.api("label/__name__/values"))
 
     def wait_for(self, condition: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                return True
-            time.sleep(0.25)
-        return condition()
+        return wait_until(condition, timeout, interval=0.25)
 
 
 @contextmanager

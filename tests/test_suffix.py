@@ -9,13 +9,13 @@ with a continuation. Greedy output equal to plain decoding is checked with every
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis_helpers import RedisServer
+from service_helpers import wait_until
 from spec_helpers import engine_for, greedy, make_prompts
 
 from drafter_service.proposer import DraftSessionState, make_proposer
@@ -170,15 +170,6 @@ def test_speculation_with_a_real_target_is_accepted(model_sets, ar_reference):
     assert accepted > 0
 
 
-def _wait(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
 def _serve_one(proposer, prompt, output) -> None:
     """A session on ``proposer`` that commits ``output`` after ``prompt`` and closes."""
     state = _state(prompt)
@@ -199,21 +190,21 @@ def test_replicas_share_their_outputs_through_the_fleet_log_and_survive_its_loss
         replicas += [a, b, other_model]
         output = [40, 41, 42, 43, 44, 45, 46, 47]
         _serve_one(a, [1, 2, 3], output)
-        assert _wait(lambda: b.global_index.count(output) == 1)
-        assert _wait(lambda: a.fleet_log.published == 1) and a.global_index.count(output) == 1  # not twice
+        assert wait_until(lambda: b.global_index.count(output) == 1)
+        assert wait_until(lambda: a.fleet_log.published == 1) and a.global_index.count(output) == 1  # not twice
         other = _state([9, 40, 41, 42])
         b.prepare(other)
         assert b.propose(other, Budget(8, 8)).tokens.tolist()[:3] == [43, 44, 45]
         late = make_proposer("suffix", store_spec=server.url, store_namespace="tok-1")
         replicas.append(late)
-        assert _wait(lambda: late.global_index.count(output) == 1)  # replayed at start
+        assert wait_until(lambda: late.global_index.count(output) == 1)  # replayed at start
         assert other_model.global_index.count([40, 41]) == 0  # another tokenizer's stream
         server.stop()
         _serve_one(a, [1], [70, 71, 72, 73])  # published nowhere: dropped, counted, still local
-        assert _wait(lambda: a.fleet_log.dropped == 1) and a.global_index.count([70, 71, 72]) == 1
+        assert wait_until(lambda: a.fleet_log.dropped == 1) and a.global_index.count([70, 71, 72]) == 1
         b.prepare(other)
         assert b.propose(other, Budget(8, 8)).tokens.tolist()[:3] == [43, 44, 45]  # B serves from its own index
-        assert _wait(lambda: b.fleet_log.failures > 0)  # its follower noticed, and retries with backoff
+        assert wait_until(lambda: b.fleet_log.failures > 0)  # its follower noticed, and retries with backoff
     finally:
         for proposer in replicas:
             proposer.fleet_log.close()
