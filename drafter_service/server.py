@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
     registry = None
     if args.metrics is not None:  # before loading anything: a port in use fails at once
         registry = metrics.new_registry()
-        metrics.start_metrics_server(args.metrics, registry)
+        metrics.start_metrics_server(args.metrics, registry, metrics.MetricsAccess.of(args, security.tokens))
     servicer = build_servicer(args, registry)
     log.info("proposers: %s (default %s)", ", ".join(sorted(servicer._drafters)), servicer.default_proposer)
     return serving.serve(args, security, servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE)

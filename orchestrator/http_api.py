@@ -47,7 +47,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from orchestrator import tool_calls
-from orchestrator.service import Chunk, Final, GenerateRequest, GenerationService, Overloaded, Plan
+from orchestrator.service import (
+    Chunk,
+    Final,
+    GenerateRequest,
+    GenerationService,
+    Overloaded,
+    Plan,
+    request_id_of,
+)
 from specmesh import package_version, rpc
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, TokenLogprobs, UnknownSessionError
@@ -85,24 +93,29 @@ class ApiError(Exception):
 
 
 def api_error(exc: Exception) -> ApiError:
-    """The HTTP error for an exception of the request path (orchestrator/service.py lists them)."""
+    """The HTTP error for an exception of the request path (orchestrator/service.py lists them). Its message
+    names no internal address or path: a failed upstream is told by its kind and status, with the request's id,
+    under which the log line of the request (specmesh.requests) has the whole text."""
     if isinstance(exc, ApiError):
         return exc
+    request_id = request_id_of(exc)
     if isinstance(exc, Overloaded | CapacityError):
-        return ApiError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded")
+        return ApiError(429, rpc.redact(str(exc)), "rate_limit_error", code="rate_limit_exceeded")
     if isinstance(exc, rpc.UpstreamError):
+        message = rpc.client_message(exc, request_id)
         if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return ApiError(503, f"no verifier could serve the request: {exc}", "server_error",
+            return ApiError(503, f"no verifier could serve the request: {message}", "server_error",
                             code="service_unavailable")
         if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return ApiError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded")
-        return ApiError(500, f"an upstream service failed: {exc}", "server_error")
+            return ApiError(429, message, "rate_limit_error", code="rate_limit_exceeded")
+        return ApiError(500, f"an upstream service failed: {message}", "server_error")
     if isinstance(exc, UnknownSessionError):
-        return ApiError(503, f"the verifier lost the session: {exc}", "server_error", code="service_unavailable")
+        return ApiError(503, rpc.with_request_id("the verifier lost the session", request_id), "server_error",
+                        code="service_unavailable")
     if isinstance(exc, ValueError):
-        return ApiError(400, str(exc))
-    log.error("request failed", exc_info=exc)
-    return ApiError(500, f"{type(exc).__name__}: {exc}", "server_error")
+        return ApiError(400, rpc.redact(str(exc)))
+    log.error("request %s failed", request_id or "(before admission)", exc_info=exc)
+    return ApiError(500, rpc.with_request_id(f"internal error ({type(exc).__name__})", request_id), "server_error")
 
 
 # ---------------------------------------------------------------------------------------------------- bodies
@@ -891,7 +904,7 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
         """What a router reads: requests in flight, their limit, running / waiting, KV usage, draining."""
         return {**service.load(), "draining": api.draining}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth)  # the --metrics port's rule: the token when there are tokens
     async def metrics(request: Request) -> Response:
         """The format the scraper asks for (OpenMetrics for a Prometheus server), as the --metrics port answers."""
         body, content_type = exposition(service.metrics.registry, request.headers.get("accept"))

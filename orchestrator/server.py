@@ -37,13 +37,14 @@ from orchestrator.service import (
     GenerationService,
     Overloaded,
     RemoteBackend,
+    request_id_of,
 )
 from orchestrator.stats import RequestStats, StepStats
 from orchestrator.vllm_args import add_vllm_arguments, apply_vllm_arguments, served_names
 from specmesh import models, rpc, serving
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, TokenLogprobs, UnknownSessionError
-from specmesh.metrics import add_metrics_argument, start_metrics_server
+from specmesh.metrics import MetricsAccess, add_metrics_argument, start_metrics_server
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.wire import GENERATE_SERVICE, logprobs_to_proto, sampling_from_proto
@@ -53,12 +54,14 @@ from verifier_service.remote import VerifierClient
 log = logging.getLogger("specmesh.serve")
 
 
-def client_status(exc: rpc.UpstreamError) -> tuple[grpc.StatusCode, str]:
+def client_status(exc: rpc.UpstreamError, request_id: str | None = None) -> tuple[grpc.StatusCode, str]:
     """The status a client sees for a failed call of ours to a verifier: its own credentials were
-    fine, so an auth failure between services is an INTERNAL misconfiguration, not UNAUTHENTICATED."""
+    fine, so an auth failure between services is an INTERNAL misconfiguration, not UNAUTHENTICATED. The text
+    names no replica (``rpc.client_message``); the request's log line has the whole under ``request_id``."""
+    message = rpc.client_message(exc, request_id)
     if exc.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return grpc.StatusCode.INTERNAL, f"serve could not authenticate to an upstream service: {exc}"
-    return exc.code, str(exc)
+        return grpc.StatusCode.INTERNAL, f"serve could not authenticate to an upstream service: {message}"
+    return exc.code, message
 
 
 def step_to_proto(step: StepStats) -> common_pb2.StepStats:
@@ -115,16 +118,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             async for item in self.service.stream(plan, deadline):
                 yield item
         except (Overloaded, CapacityError) as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, rpc.redact(str(exc)))
         except rpc.UpstreamError as exc:
-            await context.abort(*client_status(exc))
+            await context.abort(*client_status(exc, request_id_of(exc)))
         except UnknownSessionError as exc:  # the verifier restarted or reaped the session
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the verifier lost the session: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                rpc.with_request_id("the verifier lost the session", request_id_of(exc)))
         except ValueError as exc:  # a bad request, or one the verifier rejected (e.g. past its context)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:  # a bug: say so instead of an opaque UNKNOWN
-            log.exception("request failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, rpc.redact(str(exc)))
+        except Exception as exc:  # a bug: say so instead of an opaque UNKNOWN (the log has the traceback)
+            log.exception("request %s failed", request_id_of(exc) or "(before admission)")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                rpc.with_request_id(f"internal error ({type(exc).__name__})", request_id_of(exc)))
 
     async def GenerateStream(self, request, context):
         async for item in self._items(request, context):
@@ -192,8 +197,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"proposer for requests that name none; never a lossy one (mjsd: requests ask for it by "
                         f"name) (default: {DEFAULT_PROPOSER}: {DEFAULT_PROPOSER_WHY})")
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer directory for text prompts (default: the verifier's model directory when it "
-                        "exists here, else the bundled demo target's; --embedded: the target's)")
+                   help="tokenizer directory for text prompts (default: the bundled demo target's when the verifiers "
+                        "serve the demo model, else required; --embedded: the target's)")
     p.add_argument("--draft-timeout-ms", type=float, default=1000.0,
                    help="a drafter that answers a step later than this is failed over (default: 1000)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
@@ -255,12 +260,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer(args: argparse.Namespace, verifier_model: str):
-    """The tokenizer of text prompts (--tokenizer, else the verifiers' model directory when it exists here, else
-    the demo target's): (its directory, the tokenizer)."""
+    """The tokenizer of text prompts: --tokenizer, else the demo target's when the verifiers serve the demo model
+    (their Info names the model, never its directory); (its directory, the tokenizer). SystemExit asking for
+    --tokenizer for any other model: a wrong vocabulary would turn every prompt into other tokens."""
     path = args.tokenizer
     if path is None:
-        local = Path(verifier_model) if verifier_model else None
-        path = local if local is not None and (local / "tokenizer.json").is_file() else models.demo_model("target")
+        if verifier_model not in ("", "demo"):
+            raise SystemExit(f"specmesh {args.command}: the verifiers serve {verifier_model!r}: give its tokenizer "
+                             "directory with --tokenizer DIR")
+        path = models.demo_model("target")
     log.info("tokenizer: %s", path)
     return path, load_text_tokenizer(path)  # without transformers where it can: serve runs no model
 
@@ -405,7 +413,7 @@ def _build(args: argparse.Namespace, security: rpc.Security, http_socket) -> tup
     backend.register_metrics(metrics.registry, model_name)
     service = build_service(args, backend, tokenizer, model_name, metrics)
     if args.metrics:
-        start_metrics_server(args.metrics, metrics.registry)
+        start_metrics_server(args.metrics, metrics.registry, MetricsAccess.of(args, security.tokens))
     http = None
     if http_socket is not None:
         try:

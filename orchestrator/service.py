@@ -61,6 +61,11 @@ request_log = logging.getLogger("specmesh.requests")  # one line per finished re
 PROMPT_BYTES_PER_POSITION = 32
 
 
+def request_id_of(exc: BaseException) -> str | None:
+    """The id of the request ``exc`` ended (its log line's ``id``), when ``GenerationService.stream`` raised it."""
+    return getattr(exc, "request_id", None)
+
+
 class Overloaded(Exception):
     """More requests in flight or queued than the server takes (--max-concurrent + --max-queued)."""
 
@@ -140,7 +145,7 @@ class Backend(Protocol):
     def load(self) -> dict:
         """What a router reads to place requests (``/load``): ``running`` and ``waiting`` requests of the engine
         cores, the KV pool's ``kv_blocks`` / ``kv_blocks_used`` / ``kv_usage`` where the pool is in this
-        process, per-replica figures where it is not."""
+        process, replica counts where it is not (never an address: /load is open to anyone)."""
 
     def register_metrics(self, registry, model_name: str) -> None:
         """Add the backend's own metrics (e.g. an in-process verifier's KV pool) to a Prometheus registry,
@@ -234,16 +239,16 @@ class RemoteBackend:
         return any(v.healthy() for v in self.verifiers)
 
     def load(self) -> dict:
-        """Requests per engine core (one per verifier replica); the replicas' KV pools are on their own /metrics."""
+        """Requests of the engine cores (one per verifier replica) and how many replicas there are and answer:
+        counts only, never an address (the replicas' KV pools are on their own /metrics)."""
         with self._lock:
             cores = dict(self._cores)
-        replicas = []
+        running = waiting = healthy = 0
         for verifier in self.verifiers:
-            running, waiting = running_waiting(cores[verifier]) if verifier in cores else (0, 0)
-            replicas.append({"address": verifier.address, "healthy": verifier.healthy(), "running": running,
-                             "waiting": waiting})
-        return {"running": sum(r["running"] for r in replicas), "waiting": sum(r["waiting"] for r in replicas),
-                "verifiers": replicas}
+            r, w = running_waiting(cores[verifier]) if verifier in cores else (0, 0)
+            running, waiting, healthy = running + r, waiting + w, healthy + verifier.healthy()
+        return {"running": running, "waiting": waiting, "verifiers": len(self.verifiers),
+                "verifiers_healthy": healthy}
 
     def register_metrics(self, registry, model_name: str) -> None:
         """Nothing to add: the verifiers' and drafters' metrics are served by their own processes."""
@@ -446,6 +451,7 @@ class GenerationService:
         except Exception as exc:
             tracing.record_error(span, exc)
             failure = exc
+            exc.request_id = request_id  # what a front end tells its client instead of internals (request_id_of)
             raise
         finally:
             self.num_requests -= 1

@@ -2,7 +2,8 @@
 
 Each server keeps its metrics in a ``CollectorRegistry`` of its own (never prometheus_client's global
 one: tests build many servers in one process) and serves it with ``start_metrics_server`` when
-``--metrics HOST:PORT`` is given. Names start with ``specmesh_`` and follow vLLM's where vLLM has
+``--metrics HOST:PORT`` is given, under the security of the server's API port (``MetricsAccess``: TLS and
+client certificates with its certificates, its bearer tokens). Names start with ``specmesh_`` and follow vLLM's where vLLM has
 the same quantity (``vllm:spec_decode_num_drafts`` -> ``specmesh_spec_decode_num_drafts``); counters
 are exposed with prometheus_client's ``_total`` suffix, as vLLM's are. No colon: Prometheus reserves
 colons for recording rules, and prometheus_client's OpenMetrics exposition (what a Prometheus server
@@ -21,7 +22,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import logging
+import socket
+import ssl
+import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -49,23 +56,100 @@ def metrics_address(value: str) -> str:
 
 def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", type=metrics_address, default=None, metavar="HOST:PORT",
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, logged); "
-                             "default: off")
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, logged), "
+                             "under the API's security: HTTPS with --tls-cert/--tls-key, client certificates with "
+                             "--tls-ca, the bearer token with --token-file; default: off")
 
 
-def start_metrics_server(address: str, registry: CollectorRegistry) -> int:
-    """Serve ``registry`` at http://``address``/metrics on a daemon thread; returns the bound port (``address``
-    may ask for port 0). SystemExit with one line when the address cannot be bound (e.g. the port is taken)."""
-    from prometheus_client import start_http_server
+@dataclass(frozen=True)
+class MetricsAccess:
+    """Who may read the metrics port: the server's own posture. ``cert``/``key`` set = HTTPS with them;
+    ``ca`` too = client certificates it signed required (mutual TLS); ``tokens`` = ``Authorization: Bearer`` with
+    one of them required (what a Prometheus scrape config's ``authorization`` / ``tls_config`` send)."""
+
+    tokens: tuple[str, ...] = ()
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, tokens: Sequence[str]) -> MetricsAccess:
+        """The posture of a server's API port: its --tls-cert/--tls-key/--tls-ca and its bearer ``tokens``."""
+        return cls(tuple(tokens), getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                   getattr(args, "tls_ca", None))
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if self.cert is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert, self.key)
+        if self.ca is not None:
+            context.load_verify_locations(cafile=self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+
+METRICS_SOCKET_TIMEOUT = 30.0  # seconds a metrics connection may take for its handshake and request
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """A scrape is not worth a log line; a client stalling its handshake or request is dropped after the timeout
+    (each connection has a thread of its own, so it holds nobody else up meanwhile)."""
+
+    timeout = METRICS_SOCKET_TIMEOUT
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def bearer_guard(app, tokens: Sequence[str]):
+    """A WSGI app answering 401 unless the request carries ``Authorization: Bearer`` with one of ``tokens``."""
+    from specmesh import rpc
+
+    expected = rpc.bearer_values(tokens)
+
+    def guarded(environ, start_response):
+        if rpc.bearer_accepted((("authorization", environ.get("HTTP_AUTHORIZATION", "")),), expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", "Bearer")])
+        return [b"missing or wrong bearer token\n"]
+
+    return guarded
+
+
+def start_metrics_server(address: str, registry: CollectorRegistry, access: MetricsAccess = MetricsAccess()) -> int:
+    """Serve ``registry`` at http(s)://``address``/metrics on a daemon thread, as ``access`` allows (TLS, client
+    certificates, bearer tokens: the API port's); returns the bound port (``address`` may ask for port 0).
+    SystemExit with one line when the address cannot be bound (e.g. the port is taken) or a TLS file not read."""
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
 
     host, port = split_host_port(address)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def handle_error(self, request, client_address) -> None:  # a failed handshake, a client gone: no traceback
+            log.debug("metrics: a connection from %s failed", client_address[0], exc_info=True)
+
+    app = make_wsgi_app(registry)
+    if access.tokens:
+        app = bearer_guard(app, access.tokens)
     try:
-        server, _ = start_http_server(port, host, registry)
-    except OSError as exc:
-        raise SystemExit(f"specmesh: cannot serve metrics at {address}: {exc.strerror or exc}") from None
+        context = access.ssl_context()
+        server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"specmesh: cannot serve metrics at {address}: {getattr(exc, 'strerror', None) or exc}"
+                         ) from None
+    if context is not None:  # the handshake on the connection's own thread (its first read), not in accept()
+        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = server.server_port
     shown = f"[{host}]" if ":" in host else host
-    log.info("Prometheus metrics at http://%s:%d/metrics", shown, bound)
+    log.info("Prometheus metrics at %s://%s:%d/metrics%s%s", "https" if context else "http", shown, bound,
+             " (client certificates required)" if access.ca is not None and context else "",
+             ", bearer token required" if access.tokens else "")
     return bound
 
 

@@ -20,6 +20,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -443,13 +444,54 @@ def background_loop() -> asyncio.AbstractEventLoop:
 
 
 class UpstreamError(RuntimeError):
-    """A call to another specmesh service failed; ``code`` is its gRPC status."""
+    """A call to another specmesh service failed; ``code`` is its gRPC status. Its text names the replica (for
+    the log); a client is told ``client_message`` instead."""
 
     def __init__(self, service: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{service}: {code.name}: {details}")
         self.service = service
         self.code = code
         self.details = details
+
+
+# ------------------------------------------------------------ client texts
+# what an upstream says is passed on only where it is about the request itself; the rest (a replica unreachable,
+# failing, refusing serve's credentials) is told as the kind of service and the status, with the request's id:
+# the server's log line of the request holds the whole text under that id
+REQUEST_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION})
+_WHAT_HAPPENED = {
+    grpc.StatusCode.UNAVAILABLE: "is unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
+    grpc.StatusCode.CANCELLED: "cancelled the call",
+    grpc.StatusCode.UNAUTHENTICATED: "refused serve's credentials",
+    grpc.StatusCode.PERMISSION_DENIED: "refused serve's credentials",
+}
+_INTERNAL = re.compile(
+    r"(?:ipv[46]:|unix:|dns:/*)?(?:\[[0-9A-Fa-f:.]+\]|(?:\d{1,3}\.){3}\d{1,3}|localhost)(?::\d+)?"  # IPs, ports
+    r"|\b[A-Za-z0-9][\w-]*(?:\.[\w-]+)+:\d{2,5}\b"  # host.name:port
+    r"|(?<![\w/.])(?:~|\.{1,2})?/(?:[\w.@+-]+/)+[\w.@+-]*"  # a path with a directory in it
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with network addresses and file-system paths replaced by ``<internal>``: what may reach a client
+    of the words of an internal service or exception."""
+    return _INTERNAL.sub("<internal>", text)
+
+
+def with_request_id(text: str, request_id: str | None) -> str:
+    return f"{text} (request {request_id}; the server's log has the details)" if request_id else text
+
+
+def client_message(exc: UpstreamError, request_id: str | None = None) -> str:
+    """What a client is told of a failed call to another service of the mesh: the kind of service (verifier,
+    drafter) and what went wrong, never its address; the upstream's own words only for REQUEST_CODES (they are
+    about the request), redacted."""
+    kind = exc.service.split(" ", 1)[0]
+    if exc.code in REQUEST_CODES or kind == "serve":  # "serve": this process's own words, about the request
+        return redact(f"{kind}: {exc.details}")
+    return with_request_id(f"a {kind} {_WHAT_HAPPENED.get(exc.code, 'failed')} ({exc.code.name})", request_id)
 
 
 class ReplicaChannel:

@@ -3,6 +3,11 @@ sessions owned by the caller that opened them (real processes on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import re
+import ssl
+import urllib.error
+import urllib.request
+
 import grpc
 import pytest
 import service_helpers as sh
@@ -87,7 +92,9 @@ def test_every_port_refuses_calls_without_its_token_except_health(token_mesh, wh
             _unauthenticated(lambda wrong=wrong: stub.Info(verifier_pb2.InfoRequest(), timeout=5, metadata=wrong))
             _unauthenticated(lambda wrong=wrong: stub.Prefill(
                 verifier_pb2.PrefillRequest(session_id="x", prompt=[1, 2]), timeout=5, metadata=wrong))
-        assert stub.Info(verifier_pb2.InfoRequest(), timeout=5, metadata=internal).vocab_size > 0
+        info = stub.Info(verifier_pb2.InfoRequest(), timeout=5, metadata=internal)
+        assert info.vocab_size > 0
+        assert info.model == "demo"  # the model's name, never its directory on the verifier's machine
     if which == "drafter":
         stub = drafter_pb2_grpc.DrafterStub(ch)
         opening = drafter_pb2.DraftRequest(open=drafter_pb2.OpenSession(session_id="x", prompt=[1, 2]))
@@ -258,21 +265,59 @@ def test_sessions_belong_to_the_client_certificate_that_opened_them(tmp_path):
         v.stop()
 
 
+METRICS_URL = re.compile(r"Prometheus metrics at (https?://127\.0\.0\.1:\d+/metrics)")
+
+
+def metrics_status(url: str, context: ssl.SSLContext | None = None, token: str | None = None) -> int:
+    """GET ``url`` as a Prometheus scrape config with ``authorization`` and ``tls_config`` sends it."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10, context=context) as r:
+            assert b"specmesh_" in r.read()
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def assert_metrics_port_like_the_api(service: sh.Service, pki: dict, token: str) -> None:
+    """The --metrics port of ``service`` (TLS, client certificates, ``token``) answers only as its API would."""
+    found = METRICS_URL.search(service.log_text())
+    assert found, service.log_text()
+    url = found.group(1)
+    assert url.startswith("https://"), url
+    with_cert = ssl.create_default_context(cafile=pki["ca"])
+    with_cert.load_cert_chain(pki["client"], pki["client_key"])
+    assert metrics_status(url, with_cert, token) == 200
+    assert metrics_status(url, with_cert) == 401
+    assert metrics_status(url, with_cert, TOKEN if token != TOKEN else INTERNAL) == 401
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, OSError)):
+        metrics_status(url, ssl.create_default_context(cafile=pki["ca"]), token)  # no client certificate
+    with pytest.raises((urllib.error.URLError, OSError)):
+        metrics_status(url.replace("https://", "http://"), token=token)  # no plaintext
+
+
 def test_mutual_tls(tmp_path, demo_stack):
     pki = make_pki(tmp_path)
     tls = ["--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"])]
-    v = sh.verifier(*tls, env={"SPECMESH_TOKEN": INTERNAL})
-    services = [v]
+    metrics = ["--metrics", "127.0.0.1:0"]
+    v = sh.verifier(*tls, *metrics, "--no-cost-profile", env={"SPECMESH_TOKEN": INTERNAL})
+    d = sh.Service(["-m", "specmesh", "drafter", "--draft", "none", "--proposers", "prompt_lookup", *tls, *metrics],
+                   {"SPECMESH_TOKEN": INTERNAL}, "drafter")
+    services = [v, d]
     try:
-        v.wait_ready()
+        sh.start_all(v, d)
+        # every port of the mesh under one posture: the metrics ports take the certificates and the token too
+        assert_metrics_port_like_the_api(v, pki, INTERNAL)
+        assert_metrics_port_like_the_api(d, pki, INTERNAL)
         # serve presents the server certificate as its client certificate to the verifier (same CA), and the
         # internal token; its clients present their own certificate and token
         upstream = ["--upstream-tls-ca", str(pki["ca"]), "--upstream-tls-cert", str(pki["server"]),
                     "--upstream-tls-key", str(pki["server_key"])]
-        s = sh.serve([v], [], "--proposer", "prompt_lookup", "--connect-timeout", "20", *tls, *upstream,
+        s = sh.serve([v], [], "--proposer", "prompt_lookup", "--connect-timeout", "20", *tls, *upstream, *metrics,
                      env={"SPECMESH_TOKEN": TOKEN, "SPECMESH_UPSTREAM_TOKEN": INTERNAL})
         services.append(s)
         s.wait_ready()
+        assert_metrics_port_like_the_api(s, pki, TOKEN)
         client = Client(s.address, token=TOKEN, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"],
                         timeout=60)
         assert client.generate(PROMPT, max_new_tokens=8).token_ids
@@ -313,3 +358,18 @@ def test_private_ca_without_client_certificates(tmp_path):
     finally:
         for svc in services:
             svc.stop()
+
+
+def test_serve_asks_for_the_tokenizer_of_a_model_named_by_the_verifiers():
+    """Info names the model (never its directory), so serve can no longer guess a tokenizer directory from it:
+    the demo model's is bundled; any other needs --tokenizer, said in one line rather than a wrong vocabulary."""
+    import argparse
+
+    from orchestrator.server import load_tokenizer
+    from specmesh.models import demo_model
+
+    args = argparse.Namespace(tokenizer=None, command="serve")
+    assert load_tokenizer(args, "demo")[0] == demo_model("target")
+    with pytest.raises(SystemExit) as exc:
+        load_tokenizer(args, "stdlib-code")
+    assert "--tokenizer" in str(exc.value) and "stdlib-code" in str(exc.value)

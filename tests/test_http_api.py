@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 import torch
@@ -32,6 +33,7 @@ from orchestrator.http_server import HttpLimits, HttpServer, TlsFiles, bind
 from orchestrator.service import GenerationService
 from orchestrator.stats import RequestStats
 from specmesh.chat import ChatTemplate
+from specmesh.client import Client
 from specmesh.sampling import SamplingParams
 from specmesh_app.local_mesh import ServiceProcess
 from tests.service_helpers import DRAFT, TARGET, start_all, verifier, wait_until
@@ -637,14 +639,24 @@ def test_no_verifier_up_is_503():
         url = f"http://127.0.0.1:{port}"
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
         assert post(url + "/v1/completions", body)[0] == 200
-        load = json.loads(get(url + "/load")[1])
-        assert load["running"] == load["waiting"] == 0
-        assert load["verifiers"] == [{"address": v.address, "healthy": True, "running": 0, "waiting": 0}]
+        load = get(url + "/load")[1]
+        assert json.loads(load) == {"requests": 0, "max_requests": 64 + 256, "running": 0, "waiting": 0,
+                                    "verifiers": 1, "verifiers_healthy": 1, "draining": False}
+        assert str(v.port).encode() not in load  # counts only: no replica's address to anyone who asks
         v.stop()
         status, error = post(url + "/v1/completions", body)
         assert_openai_error(status, error, 503)
+        # the client is told what failed, not where: the log line of the request, under its id, says where
+        message = error["error"]["message"]
+        assert "127.0.0.1" not in message and str(v.port) not in message, message
+        request_id = re.search(r"request (cmpl-\w+)", message).group(1)
+        assert wait_until(lambda: re.search(rf"id={request_id} .*{v.port}", proc.log_text()) is not None, 10)
+        with pytest.raises(grpc.RpcError) as err:
+            Client(proc.address, timeout=30).generate(PROMPTS[0], max_new_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "127.0.0.1" not in err.value.details() and "request gen-" in err.value.details(), err.value.details()
         assert get(url + "/health")[0] == get(url + "/readyz")[0] == 503 and get(url + "/livez")[0] == 200
-        assert not json.loads(get(url + "/load")[1])["verifiers"][0]["healthy"]
+        assert json.loads(get(url + "/load")[1])["verifiers_healthy"] == 0
     finally:
         proc.stop()
         v.stop()

@@ -4,25 +4,35 @@
   counters = sums over the steps, latencies from the clock, gauges follow waiting -> running -> done.
 - ``VerifierMetrics`` over real StepLoops on a tiny model (engines on threads share one):
   Verify calls = the requests' steps, prefill tokens = their prompts, histograms agree with the counters.
-- ``DrafterMetrics`` by proposer, ``--metrics`` parsing and the HTTP endpoint (port 0, port in use).
+- ``DrafterMetrics`` by proposer, ``--metrics`` parsing and the HTTP endpoint (port 0, port in use), and its
+  security: HTTPS, client certificates and the bearer token as the API port has them.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import ssl
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from spec_helpers import engine_for, greedy, make_prompts
+from tls_helpers import make_pki
 
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import proposer_names
 from orchestrator.metrics import ServeMetrics
 from orchestrator.stats import RequestStats, StepStats
-from specmesh.metrics import Buckets, add_metrics_argument, histogram_family, start_metrics_server
+from specmesh.metrics import (
+    Buckets,
+    MetricsAccess,
+    add_metrics_argument,
+    histogram_family,
+    start_metrics_server,
+)
 from specmesh.tree import TokenTree
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.step_loop import StepLoop
@@ -357,3 +367,48 @@ def test_metrics_endpoint_serves_the_registry_and_refuses_a_port_in_use():
         start_metrics_server(f"127.0.0.1:{port}", CollectorRegistry())
     message = str(exc.value)
     assert f"127.0.0.1:{port}" in message and "\n" not in message
+
+
+def scrape_status(url: str, context: ssl.SSLContext | None = None, token: str | None = None) -> int:
+    """The status of GET ``url`` as a Prometheus scrape sends it (bearer token, client certificate in
+    ``context``)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10,
+                                    context=context) as reply:
+            assert b"specmesh_request_success_total" in reply.read()
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_metrics_endpoint_takes_the_api_ports_tls_client_certificates_and_token(tmp_path):
+    pki = make_pki(tmp_path)
+    metrics = ServeMetrics(MODEL)
+    metrics.request().finished("stop", 3, 2)
+    access = MetricsAccess(("s3cret", "other"), pki["server"], pki["server_key"], pki["ca"])
+    port = start_metrics_server("127.0.0.1:0", metrics.registry, access)
+    url = f"https://127.0.0.1:{port}/metrics"
+    with_cert = ssl.create_default_context(cafile=pki["ca"])
+    with_cert.load_cert_chain(pki["client"], pki["client_key"])
+    assert scrape_status(url, with_cert, "s3cret") == 200
+    assert scrape_status(url, with_cert, "other") == 200
+    assert scrape_status(url, with_cert) == 401  # no token
+    assert scrape_status(url, with_cert, "wrong") == 401
+    no_cert = ssl.create_default_context(cafile=pki["ca"])
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, OSError)):
+        scrape_status(url, no_cert, "s3cret")  # mutual TLS: no client certificate, no answer
+    with pytest.raises((urllib.error.URLError, OSError)):
+        scrape_status(url.replace("https://", "http://"), token="s3cret")  # no plaintext answer on the port
+    assert scrape_status(url, with_cert, "s3cret") == 200  # the failed handshakes held nothing up
+    # TLS without client certificates, no token: the certificate alone
+    port = start_metrics_server("127.0.0.1:0", metrics.registry, MetricsAccess((), pki["server"], pki["server_key"]))
+    assert scrape_status(f"https://127.0.0.1:{port}/metrics", no_cert) == 200
+    # a client that opens a connection and says nothing holds up no other scrape
+    import socket
+
+    silent = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        assert scrape_status(f"https://127.0.0.1:{port}/metrics", no_cert) == 200
+    finally:
+        silent.close()

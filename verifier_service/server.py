@@ -374,7 +374,8 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
     if local.info.max_positions < local.model_positions:
         log.warning("serving a context of %d positions, not the model's %d: one request's KV must fit the pool "
                     "(raise --kv-cache-gb for more)", local.info.max_positions, local.model_positions)
-    return VerifierServicer(verifier, str(path), args.session_ttl)
+    # Info names the model, never its directory: a caller learns nothing of this machine's file system
+    return VerifierServicer(verifier, args.model_name or models.served_name(args.target), args.session_ttl)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -384,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     registry = None
     if args.metrics is not None:  # before loading the model: a port in use fails at once
         registry = metrics.new_registry()
-        metrics.start_metrics_server(args.metrics, registry)
+        metrics.start_metrics_server(args.metrics, registry, metrics.MetricsAccess.of(args, security.tokens))
     servicer = build_servicer(args, registry)
     try:
         return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
