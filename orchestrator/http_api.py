@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -42,7 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -73,6 +75,7 @@ MAX_CHOICES = 16  # n and best_of at most: each choice is a request of its own
 NEG_INF_LOGPROB = -9999.0  # a log-probability of -inf (outside top-k/top-p) in JSON, as vLLM writes it
 TOKEN_TEXT_CACHE = 1 << 16  # token texts of the logprobs fields kept decoded
 OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on a worker thread, not on the event loop
+MESSAGE_SLICE = 512  # chat messages validated per call of a large body (~2 ms each holding the interpreter lock)
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -261,10 +264,38 @@ async def read_body(request: Request, model: type[Body], limit: int) -> Body:
         raise ApiError(400, "the client disconnected before its request arrived") from None
     try:
         if len(body) > OFF_LOOP_BYTES:
-            return await asyncio.to_thread(model.model_validate_json, body)
+            return await asyncio.to_thread(_parse_in_slices, model, body)
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise invalid_body(exc.errors()) from None
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def _parse_in_slices(model: type[Body], body: bytes) -> Body:
+    """A large body as ``model``, on a worker thread, letting the event loop run between pieces: pydantic holds
+    the interpreter lock for a whole call, so one call over 50,000 chat messages (a body under the limit) held
+    the loop 0.3 s from its thread; messages are validated MESSAGE_SLICE at a time instead, the lock given up
+    between slices, and the rest of the body (small fields, flat lists of numbers or strings) in one call."""
+    try:
+        raw = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    messages = raw.get("messages") if isinstance(raw, dict) else None
+    if "messages" in model.model_fields and isinstance(messages, list) and len(messages) > MESSAGE_SLICE:
+        checked = []
+        for start in range(0, len(messages), MESSAGE_SLICE):
+            time.sleep(0)  # the interpreter lock to the event loop between slices
+            try:
+                checked += _MESSAGES.validate_python(messages[start:start + MESSAGE_SLICE])
+            except ValidationError as exc:
+                errors = [{**e, "loc": ("messages", start + e["loc"][0], *e["loc"][1:])} if e["loc"] else e
+                          for e in exc.errors()]
+                raise invalid_body(errors) from None
+        raw = {**raw, "messages": checked}
+    time.sleep(0)
+    return model.model_validate(raw)
 
 
 def _too_large(size: int | None, limit: int) -> ApiError:
@@ -399,6 +430,8 @@ class OpenAIApi:
         self.created = int(time.time())
         self.draining = False
         self.in_flight = 0
+        self.running: set[asyncio.Task] = set()  # the generation requests' tasks (CountInFlight)
+        self.cut_requested = False
 
     def token_text(self, token_id: int) -> str:
         """One token's text as the logprobs fields show it (cached: alternatives repeat across tokens)."""
@@ -411,6 +444,14 @@ class OpenAIApi:
 
     def drain(self) -> None:
         self.draining = True
+
+    def cut(self) -> int:
+        """End the generation requests still running (the drain's grace is over), each with an answer its client
+        can read (``CountInFlight``); how many there were."""
+        self.cut_requested = True
+        for task in list(self.running):
+            task.cancel()
+        return len(self.running)
 
     def accepting(self) -> None:
         if self.draining:
@@ -451,7 +492,12 @@ class OpenAIApi:
                             ) -> list[tuple[Plan, AsyncIterator[Chunk | Final], Chunk | Final]]:
         """``start`` for each of ``count`` independent choices of one prompt (n, best_of): the first alone, so that
         the others find its prompt in the verifier's prefix cache, then the rest together. A seeded request's
-        choice i samples with seed + i. A failure closes the choices started."""
+        choice i samples with seed + i. A failure closes the choices started. More choices than the server ever
+        takes at once (--max-concurrent + --max-queued) is a 400: a 429 would say that retrying can help."""
+        if count > self.service.max_requests:
+            raise ApiError(400, f"{count} choices (n, best_of) are more than the {self.service.max_requests} "
+                                "requests this server takes at once (--max-concurrent + --max-queued)",
+                           param="best_of" if request.operation == "text_completion" else "n")
         first = await self.start(request, request_id, fill_context)
         if count == 1:
             return [first]
@@ -488,6 +534,7 @@ class OpenAIApi:
                                   prompt=text_prompt, token_ids=None if text_prompt is not None else list(prompt),
                                   operation="text_completion", **_speculation(body))
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.service.model_name
+        note_request_id(rid)
         choices = await self.start_choices(request, rid, best_of)
         plan = choices[0][0]
         echo = (text_prompt if text_prompt is not None else self.service.decode(plan.prompt)) if body.echo else ""
@@ -586,13 +633,16 @@ class OpenAIApi:
         self.check_model(body.model)
         _refuse_unsupported(body)
         tools = self.tool_plan(body)  # None: no tools (orchestrator/tool_calls.py)
-        prompt = self.render_chat(body.messages, tools=tools.tools if tools else ())
+        render = functools.partial(self.render_chat, body.messages, tools=tools.tools if tools else ())
+        # many messages take the template long (dumping each, then Jinja): on a thread, off the event loop
+        prompt = await asyncio.to_thread(render) if len(body.messages) > MESSAGE_SLICE else render()
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context (OpenAI's)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = _sampling(body, max_tokens or 1, logprobs, tools.grammar if tools else None)
         request = GenerateRequest(sampling, prompt=prompt, operation="chat", add_special_tokens=False,
                                   **_speculation(body))
         rid, model, n = f"chatcmpl-{uuid.uuid4().hex}", self.service.model_name, body.n or 1
+        note_request_id(rid)
         choices = await self.start_choices(request, rid, n, fill_context=max_tokens is None)
         plan = choices[0][0]
 
@@ -755,9 +805,24 @@ async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+_REQUEST_IDS: contextvars.ContextVar[list[str]] = contextvars.ContextVar("specmesh_request_ids")
+
+
+def note_request_id(request_id: str) -> None:
+    """Tell ``CountInFlight`` the id of the request it runs (for its line when the request is cut)."""
+    if (ids := _REQUEST_IDS.get(None)) is not None:
+        ids.append(request_id)
+
+
+CUT_MESSAGE = "the server is shutting down and its grace period ended before this request did; retry it"
+
+
 class CountInFlight:
     """ASGI middleware counting the generation requests in flight (streams until their last byte): what a
-    drain waits for."""
+    drain waits for; ``OpenAIApi.cut`` ends those still running when the drain's grace is over, each as a client
+    can read it: a stream with an ``error`` event and ``[DONE]``, a request not answered yet with a JSON 503, and
+    one log line each (instead of uvicorn cancelling them: a stream cut mid-event, a text/plain 500, a
+    CancelledError traceback)."""
 
     def __init__(self, app, api: OpenAIApi) -> None:
         self.app, self.api = app, api
@@ -765,11 +830,52 @@ class CountInFlight:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
+        state = {"started": False, "stream": False, "ended": False}
+
+        async def tracked(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                state["stream"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                      for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
+            await send(message)
+
+        ids: list[str] = []
+        token = _REQUEST_IDS.set(ids)
+        task = asyncio.ensure_future(self.app(scope, receive, tracked))  # (copies the context: ids is shared)
+        _REQUEST_IDS.reset(token)
         self.api.in_flight += 1
+        self.api.running.add(task)
         try:
-            await self.app(scope, receive, send)
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self.api.cut_requested or (current is not None and current.cancelling()):
+                raise  # the connection went away or the server stops: nobody to answer
+            await self._answer_cut(scope, send, state, ids)
         finally:
+            self.api.running.discard(task)
             self.api.in_flight -= 1
+            if not task.done():
+                task.cancel()
+
+    async def _answer_cut(self, scope, send, state: dict, ids: list[str]) -> None:
+        error = ApiError(503, CUT_MESSAGE, "server_error", code="service_unavailable")
+        how = "nothing more could be sent"
+        try:
+            if not state["started"]:
+                response = error.response()
+                await send({"type": "http.response.start", "status": 503, "headers": response.raw_headers})
+                await send({"type": "http.response.body", "body": response.body})
+                how = "answered 503"
+            elif state["stream"] and not state["ended"]:
+                await send({"type": "http.response.body", "body": _sse(error.body()) + _sse("[DONE]")})
+                how = "its stream ended with an error event and [DONE]"
+        except OSError:  # the client is gone meanwhile
+            pass
+        log.warning("HTTP: request %s (%s) cut at the end of the drain's grace: %s",
+                    ",".join(ids) or "(not admitted)", scope["path"], how)
 
 
 WARM_UP_PROMPT = "def add(a, b):"

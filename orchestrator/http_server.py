@@ -12,7 +12,8 @@ needs, TLS, and a drain that finishes in-flight requests.
   new one is closed. Either is logged at most once per ``LOG_INTERVAL`` seconds, with a count.
 - **TLS** with the gRPC side's certificate (``TlsFiles``): client certificates required when a CA is given.
 - **Drain** (``HttpServer.drain``): readiness 503 and new generation requests 503 while the requests in flight
-  finish, for up to the grace; then the listener closes.
+  finish, for up to the grace; then those left are cut (``on_cut``: the app ends each with an answer its client
+  can read) and the listener closes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ log = logging.getLogger("specmesh.http")
 
 LOG_INTERVAL = 10.0  # seconds between two log lines about refused or timed-out connections
 FD_RESERVE = 256  # file descriptors kept for everything but HTTP connections (gRPC, models, logs)
+CUT_SECONDS = 2.0  # past the grace, how long the requests cut get to send their last bytes
 ACCEPT_BATCH = 128  # asyncio accepts up to this many connections at once before any is seen (also the listen
 # backlog): below FD_RESERVE, so a burst cannot overshoot the connection cap into EMFILE
 
@@ -272,7 +274,7 @@ class HttpServer:
 
     def __init__(self, app, sock: socket.socket, limits: HttpLimits = HttpLimits(), tls: TlsFiles | None = None,
                  in_flight: Callable[[], int] = lambda: 0, on_drain: Callable[[], None] = lambda: None,
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, on_cut: Callable[[], int] = lambda: 0) -> None:
         limits = connection_cap(limits)
         throttle_accept_errors()
         logs = {"log_config": None} if json_logging() else {}  # JSON: uvicorn's records go through the root's
@@ -285,6 +287,7 @@ class HttpServer:
         if access_log:  # uvicorn set its loggers to log_level (warning): its access lines are INFO
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self.server, self.sock, self.in_flight, self.on_drain = _Server(config), sock, in_flight, on_drain
+        self.on_cut = on_cut
         self.scheme = "https" if tls else "http"
         self._task: asyncio.Task | None = None
 
@@ -312,8 +315,11 @@ class HttpServer:
             log.info("HTTP: draining %d request(s) for up to %.0f s", self.in_flight(), grace)
         while self.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(poll)
-        if self.in_flight():
-            log.warning("HTTP: %d request(s) still running after the %.0f s grace are cut", self.in_flight(), grace)
+        if self.in_flight():  # each answered as its client can read it, and logged (on_cut), before the listener goes
+            log.info("HTTP: %d request(s) still running after the %.0f s grace are cut", self.on_cut(), grace)
+            cut_by = time.monotonic() + CUT_SECONDS
+            while self.in_flight() and time.monotonic() < cut_by:
+                await asyncio.sleep(poll)
         self.server.should_exit = True
         if self._task is not None:
             await asyncio.shield(self._task)

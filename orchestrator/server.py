@@ -429,7 +429,7 @@ def _build(args: argparse.Namespace, security: rpc.Security, http_socket) -> tup
         http = HttpServer(app, http_socket, HttpLimits(args.http_read_timeout, args.http_keep_alive,
                                                        args.http_max_connections),
                           http_tls(args, security), in_flight=lambda: app.state.api.in_flight,
-                          on_drain=app.state.api.drain, access_log=args.access_log)
+                          on_drain=app.state.api.drain, access_log=args.access_log, on_cut=app.state.api.cut)
         log.info("OpenAI-compatible API on %s/v1 (chat template: %s%s)", http.url, "yes" if chat else "none",
                  ", bearer token required" if security.tokens else "")
     return service, http

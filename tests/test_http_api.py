@@ -52,7 +52,7 @@ class AppThread:
                  access_log: bool = False) -> None:
         sock = bind("127.0.0.1:0")
         self.server = HttpServer(app, sock, limits or HttpLimits(), tls, in_flight=lambda: app.state.api.in_flight,
-                                 on_drain=app.state.api.drain, access_log=access_log)
+                                 on_drain=app.state.api.drain, access_log=access_log, on_cut=app.state.api.cut)
         self.port = sock.getsockname()[1]
         self.url = self.server.url
         self._loop = asyncio.new_event_loop()

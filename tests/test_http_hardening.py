@@ -4,11 +4,16 @@ SIGTERM, closed documentation pages (the embedded demo stack of test_http_api, u
 
 from __future__ import annotations
 
+import concurrent.futures
+import gc
 import http.client
 import json
+import logging
+import re
 import signal
 import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -216,6 +221,60 @@ def test_n_and_best_of_below_one_say_so(stack):
         app.stop()
 
 
+def test_choices_the_server_can_never_take_at_once_are_a_400_not_a_429(stack):
+    app = AppThread(build_app(make_service(stack, max_concurrent=2, max_queued=1)))
+    try:
+        status, error = post(app.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 1, "best_of": 4,
+                                                           "max_tokens": 2})
+        assert_openai_error(status, error, 400, "best_of")
+        assert "--max-concurrent" in error["error"]["message"]
+        status, error = post(app.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 4, "max_tokens": 2})
+        assert_openai_error(status, error, 400)
+        status, answer = post(app.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 1, "best_of": 3,
+                                                            "max_tokens": 2, "temperature": 0})
+        assert status == 200 and len(answer["choices"]) == 1  # as many as it takes: served
+    finally:
+        app.stop()
+
+
+def test_a_body_of_many_chat_messages_under_the_limit_leaves_the_event_loop_serving(stack):
+    """50,000+ messages in a body just under the limit: one pydantic call over them held the interpreter lock,
+    and so the event loop, for the whole parse (0.3-0.4 s here; 2 s for 8 at once) even from a worker thread.
+    Parsed in slices, /livez keeps answering while it goes on."""
+    service = make_service(stack)
+    app = AppThread(build_app(service))
+    limit = app.server.server.config.app.state.api.max_body_bytes
+    one = {"role": "user", "content": "a"}
+    count = (limit - 200) // (len(json.dumps(one)) + 2)
+    body = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [one] * count}).encode()
+    assert limit - 100_000 < len(body) <= limit
+    gaps, done = [], threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            assert get(app.url + "/livez")[0] == 200
+            gaps.append(time.monotonic() - start)
+            time.sleep(0.005)
+
+    gc.freeze()  # as serve freezes its heap once built (host_runtime.freeze_heap): no full collection walks it
+    try:
+        prober = threading.Thread(target=probe)
+        prober.start()
+        time.sleep(0.1)
+        start = time.monotonic()
+        status, error = post(app.url + "/v1/chat/completions", body)
+        took = time.monotonic() - start
+        done.set()
+        prober.join(30)
+        assert_openai_error(status, error, 400)  # this app has no chat template: the parse is the work
+        assert max(gaps) < 0.5 * took, (max(gaps), took)  # the loop was held for a part of the parse, not all
+    finally:
+        gc.unfreeze()
+        done.set()
+        app.stop()
+
+
 # ------------------------------------------------------------------------------------------ drain
 def test_a_drain_finishes_streams_and_answers_503_meanwhile(stack):
     app = AppThread(build_app(make_service(stack)))
@@ -237,6 +296,67 @@ def test_a_drain_finishes_streams_and_answers_503_meanwhile(stack):
     with pytest.raises(OSError):
         raw(app.port)
     app.stop()
+
+
+class Records(logging.Handler):
+    """Every record of some loggers (uvicorn's do not reach the root logger, so caplog misses them)."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.loggers = [logging.getLogger(n) for n in names]
+        for logger in self.loggers:
+            logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.removeHandler(self)
+        super().close()
+
+    def text(self) -> str:
+        return "\n".join(r.getMessage() + (logging.Formatter().formatException(r.exc_info) if r.exc_info else "")
+                         for r in self.records)
+
+
+def test_requests_still_running_past_the_grace_end_as_their_clients_can_read(stack):
+    """Past the drain's grace, a stream ends with an error event and [DONE], a request not answered yet with
+    a JSON 503 in OpenAI's shape; the log has one line per cut request, no traceback."""
+    app = AppThread(build_app(make_service(stack)))
+    records = Records("uvicorn.error", "uvicorn", "specmesh.http", "asyncio")  # after uvicorn set its loggers up
+    long = {**STREAM, "max_tokens": 1500}  # minutes of decoding: still running when the grace ends
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", app.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.readline().startswith(b"data: ")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            unary = pool.submit(post, app.url + "/v1/completions", {**long, "stream": False})
+            assert wait_until(lambda: json.loads(get(app.url + "/load")[1])["requests"] == 2, 10)
+            start = time.monotonic()
+            stopped = app.drain(grace=0.5)
+            status, error = unary.result(30)
+        assert_openai_error(status, error, 503)
+        assert error["error"]["code"] == "service_unavailable" and "grace" in error["error"]["message"]
+        events = read_events(stream)
+        assert events[-1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2])["error"]["code"] == "service_unavailable"
+        assert all("choices" in json.loads(e) for e in events[:-2])  # every event before is whole
+        stopped.result(30)
+        assert time.monotonic() - start < 10
+        cut = [r for r in records.records if "cut at the end of the drain's grace" in r.getMessage()]
+        assert len(cut) == 2, records.text()
+        assert sum("error event and [DONE]" in r.getMessage() for r in cut) == 1
+        assert sum("answered 503" in r.getMessage() for r in cut) == 1
+        assert all(re.search(r"request cmpl-\w+ ", r.getMessage()) for r in cut), records.text()
+        assert "Traceback" not in records.text() and "CancelledError" not in records.text(), records.text()
+        assert not any(r.exc_info for r in records.records), records.text()
+        conn.close()
+    finally:
+        records.close()
+        app.stop()
 
 
 def test_sigterm_lets_https_streams_finish_within_the_grace(stack, tmp_path):
