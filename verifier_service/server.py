@@ -320,7 +320,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "harvests with each Verify, for the lookahead and retrieval drafters (default: off)")
     metrics.add_metrics_argument(p)
     p.add_argument("--model-name", default=None,
-                   help="the model's name in the `model_name` label of the metrics, as `serve --model-name` gives "
+                   help="the model's name in the `model_name` label of the metrics and in Info, as `serve --model-name` gives "
                         "it (default: --target as given for a hub id, the directory's name for a local one, `demo` "
                         "for the bundled demo target: what `serve` names the same target)")
     serving.add_server_arguments(p)
