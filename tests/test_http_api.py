@@ -541,7 +541,8 @@ def test_bearer_token(stack):
         assert_openai_error(*post(app.url + "/v1/completions", body, {"Authorization": "Bearer wrong"}), 401)
         assert post(app.url + "/v1/completions", body, {"Authorization": "Bearer other"})[0] == 200
         assert get(app.url + "/v1/models")[0] == 401
-        assert get(app.url + "/health")[0] == 200 and get(app.url + "/metrics")[0] == 200
+        assert get(app.url + "/health")[0] == 200 and get(app.url + "/metrics")[0] == 401  # as the --metrics port
+        assert get(app.url + "/metrics", {"Authorization": "Bearer s3cret"})[0] == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=app.url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert openai.OpenAI(base_url=app.url + "/v1", api_key="s3cret", max_retries=0).models.list().data
