@@ -221,7 +221,7 @@ class VerifierReplica:
         self.servicer, self.hosted = await host_servicer(
             VERIFIER, options, build_servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, VERIFIER_SERVICE,
             membership, heartbeat_s)
-        self._reaper = asyncio.ensure_future(self.servicer.reap_idle_sessions())
+        self._reaper = asyncio.ensure_future(self.servicer.background())  # leases, --session-ttl
 
     def address(self) -> str:
         return self.hosted.address
