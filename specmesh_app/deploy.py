@@ -46,8 +46,8 @@ log = logging.getLogger("specmesh.deploy")
 VERIFIER, DRAFTER = "verifier", "drafter"
 # options Serve decides for its replicas: where they listen, how they are told apart, where metrics go
 REPLICA_OPTIONS = ("--listen", "--ready-file", "--reuse-port", "--metrics")
-SERVE_OPTIONS = ("--listen", "--http", "--verifier", "--drafter", "--embedded", "--metrics", "--ready-file",
-                 "--reuse-port")
+SERVE_OPTIONS = ("--listen", "--http", "--verifier", "--drafter", "--embedded", "--metrics", "--health",
+                 "--ready-file", "--reuse-port")  # --health: Serve's proxy and its replica health checks probe it
 
 
 class AppArgs(BaseModel):
