@@ -41,8 +41,9 @@ log = logging.getLogger("specmesh.http")
 LOG_INTERVAL = 10.0  # seconds between two log lines about refused or timed-out connections
 FD_RESERVE = 256  # file descriptors kept for everything but HTTP connections (gRPC, models, logs)
 CUT_SECONDS = 2.0  # past the grace, how long the requests cut get to send their last bytes
-ACCEPT_BATCH = 128  # asyncio accepts up to this many connections at once before any is seen (also the listen
-# backlog): below FD_RESERVE, so a burst cannot overshoot the connection cap into EMFILE
+ACCEPT_BATCH = 128  # asyncio accepts up to this many connections at once before any is seen: below FD_RESERVE, so
+# a burst cannot overshoot the connection cap into EMFILE. The kernel's accept queue behind it is longer
+# (``listen_backlog``): connections waiting there hold no file descriptor of ours.
 
 
 @dataclass(frozen=True)
@@ -259,11 +260,28 @@ class LoadingResponder:
         self._thread.join(timeout=5)
 
 
+def listen_backlog(limits: HttpLimits) -> int:
+    """The API port's accept queue: as many connections as it may hold open (the fd budget,
+    ``connection_cap``), at least ``ACCEPT_BATCH``; the kernel caps it at net.core.somaxconn (4096 by default
+    since Linux 5.4)."""
+    return max(ACCEPT_BATCH, limits.max_connections)
+
+
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: `specmesh serve` handles SIGTERM (drains both ports)."""
+    """uvicorn without its own signal handlers (`specmesh serve` handles SIGTERM: drains both ports), listening with
+    ``backlog`` (asyncio's listen() uses its accept batch, uvicorn's ``backlog``, for the kernel's queue too)."""
+
+    def __init__(self, config: uvicorn.Config, backlog: int) -> None:
+        super().__init__(config)
+        self.listen_backlog = backlog
 
     def capture_signals(self):
         return contextlib.nullcontext()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for sock in sockets or ():
+            sock.listen(self.listen_backlog)  # on a listening socket: only the queue's length changes
 
 
 class HttpServer:
@@ -286,7 +304,8 @@ class HttpServer:
                     ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE) if tls else {}))
         if access_log:  # uvicorn set its loggers to log_level (warning): its access lines are INFO
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-        self.server, self.sock, self.in_flight, self.on_drain = _Server(config), sock, in_flight, on_drain
+        self.server, self.sock, self.in_flight, self.on_drain = (_Server(config, listen_backlog(limits)), sock,
+                                                                 in_flight, on_drain)
         self.on_cut = on_cut
         self.scheme = "https" if tls else "http"
         self._task: asyncio.Task | None = None

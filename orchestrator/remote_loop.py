@@ -23,6 +23,10 @@ or with others that are ready then) once its tree lands; so several steps, each 
 out at once, and the replica's step loop batches what arrives together. A drafter past its deadline
 (``--draft-timeout-ms``) is failed over, as in the per-request engine.
 
+The loop holds a ``Lease`` stream to the replica for as long as it runs and names it in every Prefill: when
+this process dies (kill -9 included) its connection closes, the stream ends, and the replica frees the lease's
+sessions within seconds (verifier_service/leases.py) instead of at its --session-ttl.
+
 Prefills are not part of a step: each is a task started as soon as its request is opened, and its answer is
 handed to the driver as it lands. A request dropped while its Prefill is in flight has the call cancelled and
 its session released once it has ended: a Release must never overtake the Prefill it frees.
@@ -34,6 +38,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -48,6 +53,7 @@ from verifier_service.remote import RELEASE_TIMEOUT, RemoteVerifier, VerifierCli
 from verifier_service.scheduler import BatchStats
 
 log = logging.getLogger("specmesh.remote_loop")
+LEASE_RETRY = 0.5  # seconds between two attempts to attach the lease (the replica is restarting, or away)
 
 
 class SessionOwner(Protocol):
@@ -100,6 +106,7 @@ class RemoteStepLoop:
         self.client = client
         self.verifier = RemoteVerifier(client, None)  # messages, answers, errors; every call bounded by call_timeout
         self.driver = driver
+        self.lease_id = uuid.uuid4().hex  # this loop's Lease: its sessions on the replica end with this process
         self.stats = BatchStats()
         self._lock = threading.Lock()  # what other threads hand in: functions to run, sessions to open, close
         self._soon: list[Callable[[], None]] = []
@@ -206,6 +213,7 @@ class RemoteStepLoop:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         channel = self.client.aio_channel()
         self._stub = verifier_pb2_grpc.VerifierStub(channel)
+        lease = asyncio.ensure_future(self._hold_lease())  # before any Prefill names it
         started.set()
         try:
             while True:
@@ -218,7 +226,24 @@ class RemoteStepLoop:
             if self._releases:  # the sessions just ended, released before the channel goes
                 await asyncio.wait(set(self._releases), timeout=RELEASE_TIMEOUT)
         finally:
+            lease.cancel()
             await channel.close()
+
+    async def _hold_lease(self) -> None:
+        """Keep the Lease stream open while the loop runs: attached again whenever it ends (the replica restarted
+        or drains); a replica without Lease (UNIMPLEMENTED) is not asked again."""
+        request = verifier_pb2.LeaseRequest(lease_id=self.lease_id)
+        while True:
+            try:
+                async for _ in self._stub.Lease(request, metadata=self.client._metadata):
+                    pass
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("verifier %s has no Lease: its sessions of a dead serve end at its --session-ttl",
+                             self.client.address)
+                    return
+                log.debug("lease on %s ended: %s", self.client.address, exc.code().name)
+            await asyncio.sleep(LEASE_RETRY)
 
     def _idle(self) -> bool:
         with self._lock:
@@ -265,7 +290,7 @@ class RemoteStepLoop:
             return
         if session_id not in self._sessions:  # dropped while being admitted
             return
-        request = self.verifier.prefill_request(session_id, prompt, sampling, features)
+        request = self.verifier.prefill_request(session_id, prompt, sampling, features, self.lease_id)
         with self.driver.traced(session_id, "prefill"):  # the task's context: the call's span joins the trace
             task = self._loop.create_task(self._call(self._stub.Prefill, request))
         self._prefilling[session_id] = (task, owner)

@@ -44,7 +44,8 @@ from orchestrator.vllm_args import add_vllm_arguments, apply_vllm_arguments, ser
 from specmesh import models, rpc, serving
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, TokenLogprobs, UnknownSessionError
-from specmesh.metrics import MetricsAccess, add_metrics_argument, start_metrics_server
+from specmesh.metrics import MetricsAccess, add_metrics_argument, metrics_address, start_metrics_server
+from specmesh.probes import ProbeServer
 from specmesh.text_tokenizer import load_text_tokenizer
 from specmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specmesh.wire import GENERATE_SERVICE, logprobs_to_proto, sampling_from_proto
@@ -237,6 +238,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--http-insecure", action="store_true",
                    help="serve --http in plaintext even though --tls-cert secures gRPC (e.g. behind a proxy that "
                         "terminates TLS); without it the HTTP port uses the same certificate")
+    p.add_argument("--health", type=metrics_address, default=None, metavar="HOST:PORT",
+                   help="also answer the health probes (/health = /readyz, /livez) here, on a listener of their own "
+                        "(own thread, own accept queue: a connection storm on the API ports cannot fail them), "
+                        "plaintext and open, telling nothing but up or down: point Kubernetes' probes here "
+                        "(default: off; the HTTP API answers them too)")
     add_vllm_arguments(p)
     add_metrics_argument(p)
     add_speculation_arguments(p)  # defaults for requests whose SpecParams leave them unset
@@ -383,16 +389,32 @@ def run(args: argparse.Namespace) -> int:
             serving.check_port_free(args.listen)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"specmesh serve: --listen {args.listen}: {exc}") from None
+    probes = None
+    if args.health:  # answering at once: /livez 200, readiness 503 until the service is built
+        try:
+            probes = ProbeServer(args.health).start()
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"specmesh serve: --health {args.health}: {exc}") from None
     loading = contextlib.ExitStack()
     if http_socket is not None and (security.cert is None or args.http_insecure):  # plaintext: probes answered
         loading.enter_context(LoadingResponder(http_socket))  # /livez 200, the rest 503, while it loads
     with loading:
         service, http = _build(args, security, http_socket)
+    drain = None
+    if probes is not None:
+        probes.serve_readiness(lambda: None if service.healthy() else "no verifier is serving")
+
+        async def drain(grace: float) -> None:  # readiness 503 on the probe port as on the API's
+            probes.drain()
+            if http is not None:
+                await http.drain(grace)
+    elif http is not None:
+        drain = http.drain
     if not args.listen:  # MODEL without --listen: the HTTP API alone
-        return serving.serve_http_only(args, http.run, http.drain, http_socket.getsockname()[1])
+        return serving.serve_http_only(args, http.run, drain, http_socket.getsockname()[1])
     log.info("gRPC Generate service on %s%s", args.listen, "" if http else " (no HTTP API: --http or --port)")
     return serving.serve(args, security, GenerateServicer(service), generate_pb2_grpc.add_GenerateServicer_to_server,
-                         GENERATE_SERVICE, http and http.run, http and http.drain)
+                         GENERATE_SERVICE, http and http.run, drain)
 
 
 def _build(args: argparse.Namespace, security: rpc.Security, http_socket) -> tuple[GenerationService, HttpServer | None]:

@@ -46,8 +46,8 @@ log = logging.getLogger("specmesh.deploy")
 VERIFIER, DRAFTER = "verifier", "drafter"
 # options Serve decides for its replicas: where they listen, how they are told apart, where metrics go
 REPLICA_OPTIONS = ("--listen", "--ready-file", "--reuse-port", "--metrics")
-SERVE_OPTIONS = ("--listen", "--http", "--verifier", "--drafter", "--embedded", "--metrics", "--ready-file",
-                 "--reuse-port")
+SERVE_OPTIONS = ("--listen", "--http", "--verifier", "--drafter", "--embedded", "--metrics", "--health",
+                 "--ready-file", "--reuse-port")  # --health: Serve's proxy and its replica health checks probe it
 
 
 class AppArgs(BaseModel):
@@ -221,7 +221,7 @@ class VerifierReplica:
         self.servicer, self.hosted = await host_servicer(
             VERIFIER, options, build_servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, VERIFIER_SERVICE,
             membership, heartbeat_s)
-        self._reaper = asyncio.ensure_future(self.servicer.reap_idle_sessions())
+        self._reaper = asyncio.ensure_future(self.servicer.background())  # leases, --session-ttl
 
     def address(self) -> str:
         return self.hosted.address

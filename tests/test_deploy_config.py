@@ -289,6 +289,8 @@ def test_app_args_checks_reject_broken_args():
         check_app_args({**args, "serve": ["--proposer", "fuzed"]})
     with pytest.raises(ValueError, match="--listen is decided by Ray Serve"):
         check_app_args({**args, "verifier": ["--listen", "0.0.0.0:50052"]})
+    with pytest.raises(ValueError, match="--health is decided by Ray Serve"):  # Serve's proxy answers the probes
+        check_app_args({**args, "serve": ["--health", "0.0.0.0:8081"]})
 
 
 def test_policy_check_rejects_broken_policies():

@@ -114,13 +114,13 @@ class RemoteVerifier:
     # the messages and answers as data, for a caller that makes the calls itself (the engine core's remote loop
     # sends a step's Verifys together on its own event loop: orchestrator/remote_loop.py)
     def prefill_request(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                        features: bool = False) -> verifier_pb2.PrefillRequest:
+                        features: bool = False, lease_id: str = "") -> verifier_pb2.PrefillRequest:
         """The Prefill to send; the session counts as open from here on (a ``release`` after the call ended frees
-        it, whatever its outcome)."""
+        it, whatever its outcome). ``lease_id``: the caller's Lease, which the session ends with ("": none)."""
         self._open.add(session_id)
         self.client._add_sessions(1)
         return verifier_pb2.PrefillRequest(session_id=session_id, prompt=prompt, sampling=sampling_to_proto(sampling),
-                                           return_features=features)
+                                           return_features=features, lease_id=lease_id)
 
     def prefill_result(self, msg: verifier_pb2.PrefillResponse) -> PrefillResult:
         return PrefillResult(msg.first_token, msg.seconds, self._features(msg), self._logprobs(msg))

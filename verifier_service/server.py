@@ -4,9 +4,12 @@ Model work runs on the step loop's thread: the Prefill and Verify calls of
 all sessions pending at a step share one forward (continuous batching, see
 ``verifier_service/step_loop.py``), so the event loop stays free for health checks and
 new calls. A Prefill the KV pool cannot hold waits in a bounded queue; beyond it the
-call gets RESOURCE_EXHAUSTED. Sessions whose caller vanished without Release (an
-orchestrator killed mid-request) are released after ``session_ttl`` seconds without a
-call, which returns their KV blocks. A Release that overtakes the same session's Prefill
+call gets RESOURCE_EXHAUSTED. Sessions die with their caller: a caller holds a ``Lease``
+stream open while it lives and names it in each Prefill, and a few seconds after the
+stream ends (the orchestrator was killed, crashed or restarted: its connection closed)
+the lease's sessions are released, which returns their KV blocks
+(verifier_service/leases.py). Sessions of a caller without a lease are released after
+``session_ttl`` seconds without a call, the backstop. A Release that overtakes the same session's Prefill
 (or a Verify not yet stepped) frees it at once; that call answers ABORTED.
 
 Sessions are keyed by the caller's identity and its session id (``session_key``); no
@@ -47,6 +50,7 @@ from specmesh.wire import (
     tree_from_proto,
 )
 from verifier_service.arguments import add_batching_arguments, add_lookahead_argument
+from verifier_service.leases import LEASE_SWEEP, Leases
 
 if TYPE_CHECKING:
     from verifier_service.step_loop import StepLoop
@@ -76,6 +80,14 @@ def _as_caller_sees(message: str, key: str) -> str:
     for form in (key, repr(key)[1:-1]):
         message = message.replace(form, session_id)
     return message
+
+
+def check_lease_id(lease_id: str) -> None:
+    """ValueError unless a lease id is as long as a session id may be."""
+    try:
+        check_session_id(lease_id)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("session_id", "lease_id")) from None
 
 
 def _not_found(session_id: str) -> str:
@@ -135,13 +147,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.model_name = model_name
         self.session_ttl = session_ttl
         self._last_call: dict[str, float] = {}
+        self.leases = Leases()
+        self._leases_ended = asyncio.Event()  # set by end_leases: every Lease stream returns
         self.draining = False  # set when this replica is being stopped: new sessions go elsewhere
 
     async def drain(self, timeout: float) -> bool:
-        """Refuse new sessions (UNAVAILABLE: the orchestrator tries another replica) and wait up to ``timeout``
-        seconds for the open ones to end. True if none is left."""
+        """Refuse new sessions (UNAVAILABLE: the orchestrator tries another replica), end the Lease streams and
+        wait up to ``timeout`` seconds for the open sessions to end. True if none is left."""
         self.draining = True
+        await self.end_leases()
         return await serving.wait_until_idle(lambda: self.verifier.num_sessions, timeout)
+
+    async def end_leases(self, grace: float = 0.0) -> None:
+        """The replica is stopping: every Lease stream ends now (a stream in flight would hold the server's stop
+        for its whole grace) and no lease expires from here on (their callers live: their requests in flight
+        finish, each Release frees its session). Also ``serve``'s drain hook (``grace`` unused)."""
+        self.leases.frozen = True
+        self._leases_ended.set()
 
     # ------------------------------------------------------------------- RPCs
     async def Prefill(self, request, context):
@@ -150,6 +172,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         key = session_key(context, request.session_id)
         try:
             check_session_id(request.session_id)
+            if request.lease_id:
+                check_lease_id(request.lease_id)
             sampling = sampling_from_proto(request.sampling)
             future = self.verifier.submit_prefill(key, list(request.prompt), sampling, request.return_features)
             result = await asyncio.wrap_future(future)
@@ -167,6 +191,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(*self._unexpected("Prefill", key, exc))
         if self.verifier.has_session(key):  # not when a Release came in meanwhile (nothing would drop it)
             self._last_call[key] = time.monotonic()
+            if request.lease_id:  # it ends with its caller's lease
+                self.leases.add_session(session_key(context, request.lease_id), key, time.monotonic())
         span = tracing.current_span()  # the call's server span, with tracing on
         if span.is_recording():
             span.set_attributes({"specmesh.session.id": request.session_id,
@@ -247,9 +273,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if not self.verifier.has_session(key):
             await context.abort(grpc.StatusCode.NOT_FOUND, _not_found(request.session_id))
         self._last_call.pop(key, None)
+        self.leases.drop_session(key)
         await asyncio.wrap_future(self.verifier.submit_release(key))
         self._last_call.pop(key, None)  # a Prefill that finished just before it may have stamped it meanwhile
+        self.leases.drop_session(key)
         return verifier_pb2.ReleaseResponse()
+
+    async def Lease(self, request, context):
+        """Held open by a caller while it lives: one LeaseEvent once attached, then nothing until the replica
+        drains (``end_leases``). When it ends otherwise (the caller's connection closed: the call is cancelled),
+        the lease's sessions are released ``LEASE_GRACE`` seconds later unless the caller attaches again."""
+        try:
+            check_lease_id(request.lease_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._leases_ended.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this verifier replica is shutting down")
+        lease = session_key(context, request.lease_id)
+        self.leases.attach(lease, time.monotonic())
+        try:
+            yield verifier_pb2.LeaseEvent()
+            await self._leases_ended.wait()
+        finally:  # returned (draining) or cancelled (the caller is gone)
+            self.leases.detach(lease, time.monotonic())
 
     async def Info(self, request, context):
         info = self.verifier.info
@@ -281,6 +327,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if session_id in self._last_call:
             self._last_call[session_id] = time.monotonic()
 
+    async def background(self) -> None:
+        """What runs beside the server: the lease expiry and the --session-ttl reaper."""
+        await asyncio.gather(self.expire_leases(), self.reap_idle_sessions())
+
+    async def expire_leases(self) -> None:
+        """Release the sessions of leases that ended (their caller is gone) or never attached."""
+        while True:
+            await asyncio.sleep(LEASE_SWEEP)
+            self.leases.keep_only(set(self.verifier.session_ids()))  # those the replica ended itself
+            for key in self.leases.expired(time.monotonic()):
+                if not self.verifier.has_session(key):
+                    continue
+                log.info("releasing session %s: its caller's lease ended", describe_key(key))
+                self._last_call.pop(key, None)
+                await asyncio.wrap_future(self.verifier.submit_release(key))
+
     async def reap_idle_sessions(self) -> None:
         """Release sessions idle for longer than the TTL (their orchestrator died without Release)."""
         while True:
@@ -294,6 +356,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     continue
                 log.warning("releasing session %s: no call for %.0f s", describe_key(session_id), self.session_ttl)
                 self._last_call.pop(session_id, None)
+                self.leases.drop_session(session_id)
                 await asyncio.wrap_future(self.verifier.submit_release(session_id))
 
 
@@ -305,7 +368,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=MAX_TREE_NODES,
                    help=f"largest tree accepted per Verify; larger ones get INVALID_ARGUMENT (default: {MAX_TREE_NODES})")
     p.add_argument("--session-ttl", type=float, default=600.0,
-                   help="release a session's KV cache after this many seconds without a call (default: 600)")
+                   help="release a session's KV cache after this many seconds without a call, the backstop for a "
+                        "caller without a lease (a caller's Lease stream frees its sessions within seconds of its "
+                        "end) (default: 600)")
     p.add_argument("--feedback-topk", type=int, default=8, metavar="K",
                    help="report the target's top-K next tokens after every verified row with each Verify, for "
                         "learning drafters such as Token Recycling (also inside the default fused mix); 0 = off "
@@ -389,6 +454,6 @@ def run(args: argparse.Namespace) -> int:
     servicer = build_servicer(args, registry)
     try:
         return serving.serve(args, security, servicer, verifier_pb2_grpc.add_VerifierServicer_to_server,
-                             VERIFIER_SERVICE, background=servicer.reap_idle_sessions)
+                             VERIFIER_SERVICE, background=servicer.background, drain=servicer.end_leases)
     finally:
         servicer.verifier.close()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"|\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\"\x94\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12-\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.TargetFeatures\x12,\n\x08logprobs\x18\x04 \x01(\x0b\x32\x1a.specmesh.v1.TokenLogprobs\"\xc3\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x43\n\rtrace_context\x18\x03 \x03(\x0b\x32,.specmesh.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x12VerifyBatchRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"[\n\rVerifyOutcome\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x89\x01\n\x13VerifyBatchResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyOutcome\x12\x13\n\x0b\x63ost_base_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x63ost_per_session_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x63ost_per_row_s\x18\x04 \x01(\x01\"\xed\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12-\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.VerifyFeedback\x12\x16\n\x0e\x62\x61tch_sessions\x18\x05 \x01(\x05\x12-\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x1b.specmesh.v1.TargetFeatures\x12,\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1a.specmesh.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"\xb3\x02\n\x0cVerifierInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x15\n\rmax_positions\x18\x02 \x01(\x03\x12\x15\n\reos_token_ids\x18\x03 \x03(\x03\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\x12\x14\n\x0cnum_sessions\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\x13\n\x0b\x63ost_base_s\x18\x07 \x01(\x01\x12\x1a\n\x12\x63ost_per_session_s\x18\x08 \x01(\x01\x12\x16\n\x0e\x63ost_per_row_s\x18\t \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\x03\x12\x15\n\rkv_block_size\x18\x0c \x01(\x05\x12\x13\n\x0bnum_waiting\x18\r \x01(\x05\x32\xe8\x02\n\x08Verifier\x12\x44\n\x07Prefill\x12\x1b.specmesh.v1.PrefillRequest\x1a\x1c.specmesh.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12P\n\x0bVerifyBatch\x12\x1f.specmesh.v1.VerifyBatchRequest\x1a .specmesh.v1.VerifyBatchResponse\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x8e\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\x94\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12-\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.TargetFeatures\x12,\n\x08logprobs\x18\x04 \x01(\x0b\x32\x1a.specmesh.v1.TokenLogprobs\"\xc3\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x43\n\rtrace_context\x18\x03 \x03(\x0b\x32,.specmesh.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x12VerifyBatchRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"[\n\rVerifyOutcome\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x89\x01\n\x13VerifyBatchResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyOutcome\x12\x13\n\x0b\x63ost_base_s\x18\x02 \x01(\x01\x12\x1a\n\x12\x63ost_per_session_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x63ost_per_row_s\x18\x04 \x01(\x01\"\xed\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12-\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.VerifyFeedback\x12\x16\n\x0e\x62\x61tch_sessions\x18\x05 \x01(\x05\x12-\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x1b.specmesh.v1.TargetFeatures\x12,\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1a.specmesh.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x0c\n\nLeaseEvent\"\r\n\x0bInfoRequest\"\xb3\x02\n\x0cVerifierInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x15\n\rmax_positions\x18\x02 \x01(\x03\x12\x15\n\reos_token_ids\x18\x03 \x03(\x03\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\x12\x14\n\x0cnum_sessions\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\x13\n\x0b\x63ost_base_s\x18\x07 \x01(\x01\x12\x1a\n\x12\x63ost_per_session_s\x18\x08 \x01(\x01\x12\x16\n\x0e\x63ost_per_row_s\x18\t \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\x03\x12\x15\n\rkv_block_size\x18\x0c \x01(\x05\x12\x13\n\x0bnum_waiting\x18\r \x01(\x05\x32\xa7\x03\n\x08Verifier\x12\x44\n\x07Prefill\x12\x1b.specmesh.v1.PrefillRequest\x1a\x1c.specmesh.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12P\n\x0bVerifyBatch\x12\x1f.specmesh.v1.VerifyBatchRequest\x1a .specmesh.v1.VerifyBatchResponse\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.VerifierInfo\x12=\n\x05Lease\x12\x19.specmesh.v1.LeaseRequest\x1a\x17.specmesh.v1.LeaseEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_PREFILLREQUEST']._serialized_start=69
-  _globals['_PREFILLREQUEST']._serialized_end=193
-  _globals['_PREFILLRESPONSE']._serialized_start=196
-  _globals['_PREFILLRESPONSE']._serialized_end=344
-  _globals['_VERIFYREQUEST']._serialized_start=347
-  _globals['_VERIFYREQUEST']._serialized_end=542
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=491
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=542
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=544
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=607
-  _globals['_VERIFYOUTCOME']._serialized_start=609
-  _globals['_VERIFYOUTCOME']._serialized_end=700
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=703
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=840
-  _globals['_VERIFYRESPONSE']._serialized_start=843
-  _globals['_VERIFYRESPONSE']._serialized_end=1080
-  _globals['_RELEASEREQUEST']._serialized_start=1082
-  _globals['_RELEASEREQUEST']._serialized_end=1118
-  _globals['_RELEASERESPONSE']._serialized_start=1120
-  _globals['_RELEASERESPONSE']._serialized_end=1137
-  _globals['_INFOREQUEST']._serialized_start=1139
-  _globals['_INFOREQUEST']._serialized_end=1152
-  _globals['_VERIFIERINFO']._serialized_start=1155
-  _globals['_VERIFIERINFO']._serialized_end=1462
-  _globals['_VERIFIER']._serialized_start=1465
-  _globals['_VERIFIER']._serialized_end=1825
+  _globals['_PREFILLREQUEST']._serialized_start=70
+  _globals['_PREFILLREQUEST']._serialized_end=212
+  _globals['_PREFILLRESPONSE']._serialized_start=215
+  _globals['_PREFILLRESPONSE']._serialized_end=363
+  _globals['_VERIFYREQUEST']._serialized_start=366
+  _globals['_VERIFYREQUEST']._serialized_end=561
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=510
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=561
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=563
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=626
+  _globals['_VERIFYOUTCOME']._serialized_start=628
+  _globals['_VERIFYOUTCOME']._serialized_end=719
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=722
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=859
+  _globals['_VERIFYRESPONSE']._serialized_start=862
+  _globals['_VERIFYRESPONSE']._serialized_end=1099
+  _globals['_RELEASEREQUEST']._serialized_start=1101
+  _globals['_RELEASEREQUEST']._serialized_end=1137
+  _globals['_RELEASERESPONSE']._serialized_start=1139
+  _globals['_RELEASERESPONSE']._serialized_end=1156
+  _globals['_LEASEREQUEST']._serialized_start=1158
+  _globals['_LEASEREQUEST']._serialized_end=1190
+  _globals['_LEASEEVENT']._serialized_start=1192
+  _globals['_LEASEEVENT']._serialized_end=1204
+  _globals['_INFOREQUEST']._serialized_start=1206
+  _globals['_INFOREQUEST']._serialized_end=1219
+  _globals['_VERIFIERINFO']._serialized_start=1222
+  _globals['_VERIFIERINFO']._serialized_end=1529
+  _globals['_VERIFIER']._serialized_start=1532
+  _globals['_VERIFIER']._serialized_end=1955
 # @@protoc_insertion_point(module_scope)

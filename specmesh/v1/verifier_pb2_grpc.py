@@ -59,6 +59,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_stream(
+                '/specmesh.v1.Verifier/Lease',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.LeaseEvent.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -99,6 +104,17 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """A caller's liveness: held open for as long as the caller lives (one LeaseEvent once attached, then nothing
+        until the replica drains). The sessions whose Prefill named the lease are released a few seconds after its
+        last stream ends (the caller died or its connection closed) unless it attaches again; a Prefill naming a
+        lease that never attaches is released the same way. A replica without it answers UNIMPLEMENTED: its
+        sessions end by Release or --session-ttl alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +142,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.InfoRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifierInfo.SerializeToString,
+            ),
+            'Lease': grpc.unary_stream_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.LeaseRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.LeaseEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +284,33 @@ class Verifier:
             '/specmesh.v1.Verifier/Info',
             specmesh_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specmesh.v1.Verifier/Lease',
+            specmesh_dot_v1_dot_verifier__pb2.LeaseRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.LeaseEvent.FromString,
             options,
             channel_credentials,
             insecure,
