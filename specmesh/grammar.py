@@ -7,6 +7,10 @@ at every verified row the tokens the grammar does not allow after that row's con
 constrained output, greedy or sampled. Draft nodes the grammar rules out are pruned before the forward where that
 is exact (``prunable``). The grammar is also a proposer (drafter_service/grammar_proposer.py): where it allows
 only one continuation, those tokens are drafted for free.
+
+Grammars are compiled on worker threads before admission (``GrammarCompiler``), within the budgets of
+specmesh/grammar_limits.py, the outcomes cached by spec: no step waits on a compile, and a grammar over a budget is
+refused naming it (``GrammarLimitError``).
 """
 
 from __future__ import annotations
