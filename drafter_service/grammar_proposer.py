@@ -78,8 +78,11 @@ def synced_grammar(state: DraftSessionState, tokenizer: GrammarTokenizer | None,
     if state.sampling.grammar is None or tokenizer is None:
         return None
     matcher = state.scratch.get(slot)
-    if matcher is None:
-        matcher = state.scratch[slot] = _Matcher(tokenizer.state(*state.sampling.grammar), [])
+    if matcher is None:  # never waits on a compile (a drafter's model thread serves every session): no help until
+        grammar = tokenizer.ready_state(*state.sampling.grammar)  # it is compiled, none if it was refused
+        if grammar is None:
+            return None
+        matcher = state.scratch[slot] = _Matcher(grammar, [])
     output = state.tokens[state.prompt_len :]
     common = common_prefix_len(matcher.consumed, output)
     if common < len(matcher.consumed):  # a hypothesis drafted ahead on was dropped
@@ -93,8 +96,11 @@ def synced_grammar(state: DraftSessionState, tokenizer: GrammarTokenizer | None,
             return None
         if not matcher.state.matcher.consume_token(int(token)):  # the output left the grammar: no more help
             matcher.broken = True
-            matcher.state = tokenizer.state(*state.sampling.grammar)
-            matcher.consumed = []
+            fresh = tokenizer.ready_state(*state.sampling.grammar)
+            if fresh is None:  # dropped from the cache meanwhile: a new matcher next time
+                del state.scratch[slot]
+            else:
+                matcher.state, matcher.consumed = fresh, []
             return None
         matcher.consumed.append(int(token))
     return matcher.state

@@ -36,6 +36,7 @@ from drafter_service.proposer import DEFAULT_PROPOSER, Proposer, make_proposer, 
 from specmesh import metrics, models, serving, tracing
 from specmesh.contract import DraftCall, check_prompt_len, check_rollback, check_session_id
 from specmesh.feedback import DraftFeedback, TargetFeatures
+from specmesh.grammar_limits import add_grammar_limit_arguments, grammar_limits
 from specmesh.tree import MAX_TREE_NODES, TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc
 from specmesh.wire import (
@@ -341,6 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "needed with a shared --ngram-store and --draft none)")
     add_store_argument(p)
     add_members_argument(p)
+    add_grammar_limit_arguments(p)
     metrics.add_metrics_argument(p)
     p.add_argument("--model-name", default=None,
                    help="the served model this drafter drafts for, as the `model_name` label of its metrics (as "
@@ -447,7 +449,7 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
             from specmesh.grammar import GrammarTokenizer
 
             eos = draft_runner.info.eos_token_ids if draft_runner is not None else ()  # else: the tokenizer's
-            grammar = GrammarTokenizer.for_model(model_dir, vocab, eos)
+            grammar = GrammarTokenizer.for_model(model_dir, vocab, eos, grammar_limits(args))
         resources = dict(draft_runner=draft_runner, target_runner=tables, store=_open_store(args, draft_dir),
                          grammar_tokenizer=grammar)
         proposers = {n: make_proposer(n, **resources, **options.get(n, {})) for n in names}

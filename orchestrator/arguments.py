@@ -10,6 +10,7 @@ from drafter_service.arguments import add_store_argument
 from drafter_service.draft_kv import add_draft_kv_argument
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, DEFAULT_RESTART_DEPTH, POLICIES
 from specmesh import models
+from specmesh.grammar_limits import add_grammar_limit_arguments
 from verifier_service.arguments import add_lookahead_argument
 
 
@@ -102,6 +103,7 @@ def add_embedded_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_store_argument(p)
     add_lookahead_argument(p, LOOKAHEAD_HELP)
+    add_grammar_limit_arguments(p)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -149,10 +149,11 @@ class EngineCore:
                 self.remote.open(request_id, prompt, sampling, _Admission(self, request), method.features,
                                  method.feedback_topk, method.lookahead)
             else:
+                grammar = self.scheduler.verifier.compile_grammar(sampling)  # on a worker, this thread waits
                 with self._cond:
                     self._check_open()
                     self.scheduler.add(Session(request_id, prompt, sampling, method.features, method.feedback_topk,
-                                               method.lookahead))
+                                               method.lookahead, grammar=grammar))
         except BaseException:
             with self._lock:
                 self._requests.pop(request_id, None)

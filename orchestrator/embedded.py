@@ -37,6 +37,7 @@ from specmesh import models
 from specmesh.blocks import DEFAULT_BLOCK_SIZE
 from specmesh.contract import ModelInfo
 from specmesh.grammar import GrammarTokenizer
+from specmesh.grammar_limits import GrammarLimits, grammar_limits
 from specmesh.host_runtime import freeze_heap
 from specmesh.model_runner import ModelRunner
 from specmesh.models import load_runner, load_tokenizer
@@ -106,6 +107,7 @@ class EmbeddedStack:
     # time a few forwards when the core is made, for the load-aware policy (off: requests keep their budgets, as
     # one request alone does anyway; `generate`)
     profile_costs: bool = True
+    grammar_limits: GrammarLimits = GrammarLimits()  # what one request's grammar may cost (specmesh/grammar_limits.py)
     _core: EngineCore | None = None  # the one engine core of the device, created on first use
     _engines: dict = field(default_factory=dict)  # method -> its CoreEngine (engine-wide proposer), LRU order
     _shared_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -114,7 +116,7 @@ class EmbeddedStack:
     def grammar_tokenizer(self) -> GrammarTokenizer | None:
         """The target's tokenizer for structured output (its directory's tokenizer.json; None without one)."""
         info = self.target_runner.info
-        return GrammarTokenizer.for_model(self.target_dir, info.vocab_size, info.eos_token_ids)
+        return GrammarTokenizer.for_model(self.target_dir, info.vocab_size, info.eos_token_ids, self.grammar_limits)
 
     @classmethod
     def load(
@@ -135,6 +137,7 @@ class EmbeddedStack:
         compile_layers: str = "auto",
         cuda_graphs: str = "auto",
         draft_kv_cache_gb: float | None = None,
+        grammar_limits: GrammarLimits | None = None,
     ) -> EmbeddedStack:
         """Load the target (and draft) from local directories; ``runner``: auto | fast | hf; ``attention``: the
         fast runner's attention backend (auto | sdpa | triton), ``compile_layers`` its torch.compile and
@@ -143,7 +146,7 @@ class EmbeddedStack:
         ``device``: where both models run; ``kv_cache_gb``: the engine core's KV pool (``prefix_caching``: with
         a prefix cache, LocalVerifier's; ``kv_cache_memory``: on CUDA without ``kv_cache_gb``, sized by the device's
         free memory); ``draft_kv_cache_gb``: the draft model's paged KV pool (``draft_kv``, made
-        here, before any verifier's pool); ``hf_modules``: keep
+        here, before any verifier's pool); ``grammar_limits``: structured output's budgets; ``hf_modules``: keep
         the transformers modules and tokenizer (``runner.model``: `bench`'s HF peers), else a Llama-family model
         and its tokenizer load without transformers where that is exact (``models.load_runner``)."""
         if draft is not None:  # from the configs, before any weights load
@@ -157,7 +160,7 @@ class EmbeddedStack:
             check_compatible(target_runner, draft_runner, tokenizer, model_tokenizer(draft, "draft", hf_modules))
             draft_kv(draft_runner, draft_kv_cache_gb)
         return cls(target_runner, draft_runner, tokenizer, store_spec, lookahead, kv_cache_gb, Path(target),
-                   prefix_caching, kv_cache_memory)
+                   prefix_caching, kv_cache_memory, grammar_limits=grammar_limits or GrammarLimits())
 
     @cached_property
     def store_namespace(self) -> str:
@@ -435,6 +438,7 @@ def load_stack(args: argparse.Namespace, hf_modules: bool = False) -> EmbeddedSt
             hf_modules=hf_modules,
             prefix_caching=getattr(args, "prefix_caching", True), compile_layers=args.compile_layers,
             cuda_graphs=args.cuda_graphs, draft_kv_cache_gb=getattr(args, "draft_kv_cache_gb", None),
+            grammar_limits=grammar_limits(args),
         )
     except IncompatibleModels as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None

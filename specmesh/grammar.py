@@ -7,18 +7,27 @@ at every verified row the tokens the grammar does not allow after that row's con
 constrained output, greedy or sampled. Draft nodes the grammar rules out are pruned before the forward where that
 is exact (``prunable``). The grammar is also a proposer (drafter_service/grammar_proposer.py): where it allows
 only one continuation, those tokens are drafted for free.
+
+Grammars are compiled on worker threads before admission (``GrammarCompiler``), within the budgets of
+specmesh/grammar_limits.py, the outcomes cached by spec: no step waits on a compile, and a grammar over a budget is
+refused naming it (``GrammarLimitError``).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from functools import cached_property, lru_cache
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specmesh.grammar_limits import GrammarLimits
 from specmesh.sampling import GRAMMAR_KINDS
 from specmesh.tree import TokenTree
 
@@ -51,13 +60,33 @@ def grammar_source(kind: str, spec: str) -> str:
         raise GrammarError(f"invalid {kind} grammar: {exc}") from None
 
 
-class GrammarTokenizer:
-    """The model's tokenizer as llguidance reads it (token bytes, end-of-sequence ids), and compiled grammars by
-    their source (a request that repeats a schema does not compile it again)."""
+class GrammarLimitError(GrammarError):
+    """A grammar over one of the server's budgets (``GrammarLimits``); its text names the option."""
 
-    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+
+class CompiledGrammar:
+    """A grammar compiled against the tokenizer with its first mask computed (the lexer's first states: most of
+    a compile's cost); every session starts from a copy of it."""
+
+    def __init__(self, matcher, seconds: float) -> None:
+        self._matcher, self.seconds = matcher, seconds
+        self._lock = threading.Lock()  # copies are taken from any thread
+
+    def matcher(self):
+        with self._lock:
+            return self._matcher.deep_copy()
+
+
+class GrammarTokenizer:
+    """The model's tokenizer as llguidance reads it (token bytes, end-of-sequence ids), and its grammars compiled
+    under ``limits`` (``GrammarCompiler``: on worker threads, cached by spec)."""
+
+    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: Sequence[int],
+                 limits: GrammarLimits | None = None) -> None:
         self.tokenizer_json, self.vocab_size = Path(tokenizer_json), vocab_size
         self._eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]
+        self.limits = limits or GrammarLimits()
+        self.compiler = GrammarCompiler(self)
 
     @cached_property
     def tokenizer(self):
@@ -72,34 +101,132 @@ class GrammarTokenizer:
         return tuple(self.tokenizer.eos_tokens)
 
     @staticmethod
-    def for_model(model_dir: str | Path | None, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarTokenizer | None:
+    def for_model(model_dir: str | Path | None, vocab_size: int, eos_token_ids: Sequence[int],
+                  limits: GrammarLimits | None = None) -> GrammarTokenizer | None:
         """The model directory's ``tokenizer.json``, or None when it has none (structured output is then refused)."""
         if model_dir is None or not (Path(model_dir) / "tokenizer.json").is_file():
             return None
-        return GrammarTokenizer(Path(model_dir) / "tokenizer.json", vocab_size, eos_token_ids)
+        return GrammarTokenizer(Path(model_dir) / "tokenizer.json", vocab_size, eos_token_ids, limits)
 
-    def check(self, kind: str, spec: str) -> str:
-        """The grammar's source once it compiles against this tokenizer; GrammarError otherwise."""
-        return _checked(self, kind, spec)
+    def compile(self, kind: str, spec: str) -> CompiledGrammar:
+        """The grammar compiled (cached; else on a worker, waited for at most the compile timeout); GrammarError
+        when it does not compile, GrammarLimitError when it is over a budget."""
+        return self.compiler.compile(kind, spec)
 
-    def state(self, kind: str, spec: str) -> GrammarState:
-        from llguidance import LLMatcher
+    def check(self, kind: str, spec: str) -> None:
+        """GrammarError unless the grammar compiles within the budgets."""
+        self.compile(kind, spec)
 
-        matcher = LLMatcher(self.tokenizer, self.check(kind, spec), log_level=GRAMMAR_LOG_LEVEL)
+    def state(self, kind: str, spec: str, compiled: CompiledGrammar | None = None) -> GrammarState:
+        """A session's grammar at its start: a copy of ``compiled`` (None: ``compile``'s)."""
+        compiled = compiled or self.compile(kind, spec)
+        return GrammarState(compiled.matcher(), self.vocab_size, self.eos_token_ids)
+
+    def ready_state(self, kind: str, spec: str) -> GrammarState | None:
+        """``state`` once the grammar is compiled, without waiting: None while it compiles (the compile is started)
+        or when it was refused (a proposer drafts without it meanwhile)."""
+        compiled = self.compiler.ready(kind, spec)
+        return None if compiled is None else self.state(kind, spec, compiled)
+
+
+class GrammarCompiler:
+    """Grammars compiled on worker threads (llguidance drops the interpreter lock while it builds a matcher and
+    computes a mask), so no step loop or event loop waits on one, under the budgets of ``GrammarLimits``; the
+    outcomes (compiled grammars and refusals) cached by spec, least recently used dropped past
+    ``cache_entries``, a spec being compiled shared by every request that asks for it."""
+
+    def __init__(self, tokenizer: GrammarTokenizer) -> None:
+        self.tokenizer, self.limits = tokenizer, tokenizer.limits
+        self.num_compiles = 0  # compiles started (a cache hit starts none)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None  # started by the first grammar
+
+    def submit(self, kind: str, spec: str) -> Future:
+        """The compile of ``(kind, spec)``: the cached one, or a new one queued on the workers."""
+        key = (kind, spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not future.cancelled():
+                self._cache.move_to_end(key)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="grammar-compile")
+            future = self._cache[key] = self._pool.submit(self._compile, kind, spec)
+            self.num_compiles += 1
+            done = [k for k, f in self._cache.items() if f.done()]  # in-flight ones stay: callers wait on them
+            for k in done[: max(0, len(self._cache) - self.limits.cache_entries)]:
+                del self._cache[k]
+        return future
+
+    def ready(self, kind: str, spec: str) -> CompiledGrammar | None:
+        """The compiled grammar if its compile is done and succeeded, else None (started if it was not)."""
+        future = self.submit(kind, spec)
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def compile(self, kind: str, spec: str) -> CompiledGrammar:
+        future = self.submit(kind, spec)
+        try:
+            return future.result(timeout=self.limits.compile_timeout)
+        except (TimeoutError, CancelledError):
+            future.cancel()  # still queued (behind other compiles): dropped
+            raise GrammarLimitError(self._over_time(kind)) from None
+        except GrammarError:
+            raise
+        except BaseException:  # not the grammar's fault (llguidance missing): not kept
+            with self._lock:
+                if self._cache.get((kind, spec)) is future:
+                    del self._cache[kind, spec]
+            raise
+
+    def _over_time(self, kind: str) -> str:
+        return (f"the {kind} grammar took longer to compile than this server's budget "
+                f"(--grammar-compile-timeout {self.limits.compile_timeout:g} s)")
+
+    def _compile(self, kind: str, spec: str) -> CompiledGrammar:
+        """On a worker: the matcher, its first mask, and one step past it (a blow-up in the lexer's first
+        derivatives, as counted repetitions make, shows there); GrammarError naming what failed."""
+        from llguidance import LLMatcher, LLParserLimits
+
+        start = time.perf_counter()
+        source = grammar_source(kind, spec)
+        tokenizer = self.tokenizer.tokenizer
+        limits = LLParserLimits(initial_lexer_fuel=self.limits.lexer_fuel, verbose_errors=False)
+        error = LLMatcher.validate_grammar(source, tokenizer, limits=limits)
+        if error and not error.startswith("WARNING"):
+            raise self._error(kind, error)
+        matcher = LLMatcher(tokenizer, source, log_level=GRAMMAR_LOG_LEVEL, limits=limits)
+        mask = matcher.compute_bitmask() if not matcher.is_error() else b""
+        if not matcher.is_error():
+            allowed = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+            allowed[list(self.tokenizer.eos_token_ids)] = 0
+            first = np.flatnonzero(allowed[: self.tokenizer.vocab_size])
+            if first.size:
+                probe = matcher.deep_copy()
+                if probe.consume_token(int(first[0])):
+                    probe.compute_bitmask()
+                if probe.is_error():
+                    raise self._error(kind, probe.get_error())
         if matcher.is_error():
-            raise GrammarError(f"invalid {kind} grammar: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size, self.eos_token_ids)
+            raise self._error(kind, matcher.get_error())
+        seconds = time.perf_counter() - start
+        if seconds > self.limits.compile_timeout:  # kept as a refusal: the spec is not compiled again
+            raise GrammarLimitError(self._over_time(kind))
+        return CompiledGrammar(matcher, seconds)
+
+    def _error(self, kind: str, error: str) -> GrammarError:
+        error = error.strip().splitlines()[0] if error.strip() else "unknown error"  # not the parser's state
+        if any(text in error for text in LIMIT_ERRORS):
+            return GrammarLimitError(f"the {kind} grammar is over this server's budget (--grammar-lexer-fuel "
+                                     f"{self.limits.lexer_fuel}): {error}")
+        return GrammarError(f"invalid {kind} grammar: {error}")
 
 
-@lru_cache(maxsize=256)
-def _checked(tokenizer: GrammarTokenizer, kind: str, spec: str) -> str:
-    from llguidance import LLMatcher
-
-    source = grammar_source(kind, spec)
-    error = LLMatcher.validate_grammar(source, tokenizer.tokenizer)
-    if error and not error.startswith("WARNING"):
-        raise GrammarError(f"invalid {kind} grammar: {error}")
-    return source
+# llguidance's texts for a grammar past its limits (the lexer's fuel and states, the grammar's size)
+LIMIT_ERRORS = ("too many expressions", "too many states", "fuel", "max_lexer_states", "grammar size",
+                "max_grammar_size", "limit")
 
 
 class GrammarState:

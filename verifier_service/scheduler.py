@@ -48,6 +48,7 @@ from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAI
 from verifier_service.costs import StepCosts
 
 if TYPE_CHECKING:  # the scheduler only calls it: importing it (torch) is its owner's business
+    from specmesh.grammar import CompiledGrammar
     from verifier_service.lookahead import LookaheadConfig
     from verifier_service.verifier import LocalVerifier, StepInFlight
 
@@ -74,6 +75,8 @@ class Session:
     feedback_topk: int | None = None  # its feedback (None: the verifier's settings; ``LocalVerifier.admit``)
     lookahead: LookaheadConfig | None = None
     future: Future | None = None  # a Prefill caller's (StepLoop); a cancelled one is dropped while it waits
+    # its grammar compiled by the caller before ``add`` (LocalVerifier.compile_grammar): admission takes a copy
+    grammar: CompiledGrammar | None = None
     status: SessionStatus = SessionStatus.WAITING
     blocks: int = 0  # KV blocks its admission takes (set by ``add``)
     order: int = 0  # admission order: the newest is preempted first, the oldest resumed first
@@ -207,6 +210,9 @@ class Scheduler:
         # fixed configuration, no lock needed: a request past the context served (what one request alone can hold
         # in the pool) is refused here, so every admitted one can finish
         self.verifier.check_request(session.prompt, session.sampling)
+        if session.sampling.grammar is not None and session.grammar is None:
+            raise ValueError("a structured session's grammar is compiled before it is added "
+                             "(LocalVerifier.compile_grammar)")
         self.verifier.session_feedback(session.feedback_topk, session.lookahead)  # a window too large: refused now
         need = session.blocks = self.verifier.admission_blocks(len(session.prompt))
         with self.cond:
@@ -329,7 +335,7 @@ class Scheduler:
                     break  # wait for blocks; later arrivals do not overtake it
                 try:
                     self.verifier.admit(session.session_id, session.prompt, session.sampling, session.features,
-                                        session.feedback_topk, session.lookahead)
+                                        session.feedback_topk, session.lookahead, session.grammar)
                 except Exception as exc:  # an invalid request
                     del self._table[session.session_id]
                     out.refused.append((session, exc))

@@ -37,6 +37,7 @@ from specmesh.contract import (
     check_session_id,
 )
 from specmesh.feedback import TargetFeatures
+from specmesh.grammar_limits import add_grammar_limit_arguments, grammar_limits
 from specmesh.tree import MAX_TREE_NODES, InvalidTreeError, TokenTree
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specmesh.wire import (
@@ -175,7 +176,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             if request.lease_id:
                 check_lease_id(request.lease_id)
             sampling = sampling_from_proto(request.sampling)
-            future = self.verifier.submit_prefill(key, list(request.prompt), sampling, request.return_features)
+            # the grammar compiled on a worker (cached by spec) before the loop sees the session; the event loop
+            # serves the other calls meanwhile
+            grammar = None if sampling.grammar is None else \
+                await asyncio.to_thread(self.verifier.compile_grammar, sampling)
+            future = self.verifier.submit_prefill(key, list(request.prompt), sampling, request.return_features,
+                                                  grammar)
             result = await asyncio.wrap_future(future)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _as_caller_sees(str(exc), key))
@@ -376,6 +382,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "learning drafters such as Token Recycling (also inside the default fused mix); 0 = off "
                         "(default: 8)")
     add_batching_arguments(p)
+    add_grammar_limit_arguments(p)
     p.add_argument("--no-cost-profile", dest="cost_profile", action="store_false",
                    help="do not time a few batched forwards at start-up; without them the orchestrator does not "
                         "shrink speculation trees as this replica's batch grows (default: profile, well under a "
@@ -415,7 +422,8 @@ def build_servicer(args: argparse.Namespace, registry=None) -> VerifierServicer:
     try:
         from specmesh.grammar import GrammarTokenizer
 
-        grammar = GrammarTokenizer.for_model(path, runner.info.vocab_size, runner.info.eos_token_ids)
+        grammar = GrammarTokenizer.for_model(path, runner.info.vocab_size, runner.info.eos_token_ids,
+                                             grammar_limits(args))
         local = LocalVerifier(runner, args.max_tree_nodes, args.feedback_topk, args.lookahead, args.kv_cache_gb,
                               args.block_size, args.prefill_chunk, prefix_caching=args.prefix_caching,
                               kv_cache_memory=args.kv_cache_memory, profile_rows=args.max_batch_tokens,

@@ -48,6 +48,7 @@ from verifier_service.arguments import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAI
 from verifier_service.scheduler import PREEMPTED, Scheduler, Session, SessionStatus
 
 if TYPE_CHECKING:  # the loop only calls it: importing it (torch) is its owner's business
+    from specmesh.grammar import CompiledGrammar
     from verifier_service.verifier import LocalVerifier
 
 DEFAULT_MAX_WAIT_MS = 5.0
@@ -115,16 +116,24 @@ class StepLoop:
 
     # ------------------------------------------------------------ calls
     def submit_prefill(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                       features: bool = False) -> Future:
-        """``features``: report the session's target features (``LocalVerifier.admit``)."""
+                       features: bool = False, grammar: CompiledGrammar | None = None) -> Future:
+        """``features``: report the session's target features (``LocalVerifier.admit``); ``grammar``: the
+        request's grammar compiled (``LocalVerifier.compile_grammar``; None: compiled here, in the caller's thread,
+        never on the loop's)."""
         future: Future = Future()
         try:
+            grammar = grammar or self.compile_grammar(sampling)
             with self._cond:
                 self._check_open()
-                self.scheduler.add(Session(session_id, list(prompt), sampling, features, future=future))
+                self.scheduler.add(Session(session_id, list(prompt), sampling, features, future=future,
+                                           grammar=grammar))
         except (ValueError, CapacityError) as exc:
             future.set_exception(exc)
         return future
+
+    def compile_grammar(self, sampling: SamplingParams) -> CompiledGrammar | None:
+        """``LocalVerifier.compile_grammar``: any thread but the loop's."""
+        return self.scheduler.verifier.compile_grammar(sampling)
 
     def submit_verify(self, session_id: str, tree: TokenTree) -> Future:
         return self.submit_verifies([(session_id, tree)])[0]

@@ -51,7 +51,7 @@ from specmesh.contract import (
     VerifyResult,
 )
 from specmesh.feedback import TargetFeatures, VerifyFeedback
-from specmesh.grammar import GrammarState, GrammarTokenizer, prunable, tree_masks
+from specmesh.grammar import CompiledGrammar, GrammarState, GrammarTokenizer, prunable, tree_masks
 from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.logits_process import ContextCounts, processes_logits
 from specmesh.model_runner import KVCache, ModelRunner, TreeMask
@@ -323,14 +323,18 @@ class LocalVerifier:
 
     # ------------------------------------------------------------ scheduling
     def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, features: bool = False,
-              feedback_topk: int | None = None, lookahead: LookaheadConfig | None = None) -> None:
+              feedback_topk: int | None = None, lookahead: LookaheadConfig | None = None,
+              grammar: CompiledGrammar | None = None) -> None:
         """Check the request and take its prompt's KV blocks; the prefill itself runs in ``step``. CapacityError
         when the pool has too few free. ``features``: report the session's target features (see ``__init__``);
-        ``feedback_topk``, ``lookahead``: its feedback (None: the verifier's own settings)."""
+        ``feedback_topk``, ``lookahead``: its feedback (None: the verifier's own settings); ``grammar``: its
+        grammar compiled (``compile_grammar``, before admission: a step loop never waits on a compile; None: it
+        is compiled here)."""
         if session_id in self._sessions:
             raise ValueError(f"session {session_id!r} already exists")
         prompt = list(prompt)
         self.check_request(prompt, sampling)
+        compiled = grammar or self.compile_grammar(sampling)
         topk, lookahead = self.session_feedback(feedback_topk, lookahead)
         features = features or self.features
         cache, table = self._take(prompt, (len(prompt) - 1) // self.allocator.block_size, features)
@@ -341,8 +345,8 @@ class LocalVerifier:
         context = grammar = None
         if processes_logits(sampling):
             context = ContextCounts(sampling, prompt, self.info.vocab_size, self.runner.device)
-        if sampling.grammar is not None:
-            grammar = self.grammar_tokenizer.state(*sampling.grammar)
+        if compiled is not None:
+            grammar = self.grammar_tokenizer.state(*sampling.grammar, compiled=compiled)
         self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt, reused,
                                               reused // self.allocator.block_size, features=features, context=context,
                                               grammar=grammar, lookahead=lookahead, topk=topk)
@@ -415,11 +419,9 @@ class LocalVerifier:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if sampling.grammar is not None:
-            if self.grammar_tokenizer is None:
-                raise ValueError("structured output needs the target's tokenizer (tokenizer.json in its directory); "
-                                 "this verifier has none")
-            self.grammar_tokenizer.check(*sampling.grammar)  # GrammarError (a ValueError) when it does not compile
+        if sampling.grammar is not None and self.grammar_tokenizer is None:
+            raise ValueError("structured output needs the target's tokenizer (tokenizer.json in its directory); "
+                             "this verifier has none")
         if len(prompt) + sampling.max_new_tokens > self.info.max_positions:
             why = ""
             if self.info.max_positions < self.model_positions:
@@ -429,6 +431,17 @@ class LocalVerifier:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
                 f"context of {self.info.max_positions} positions this verifier serves{why}"
             )
+
+    def compile_grammar(self, sampling: SamplingParams) -> CompiledGrammar | None:
+        """The request's grammar compiled (None without one), on the tokenizer's workers and cached by spec;
+        blocks its caller, never a step. ValueError without a tokenizer; GrammarError (a ValueError) when it does
+        not compile or is over a budget (``GrammarLimits``)."""
+        if sampling.grammar is None:
+            return None
+        if self.grammar_tokenizer is None:
+            raise ValueError("structured output needs the target's tokenizer (tokenizer.json in its directory); "
+                             "this verifier has none")
+        return self.grammar_tokenizer.compile(*sampling.grammar)
 
     def admission_blocks(self, prompt_len: int) -> int:
         """KV blocks ``admit`` takes: the prompt's."""
