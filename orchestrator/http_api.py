@@ -30,6 +30,7 @@ import contextvars
 import dataclasses
 import functools
 import hmac
+import inspect
 import json
 import logging
 import re
@@ -58,7 +59,7 @@ from orchestrator.service import (
     Plan,
     request_id_of,
 )
-from specmesh import package_version, rpc
+from specmesh import package_version, rpc, tracing
 from specmesh.chat import ChatTemplate, ChatTemplateError
 from specmesh.contract import CapacityError, TokenLogprobs, UnknownSessionError
 from specmesh.metrics import exposition
@@ -937,7 +938,7 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
     without --enable-auto-tool-choice)."""
     api = OpenAIApi(service, chat_template, tokens, request_timeout, max_body_bytes, model_names, tool_parser)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding",
-                  version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None)
+                  version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None, **_telemetry())
     app.state.api = api
     auth = [Depends(api.authorize)]
     generation = [*auth, Depends(api.accepting)]  # checked before the body is read
@@ -1018,6 +1019,14 @@ def build_app(service: GenerationService, chat_template: ChatTemplate | None = N
 
     _add_docs(app, auth, public=not api.tokens)
     return app
+
+
+def _telemetry() -> dict:
+    """FastAPI's own tracing (0.142 and later: a span per HTTP request, the trace's root, while a tracer provider is
+    installed) leaves out what specmesh.tracing.http_excluded does: probes and scrapes, by default."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}  # an older FastAPI makes no span of its own
+    return {"telemetry": {"exclude": tracing.http_excluded()}}
 
 
 def _request_body(model: type[BaseModel]) -> dict:

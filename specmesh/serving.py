@@ -40,6 +40,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="text: one line per record (time, logger, level, message); json: one JSON object per line "
                         "(time, level, logger, message, exception), for log collectors (default: text)")
+    p.add_argument("--trace-probes", action="store_true",
+                   help="with tracing on (OTEL_* variables), trace health checks and the HTTP port's /metrics, "
+                        "/health, /readyz, /livez and /load too (default: only requests; "
+                        "OTEL_PYTHON_EXCLUDED_URLS, where set, lists the HTTP URLs left out instead)")
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -154,7 +158,7 @@ def setup_tracing(args: argparse.Namespace) -> bool:
     """OpenTelemetry tracing as the OTEL_* variables ask (off by default; ``specmesh.tracing``), with service name
     ``specmesh-<command>``; call it before any server or channel is made. True if on."""
     try:
-        return tracing.setup_tracing(f"specmesh-{args.command}")
+        return tracing.setup_tracing(f"specmesh-{args.command}", trace_probes=getattr(args, "trace_probes", False))
     except tracing.TracingSetupError as exc:
         raise SystemExit(f"specmesh {args.command}: {exc}") from None
 

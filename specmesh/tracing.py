@@ -13,8 +13,11 @@ imported by ``setup_tracing`` when tracing is asked for:
 
 Once set up, every gRPC server (``rpc.new_server``) and channel (``rpc.insecure_or_secure_channel``)
 of this process gets the instrumentation package's interceptors, which propagate W3C trace context in
-the call metadata, so the spans of serve, verifier and drafter join one trace per request. Health
-checks and reflection are not traced. Without tracing no interceptor is added.
+the call metadata, so the spans of serve, verifier and drafter join one trace per request. Reflection is not
+traced, and neither are probes (``setup_tracing(trace_probes=True)`` traces them): gRPC health checks, and the HTTP
+port's scrapes and probes (``PROBE_PATHS``), which FastAPI (0.142 or later) would give a trace each: ``http_excluded``
+is its ``exclude``, replaced by OpenTelemetry's ``OTEL_PYTHON_FASTAPI_EXCLUDED_URLS`` / ``OTEL_PYTHON_EXCLUDED_URLS``
+where one is set. Without tracing no interceptor is added.
 
 Spans of our own (``span``): the request (``request_span``, GenAI semantic conventions), its prefill
 and speculative steps (``orchestrator/tracing_steps.py``), the drafter's proposals. While tracing is
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 
 from opentelemetry import propagate, trace
@@ -38,11 +42,20 @@ INSTRUMENTATION_NAME = "specmesh"
 PROVIDER = "specmesh"  # gen_ai.provider.name / gen_ai.system
 EXTRA_HINT = "pip install 'specmesh[otel]'"
 _EXPORTERS = ("otlp", "console")
-_UNTRACED_SERVICES = ("grpc.health.", "grpc.reflection.")  # probes and tooling, not requests
+_UNTRACED_SERVICES = ("grpc.reflection.",)  # tooling, not requests
+_PROBE_SERVICES = ("grpc.health.",)  # probes: untraced unless trace_probes
+# the HTTP port's scrapes and probes (orchestrator/http_api.py): a Prometheus scrape, a kubelet's probes, a router's
+# /load poll every few seconds would outnumber the requests' traces
+PROBE_PATHS = frozenset({"/metrics", "/health", "/readyz", "/livez", "/load"})
+# OpenTelemetry's variables for the URLs an HTTP instrumentation leaves untraced (opentelemetry-util-http's
+# get_excluded_urls("FASTAPI")): the FastAPI one first, then the one for every instrumentation
+EXCLUDED_URLS_ENV = ("OTEL_PYTHON_FASTAPI_EXCLUDED_URLS", "OTEL_PYTHON_EXCLUDED_URLS")
 # one call for many requests: each item carries its request's trace context and is a span of that trace
 _UNTRACED_METHODS = ("specmesh.v1.Verifier/VerifyBatch",)
 
 _enabled = False  # setup_tracing installed the SDK in this process
+_untraced_services = _UNTRACED_SERVICES + _PROBE_SERVICES  # the gRPC services no span is made for
+_trace_probes = False  # setup_tracing(trace_probes=True): health checks and HTTP probes are traced too
 _NO_SPAN = nullcontext(trace.INVALID_SPAN)  # what ``span`` is while no provider is installed
 _tracer_cache: tuple[object, trace.Tracer] | None = None  # (provider, its tracer)
 
@@ -73,13 +86,16 @@ def enabled() -> bool:
     return _enabled
 
 
-def setup_tracing(service_name: str) -> bool:
+def setup_tracing(service_name: str, trace_probes: bool = False) -> bool:
     """Install an SDK tracer provider exporting this process's spans, if the ``OTEL_*`` variables ask for it
     (see the module docstring); True if tracing is on. Call it before creating any gRPC server or channel.
     ``service_name``: the ``service.name`` unless ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` set
-    one. Spans are batched (``OTEL_BSP_*``) and flushed when the process exits. TracingSetupError when
-    tracing is asked for but cannot be had."""
-    global _enabled
+    one; ``trace_probes``: trace health checks and the HTTP port's probes and scrapes as well. Spans are batched
+    (``OTEL_BSP_*``) and flushed when the process exits. TracingSetupError when tracing is asked for but cannot
+    be had."""
+    global _enabled, _trace_probes, _untraced_services
+    _trace_probes = trace_probes
+    _untraced_services = _UNTRACED_SERVICES + (() if trace_probes else _PROBE_SERVICES)
     if _enabled:
         return True
     names = requested_exporters()
@@ -135,13 +151,42 @@ def _otlp_exporter():
 
 # ------------------------------------------------------------ gRPC propagation
 def _traced_call(details) -> bool:
-    """The interceptors' filter: every call but health checks, reflection and VerifyBatch. (The instrumentation's own
-    ``filters.service_prefix`` costs ~25 us a check: it tests the details against typing Protocols.)"""
+    """The interceptors' filter: every call but health checks (unless trace_probes), reflection and VerifyBatch. (The
+    instrumentation's own ``filters.service_prefix`` costs ~25 us a check: it tests the details against typing
+    Protocols.)"""
     method = getattr(details, "full_method", None) or getattr(details, "method", "")  # client / server details
     if isinstance(method, bytes):
         method = method.decode()
     method = method.lstrip("/")
-    return not (method.startswith(_UNTRACED_SERVICES) or method in _UNTRACED_METHODS)
+    return not (method.startswith(_untraced_services) or method in _UNTRACED_METHODS)
+
+
+# ------------------------------------------------------------------ HTTP
+def http_excluded(environ: Mapping[str, str] | None = None) -> Callable[[Mapping], bool] | None:
+    """FastAPI's telemetry ``exclude`` for the HTTP port: given a request's ASGI scope, True = no span. Where
+    ``OTEL_PYTHON_FASTAPI_EXCLUDED_URLS`` (else ``OTEL_PYTHON_EXCLUDED_URLS``) is set, its comma-separated regular
+    expressions, each searched for in the request's URL, decide, as in OpenTelemetry's own HTTP instrumentations
+    (opentelemetry-util-http's ExcludeList; set empty, nothing is excluded); otherwise the probe paths
+    (``PROBE_PATHS``) are, unless ``setup_tracing`` was asked to trace probes. None: nothing is excluded."""
+    env = os.environ if environ is None else environ
+    for name in EXCLUDED_URLS_ENV:
+        if name in env:
+            patterns = [p.strip() for p in env[name].split(",") if p.strip()]
+            if not patterns:
+                return None
+            excluded = re.compile("|".join(patterns))
+            return lambda scope: excluded.search(_url(scope)) is not None
+    if _trace_probes:
+        return None
+    return lambda scope: scope.get("path", "").removeprefix(scope.get("root_path", "")) in PROBE_PATHS
+
+
+def _url(scope: Mapping) -> str:
+    """The URL OpenTelemetry's ASGI middleware matches excluded URLs against: scheme, server, path (which holds the
+    root path), no query."""
+    host, port = scope.get("server") or ("0.0.0.0", 80)
+    server = host if str(port) == "80" else f"{host}:{port}"
+    return f"{scope.get('scheme', 'http')}://{server}{scope.get('path', '')}"
 
 
 def server_interceptors() -> list:

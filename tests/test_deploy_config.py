@@ -22,6 +22,7 @@ from typing import Union, get_args, get_origin
 from urllib.parse import urlparse
 
 import pytest
+from crd_helpers import crd_errors
 
 yaml = pytest.importorskip("yaml")
 
@@ -123,29 +124,8 @@ def check_policy(policy: dict) -> None:
     assert callable(target), policy["policy_function"]
 
 
-def closed(schema: dict) -> dict:
-    """A copy of a CRD's structural schema in which an object with listed properties admits no other: the API
-    server drops unknown fields (kubectl's default strict field validation rejects them), where plain
-    JSON-schema validation lets them through."""
-    node = dict(schema)
-    if "properties" in node:
-        node["properties"] = {name: closed(sub) for name, sub in node["properties"].items()}
-        if "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
-            node["additionalProperties"] = False
-    for key in ("items", "additionalProperties"):
-        if isinstance(node.get(key), dict):
-            node[key] = closed(node[key])
-    for key in ("allOf", "anyOf", "oneOf"):
-        if key in node:
-            node[key] = [closed(sub) for sub in node[key]]
-    return node
-
-
 def check_rayservice(doc: dict) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
-
-    validator = jsonschema.Draft7Validator(closed(json.loads(CRD_SCHEMA.read_text())))
-    errors = sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc))
+    errors = crd_errors(json.loads(CRD_SCHEMA.read_text()), doc)
     assert not errors, "\n".join(errors)
 
 

@@ -7,10 +7,13 @@
   code exports: the list comes from the project's own registries, instantiated here, not from a copy.
 - The PrometheusRule holds the groups of alerts.yaml; `kubectl kustomize deploy/monitoring` builds the PodMonitors,
   the PrometheusRule and the dashboard's ConfigMap, whose selectors and ports match deploy/k8s/rayservice.yaml.
+- The PodMonitors and the PrometheusRule match the Prometheus Operator's CRD schemas vendored in deploy/k8s/schemas/
+  (unknown fields rejected, as kubectl's strict field validation does), and broken copies do not.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -19,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from crd_helpers import crd_errors
 
 yaml = pytest.importorskip("yaml")
 
@@ -28,6 +32,9 @@ ALERTS = MONITORING / "prometheus" / "alerts.yaml"
 ALERTS_TEST = MONITORING / "prometheus" / "alerts_test.yaml"
 DASHBOARD = MONITORING / "grafana" / "specmesh.json"
 PROVISIONING = MONITORING / "grafana" / "provisioning"
+# the Prometheus Operator's CRD schemas (deploy/k8s/schemas/README.md), by the kind of the manifests they check
+CRD_SCHEMAS = {"PodMonitor": DEPLOY / "k8s" / "schemas" / "podmonitor-v1.yaml",
+               "PrometheusRule": DEPLOY / "k8s" / "schemas" / "prometheusrule-v1.yaml"}
 PROMTOOL = shutil.which("promtool")
 KUBECTL = shutil.which("kubectl")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian/Ubuntu: apt install "
@@ -262,3 +269,55 @@ def test_monitoring_kustomization_builds():
             ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
             for endpoint in monitor["spec"]["podMetricsEndpoints"]:
                 assert endpoint["port"] in ports, (monitor["metadata"]["name"], endpoint["port"])
+
+
+def operator_documents() -> list[tuple[str, dict]]:
+    """(file name, document) of every Prometheus Operator object in deploy/monitoring/."""
+    return [(path.name, doc) for path in sorted(MONITORING.glob("*.yaml")) if path.name != "kustomization.yaml"
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def operator_errors(doc: dict) -> list[str]:
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1", doc["apiVersion"]  # the version vendored
+    return crd_errors(yaml.safe_load(CRD_SCHEMAS[doc["kind"]].read_text()), doc)
+
+
+def test_operator_objects_match_the_crd_schemas():
+    docs = operator_documents()
+    assert sorted({doc["kind"] for _, doc in docs}) == sorted(CRD_SCHEMAS)
+    for name, doc in docs:
+        errors = operator_errors(doc)
+        assert not errors, f"{name} {doc['kind']} {doc['metadata']['name']}:\n" + "\n".join(errors)
+
+
+def _break_podmonitor(doc: dict, how: str) -> None:
+    endpoint = doc["spec"]["podMetricsEndpoints"][0]
+    if how == "unknown field":
+        doc["spec"]["podMetricEndpoints"] = doc["spec"].pop("podMetricsEndpoints")  # the plural's typo
+    elif how == "bad duration":
+        endpoint["interval"] = "15 seconds"
+    elif how == "wrong type":
+        endpoint["port"] = 8080  # a port's name; a number is targetPort
+    elif how == "missing required":
+        del doc["spec"]["selector"]
+
+
+def _break_prometheusrule(doc: dict, how: str) -> None:
+    rule = doc["spec"]["groups"][0]["rules"][0]
+    if how == "unknown field":
+        rule["severity"] = rule["labels"].pop("severity")  # a label, not a field of the rule
+    elif how == "bad duration":
+        rule["for"] = "2 minutes"
+    elif how == "wrong type":
+        rule["labels"] = ["severity=critical"]
+    elif how == "missing required":
+        del rule["expr"]
+
+
+@pytest.mark.parametrize("how", ["unknown field", "bad duration", "wrong type", "missing required"])
+@pytest.mark.parametrize("kind", sorted(CRD_SCHEMAS))
+def test_crd_schemas_reject_broken_objects(kind, how):
+    (_, doc), *_ = [(n, d) for n, d in operator_documents() if d["kind"] == kind]
+    broken = copy.deepcopy(doc)
+    {"PodMonitor": _break_podmonitor, "PrometheusRule": _break_prometheusrule}[kind](broken, how)
+    assert operator_errors(broken), f"a {kind} with a {how} passed"

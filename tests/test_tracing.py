@@ -5,11 +5,15 @@ per request holding serve's request and step spans, the verifier's calls and the
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import types
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -539,3 +543,120 @@ def test_our_interceptors_still_guard_a_traced_server(traced_mesh, traced_reques
     # the caller's error: a server span records its code without an error status (RPC semantic conventions)
     assert bad.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert not [s for s in receiver.spans() if s.name.startswith("/grpc.health")]
+
+
+# ------------------------------------------------------------------ probes and scrapes are not requests
+PROBE_PATHS = ("/metrics", "/health", "/readyz", "/livez", "/load")
+
+
+def _scope(path: str, root_path: str = "") -> dict:
+    return {"type": "http", "scheme": "http", "server": ("127.0.0.1", 8000), "path": root_path + path,
+            "root_path": root_path, "query_string": b""}
+
+
+@pytest.fixture
+def trace_probes():
+    """setup_tracing's trace_probes for the test (no OTEL_* variable: it installs nothing), put back after."""
+    def set_to(value: bool) -> None:
+        assert tracing.setup_tracing("specmesh-test", trace_probes=value) is False
+
+    yield set_to
+    set_to(False)
+
+
+@pytest.mark.parametrize("env,probes,excluded,traced", [
+    ({}, False, [*PROBE_PATHS, "/metrics|/api"], ["/v1/completions", "/v1/chat/completions", "/v1/models",
+                                                       "/version", "/metrics/x", "/healthz"]),
+    ({}, True, [], ["/metrics", "/health", "/v1/completions"]),
+    # OpenTelemetry's variables replace the default: regular expressions searched for in the URL
+    ({"OTEL_PYTHON_EXCLUDED_URLS": "metrics,/v1/models$"}, False, ["/metrics", "/x/metrics/y", "/v1/models"],
+     ["/health", "/livez", "/v1/models/m", "/v1/completions"]),
+    ({"OTEL_PYTHON_EXCLUDED_URLS": "health", "OTEL_PYTHON_FASTAPI_EXCLUDED_URLS": "^http://127.0.0.1:8000/load$"},
+     True, ["/load"], ["/health", "/metrics"]),
+    ({"OTEL_PYTHON_EXCLUDED_URLS": ""}, False, [], [*PROBE_PATHS, "/v1/completions"]),  # set empty: trace all
+])
+def test_http_probes_are_excluded_as_opentelemetry_does(trace_probes, env, probes, excluded, traced):
+    trace_probes(probes)
+    exclude = tracing.http_excluded(env)
+    if not excluded:
+        assert exclude is None
+        return
+    for path in excluded:
+        path, _, root = path.partition("|")  # path|root_path: a mounted app's probe
+        assert exclude(_scope(path, root)), path
+    for path in traced:
+        assert not exclude(_scope(path)), path
+
+
+def test_grpc_health_checks_are_traced_only_when_asked(trace_probes):
+    check = types.SimpleNamespace(method="/grpc.health.v1.Health/Check")
+    reflection = types.SimpleNamespace(full_method="/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    call = types.SimpleNamespace(method=b"/specmesh.v1.Generate/Generate")
+    assert [tracing._traced_call(d) for d in (check, reflection, call)] == [False, False, True]
+    trace_probes(True)
+    assert [tracing._traced_call(d) for d in (check, reflection, call)] == [True, False, True]
+
+
+def _settled(receiver, quiet: float = 0.3) -> bool:
+    num_spans = len(receiver.spans())
+    time.sleep(quiet)
+    return len(receiver.spans()) == num_spans
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        response.read()
+        return response.status
+
+
+@pytest.mark.parametrize("probes", [False, True], ids=["default", "trace-probes"])
+def test_probes_and_scrapes_make_no_trace(probes):
+    """A real `serve --embedded` exporting to an OTLP receiver: 50 rounds of Prometheus scrapes, HTTP probes and
+    gRPC health checks make no span, and each completion (one over HTTP, one over gRPC) is exactly one trace, its
+    request span under the HTTP / gRPC server span; with --trace-probes every probe is a trace of its own."""
+    receiver = OtlpReceiver()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    proc = sh.Service(["-m", "specmesh", "serve", "--embedded", "--target", sh.TARGET, "--draft", sh.DRAFT,
+                       "--dtype", "float64", "--threads", "1", "--http", f"127.0.0.1:{port}", "--model-name", "m",
+                       *(["--trace-probes"] if probes else [])], env=otel, name="serve --embedded")
+    url = f"http://127.0.0.1:{port}"
+    rounds = 5 if probes else 50
+    try:
+        proc.wait_ready()
+        assert sh.wait_until(lambda: _settled(receiver), timeout=15)  # the warm-up's traces (before the port opens)
+        before = {s.trace_id for s in receiver.spans()}
+        health = health_pb2_grpc.HealthStub(sh.channel(proc))
+        for _ in range(rounds):
+            assert [_get(url + path) for path in PROBE_PATHS] == [200] * len(PROBE_PATHS)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        body = json.dumps({"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 8
+        with Client(proc.address, timeout=120) as client:
+            assert len(client.generate("import os\n", max_new_tokens=8).token_ids) == 8
+
+        def request_spans():  # (serve's warm-up makes some before)
+            return [s for s in receiver.spans() if "gen_ai.operation.name" in s.attributes and s.trace_id not in before]
+
+        assert sh.wait_until(lambda: len(request_spans()) == 2, timeout=30)
+        time.sleep(0.5)  # the server spans end after their request spans
+        traces = _traces([s for s in receiver.spans() if s.trace_id not in before])
+    finally:
+        proc.stop()
+        receiver.stop()
+    request_ids = {s.trace_id for s in request_spans()}
+    assert len(request_ids) == 2  # one trace per completion
+    roots = {}
+    for trace_id, spans in traces.items():
+        (root,) = [s for s in spans if not s.parent_id]
+        assert all(s.parent_id in {x.span_id for x in spans} for s in spans if s.parent_id)  # connected
+        roots.setdefault(root.name, []).append(trace_id)
+    assert set(roots.pop("POST /v1/completions")) | set(roots.pop("/specmesh.v1.Generate/Generate")) == request_ids
+    expected = {f"GET {path}": rounds for path in PROBE_PATHS} | {"/grpc.health.v1.Health/Check": rounds}
+    assert {name: len(ids) for name, ids in roots.items()} == (expected if probes else {})
