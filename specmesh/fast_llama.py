@@ -432,10 +432,19 @@ class FastLlamaRunner(ModelRunner):
         other row count reuses; minutes for a real model, most of it autotuning) and held to the eager layers there.
         A failure or a mismatch raises where it was asked for (``frozen``) and otherwise leaves the layers eager,
         with a warning (``auto`` through $SPECMESH_COMPILE)."""
+        t0 = time.perf_counter()
+        stack = self._checked_stack(torch.compile(_FrozenStack(self), dynamic=True), required)
+        if stack is not None:
+            log.info("layer stack compiled frozen (torch.compile, max-autotune C++ GEMMs, dynamic rows) in %.1f s",
+                     time.perf_counter() - t0)
+        return stack
+
+    @torch.inference_mode()
+    def _checked_stack(self, stack, required: bool):
+        """``stack`` once the probe has run it (compiling it on its first calls) within COMPILE_TOLERANCE of the
+        eager layers; else the failure raised (``required``) or None with a warning."""
         import torch._inductor.config as inductor_config  # loaded with torch.compile's backend, not with torch
 
-        t0 = time.perf_counter()
-        stack = torch.compile(_FrozenStack(self), dynamic=True)
         ids = torch.randint(0, self.info.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
         caches = (self.new_cache(), self.new_cache())
         try:  # inductor's global config, patched while the probe compiles (``torch.compile(options=)`` did not
@@ -447,24 +456,26 @@ class FastLlamaRunner(ModelRunner):
                 raise
             log.warning("torch.compile of the frozen stack failed, the layers run eager: %s", exc)
             return None
-        log.info("layer stack compiled frozen (torch.compile, max-autotune C++ GEMMs, dynamic rows) in %.1f s",
-                 time.perf_counter() - t0)
         return stack
 
     def _probe_stack(self, stack, caches: tuple[FastKVCache, FastKVCache], ids: list[int]) -> None:
         """Run ``ids`` through the eager layers (caches[0]) and ``stack`` (caches[1]) as an 8-row prefill, one row
-        and three rows, comparing the logits: ValueError beyond COMPILE_TOLERANCE."""
-        for start, end in ((0, 8), (8, 9), (9, 12)):
-            args = (ids[start:end], list(range(start, end)), [end - start], [None])
-            want = self.forward_batch([caches[0]], *args)
-            self._stack = stack
-            try:
-                got = self.forward_batch([caches[1]], *args)
-            finally:
+        and three rows, comparing the logits: ValueError beyond COMPILE_TOLERANCE. The runner's own stack is left
+        as it was."""
+        running = self._stack
+        try:
+            for start, end in ((0, 8), (8, 9), (9, 12)):
+                args = (ids[start:end], list(range(start, end)), [end - start], [None])
                 self._stack = None
-            error = relative_error(got, want)
-            if not error <= COMPILE_TOLERANCE[self.dtype]:
-                raise ValueError(f"the frozen stack differs from eager at {end - start} rows: relative error {error:.2g}")
+                want = self.forward_batch([caches[0]], *args)
+                self._stack = stack
+                got = self.forward_batch([caches[1]], *args)
+                error = relative_error(got, want)
+                if not error <= COMPILE_TOLERANCE[self.dtype]:
+                    raise ValueError(f"the frozen stack differs from eager at {end - start} rows: relative error "
+                                     f"{error:.2g}")
+        finally:
+            self._stack = running
 
     def _load_kernels(self):
         """kernels.tree_attention, imported only for the triton backend (a CPU install needs no triton)."""
