@@ -41,7 +41,9 @@ class GrammarLimits:
 
 
 def add_grammar_limit_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("structured output budgets (per grammar; over one: 400 / INVALID_ARGUMENT)")
+    # a command may hand in one of its own groups: argparse deprecates groups inside groups (Python 3.11)
+    g = p if isinstance(p, argparse._ArgumentGroup) else p.add_argument_group(
+        "structured output budgets (per grammar; over one: 400 / INVALID_ARGUMENT)")
     g.add_argument("--grammar-lexer-fuel", type=int, default=DEFAULT_LEXER_FUEL, metavar="N",
                    help="llguidance's initial lexer fuel: regex derivatives one grammar may build (its memory and "
                         f"compile time grow with it; default: {DEFAULT_LEXER_FUEL:,})")

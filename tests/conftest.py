@@ -55,13 +55,6 @@ SINGLE_THREAD_MODULES = {
 }
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``: one worker more than the cores this process may run on. A quarter of the suite's time is spent
-    waiting (server processes starting, a killed replica being replaced, Ray Serve's health checks and
-    autoscaling delays), and one worker per core left that much of the cores idle."""
-    return len(os.sched_getaffinity(0)) + 1
-
-
 # Under pytest-xdist (`-n N`) the machine's cores are shared by N workers: each worker, and every server process
 # it spawns (they inherit the environment), gets its share of intra-op threads instead of torch's default of
 # one per core, which on 2 cores with 2 workers oversubscribes them 2x and makes tiny-model steps spin.
