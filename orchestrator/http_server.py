@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import resource
 import socket
@@ -34,6 +33,7 @@ from pathlib import Path
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from specmesh.probes import LOADING, JsonHandler, error_body
 from specmesh.serving import json_logging, split_host_port
 
 log = logging.getLogger("specmesh.http")
@@ -220,27 +220,14 @@ class LoadingResponder:
         import http.server
         import socketserver
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?")[0] == "/livez":
-                    self._answer(200, {"status": "alive"})
+                    self.answer(200, {"status": "alive"})
                 else:
-                    self._answer(503, {"error": {"message": "the server is loading", "type": "server_error",
-                                                 "param": None, "code": "service_unavailable"}})
+                    self.answer(503, error_body(LOADING, "service_unavailable"))
 
             do_POST = do_GET  # noqa: N815
-
-            def _answer(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:  # probes are not worth a line each
-                pass
 
         class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             daemon_threads = True

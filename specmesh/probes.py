@@ -37,8 +37,26 @@ LOADING = "the server is loading"
 SHUTTING_DOWN = "the server is shutting down"
 
 
-def _error(message: str, code: str, kind: str = "server_error") -> dict:
+def error_body(message: str, code: str, kind: str = "server_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+class JsonHandler(http.server.BaseHTTPRequestHandler):
+    """``http.server``'s handler answering JSON on a connection that closes after it (``answer``), without a log
+    line per request: the probe listener's and the API port's while it loads (orchestrator/http_server.py)."""
+
+    def answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def log_message(self, *args) -> None:  # probes are not worth a line each
+        pass
 
 
 class ProbeServer:
@@ -55,38 +73,26 @@ class ProbeServer:
         self._slots = threading.BoundedSemaphore(PROBE_CONNECTIONS)
         probes = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             timeout = PROBE_TIMEOUT  # a client that sends nothing gives its thread back
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?")[0]
                 if path == "/livez":
-                    self._answer(200, {"status": "alive"})
+                    self.answer(200, {"status": "alive"})
                 elif path in ("/health", "/readyz"):
                     reason = probes.not_ready()
                     if reason is None:
-                        self._answer(200, {"status": "ok"})
+                        self.answer(200, {"status": "ok"})
                     else:
-                        self._answer(503, _error(reason, "service_unavailable"))
+                        self.answer(503, error_body(reason, "service_unavailable"))
                 else:
-                    self._answer(404, _error(f"{path} is not served here: the probe port answers /health, "
-                                             "/readyz and /livez", "not_found", "invalid_request_error"))
+                    self.answer(404, error_body(f"{path} is not served here: the probe port answers /health, "
+                                                "/readyz and /livez", "not_found", "invalid_request_error"))
 
             def do_HEAD(self) -> None:  # noqa: N802
                 self.do_GET()
 
-            def _answer(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            def log_message(self, *args) -> None:  # probes are not worth a line each
-                pass
 
         class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             daemon_threads = True
