@@ -866,8 +866,10 @@ class LocalVerifier:
         if session.context is not None:
             session.context.add_output(tokens)
         if session.grammar is not None and not session.grammar.consume(tokens):
-            log.warning("a committed token broke its session's grammar (%s); the rest of it is unconstrained",
-                        session.grammar.failed)
+            # its masks are empty from here on: ``_usable`` lets only end of sequence through (everything on a
+            # model that names none), so the output ends at the next token
+            log.warning("a committed token broke its session's grammar (%s); its output ends with the next token "
+                        "(end of sequence)", session.grammar.failed)
 
     @staticmethod
     def _advance_window(session: _Session, outputs: np.ndarray, committed: list[int]) -> list[tuple[int, ...]]:
