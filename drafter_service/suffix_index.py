@@ -49,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import float64, int64, njit
 
 # node columns: the children of a node are a doubly linked list (CHILD: first, LAST: last, NEXT / PREV) kept
 # roughly by count, most frequent first (a new child goes last; a child whose count passes its predecessor's moves
@@ -68,6 +68,9 @@ HASH_MULT = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Fibonacci hashi
 # too), log2 of the table's size, the depth; then the node of each open suffix by start % depth (-1: implicit)
 M_USED, M_FREE, M_LIVE, M_END, M_BASE, M_OPEN, M_TABLE_USED, M_TABLE_BITS, M_DEPTH = range(9)
 M_OPEN_NODES = 9
+# The helpers called with constants (-1, 0, 1 in some argument) get one signature each: numba otherwise compiles a
+# specialisation per combination of literal arguments (seven of _push), most of a cold cache's compile time
+_INT_ROWS, _INTS, _FLOAT_ROWS = int64[:, ::1], int64[::1], float64[:, ::1]
 
 
 # ------------------------------------------------------------------ compiled core: the map
@@ -77,7 +80,7 @@ def _slot(meta, key):
     return ((key * HASH_MULT) >> (64 - bits)) & ((1 << bits) - 1)
 
 
-@njit(nogil=True, cache=True)
+@njit(int64(_INT_ROWS, _INTS, int64, int64), nogil=True, cache=True)
 def _child(table, meta, parent, token):
     """The child of ``parent`` by ``token``, or -1."""
     key = (parent << KEY_SHIFT) | token
@@ -324,7 +327,7 @@ def _longest_match(nodes, corpus, table, meta, pattern, start, stop, min_match):
     return lo if lo >= min_match else 0
 
 
-@njit(nogil=True, cache=True)
+@njit(int64(_INT_ROWS, _FLOAT_ROWS, int64, int64, int64, int64, int64, float64, float64, float64), nogil=True, cache=True)
 def _push(frontier, probs, size, node, chain, parent, depth, cond, path, min_prob):
     """Add a candidate to the frontier (int rows: node, chain position, tree parent, depth; float rows: the
     conditional and the path probability); a full frontier drops its least likely entry for a likelier one."""
@@ -345,7 +348,8 @@ def _push(frontier, probs, size, node, chain, parent, depth, cond, path, min_pro
     return size
 
 
-@njit(nogil=True, cache=True)
+@njit(int64(_INT_ROWS, _INT_ROWS, _INTS, int64, int64, int64, int64, float64, float64, int64, _INT_ROWS, _FLOAT_ROWS,
+           int64), nogil=True, cache=True)
 def _push_children(nodes, corpus, meta, cur, chain, parent, depth, path, min_prob, fanout, frontier, probs, size):
     """The children of (cur, chain) into the frontier: a node's, each with the share of cur's occurrences that
     continue with it (the newest not counted when nothing follows it yet: a request's own context), read most
