@@ -68,8 +68,8 @@ class CompiledGrammar:
     """A grammar compiled against the tokenizer with its first mask computed (the lexer's first states: most of
     a compile's cost); every session starts from a copy of it."""
 
-    def __init__(self, matcher, seconds: float) -> None:
-        self._matcher, self.seconds = matcher, seconds
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
         self._lock = threading.Lock()  # copies are taken from any thread
 
     def matcher(self):
@@ -198,9 +198,8 @@ class GrammarCompiler:
         if error and not error.startswith("WARNING"):
             raise self._error(kind, error)
         matcher = LLMatcher(tokenizer, source, log_level=GRAMMAR_LOG_LEVEL, limits=limits)
-        mask = matcher.compute_bitmask() if not matcher.is_error() else b""
         if not matcher.is_error():
-            allowed = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+            allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             allowed[list(self.tokenizer.eos_token_ids)] = 0
             first = np.flatnonzero(allowed[: self.tokenizer.vocab_size])
             if first.size:
@@ -211,10 +210,9 @@ class GrammarCompiler:
                     raise self._error(kind, probe.get_error())
         if matcher.is_error():
             raise self._error(kind, matcher.get_error())
-        seconds = time.perf_counter() - start
-        if seconds > self.limits.compile_timeout:  # kept as a refusal: the spec is not compiled again
+        if time.perf_counter() - start > self.limits.compile_timeout:  # kept as a refusal: not compiled again
             raise GrammarLimitError(self._over_time(kind))
-        return CompiledGrammar(matcher, seconds)
+        return CompiledGrammar(matcher)
 
     def _error(self, kind: str, error: str) -> GrammarError:
         error = error.strip().splitlines()[0] if error.strip() else "unknown error"  # not the parser's state

@@ -218,6 +218,9 @@ class StepInFlight:
     queued: float = 0.0  # when its copy was started
 
 
+NO_GRAMMAR_TOKENIZER = ("structured output needs the target's tokenizer (tokenizer.json in its directory); this "
+                        "verifier has none")
+
 class LocalVerifier:
     """Verifier running the target model in this process; one thread drives it (see StepLoop for
     many callers). Its sessions share one paged KV pool, taken step by step (see module doc)."""
@@ -420,8 +423,7 @@ class LocalVerifier:
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if sampling.grammar is not None and self.grammar_tokenizer is None:
-            raise ValueError("structured output needs the target's tokenizer (tokenizer.json in its directory); "
-                             "this verifier has none")
+            raise ValueError(NO_GRAMMAR_TOKENIZER)
         if len(prompt) + sampling.max_new_tokens > self.info.max_positions:
             why = ""
             if self.info.max_positions < self.model_positions:
@@ -439,8 +441,7 @@ class LocalVerifier:
         if sampling.grammar is None:
             return None
         if self.grammar_tokenizer is None:
-            raise ValueError("structured output needs the target's tokenizer (tokenizer.json in its directory); "
-                             "this verifier has none")
+            raise ValueError(NO_GRAMMAR_TOKENIZER)
         return self.grammar_tokenizer.compile(*sampling.grammar)
 
     def admission_blocks(self, prompt_len: int) -> int:
