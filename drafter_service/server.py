@@ -465,13 +465,16 @@ def build_servicer(args: argparse.Namespace, metrics_registry: CollectorRegistry
 
 
 def _open_store(args: argparse.Namespace, draft_dir: Path | None):
-    """The n-gram store every store-backed proposer of this drafter shares."""
+    """The n-gram store every store-backed proposer of this drafter shares. Its namespace is the vocabulary's
+    fingerprint, read with the ``tokenizers`` library where the directory allows it (transformers' tokenizer
+    classes took 4 of a drafter's 10 seconds of start-up, importing its modelling code, for the same vocabulary)."""
     from drafter_service.ngram_store import open_store, tokenizer_fingerprint
+    from specmesh.text_tokenizer import load_text_tokenizer
 
     source = args.tokenizer or draft_dir
     namespace = "default"
     if source is not None:
-        namespace = tokenizer_fingerprint(models.load_tokenizer(source).get_vocab())
+        namespace = tokenizer_fingerprint(load_text_tokenizer(source).get_vocab())
     elif args.ngram_store not in (None, "memory"):
         log.warning("no --tokenizer: the n-gram store namespace is 'default', shared with any other model")
     return open_store(args.ngram_store, namespace)

@@ -72,6 +72,7 @@ SERVER_MODULES = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` (pyproject's addopts): the tests that start a local Ray cluster run on one worker,
     one after another (two clusters at once on 2 cores starve each other's raylets and Serve's health checks); the
