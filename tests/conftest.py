@@ -44,6 +44,11 @@ if not torch.cuda.is_available():
 
 from spec_helpers import build_model_set, engine_for, greedy  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()  # the kernel tests' interpreter patches triton.language once per launch
+
 # The modules of this suite run tiny models, where extra intra-op threads only spin against each
 # other and against other processes (up to 100x slower on a busy 2-core machine). Other test files
 # (e.g. training) keep torch's default.
