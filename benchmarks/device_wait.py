@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
@@ -64,61 +65,43 @@ def emulate(wait_s: float) -> None:
     verifier.LocalVerifier.__init__ = asynchronous_init
 
 
-class ReplayCache:
-    """A session's rows as a replayed target keeps them: the token of each row, in the order written (a KV cache's
-    shape: ``length``, ``truncate``, ``keep``), and once its prompt is known, the recorded output that follows it."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.prompt_len: int | None = None
-        self.output: list[int] = []
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    @length.setter
-    def length(self, value: int) -> None:  # (the verifier sets it only to what it already is)
-        del self.tokens[value:]
-
-    def truncate(self, length: int) -> None:
-        del self.tokens[length:]
-
-    def keep(self, prefix_len: int, keep_offsets) -> None:
-        """The rows at ``keep_offsets`` past ``prefix_len`` stay (a verification's accepted path), the rest go."""
-        kept = [self.tokens[prefix_len + int(o)] for o in keep_offsets]
-        self.tokens[prefix_len:] = kept
-
-
 class ReplayRunner:
     """A target whose forward replays recorded greedy outputs (``recorded``: prompt ids -> output ids): the logits
-    of a row at position p are a one-hot of the recorded token at p + 1 (see the module doc)."""
+    of a row at position p are a one-hot of the recorded token at p + 1 (see the module doc). Its sessions are the
+    verifier's paged caches of a pool of one layer, one head and one dimension: each position's "key" is its token,
+    so the verifier's compaction keeps the accepted path's tokens as it keeps a real target's keys."""
 
     def __init__(self, info, recorded: dict[tuple[int, ...], list[int]]) -> None:
         import torch
 
         self.info, self.recorded = info, recorded
-        self.device, self.dtype = torch.device("cpu"), torch.float32
-        self.paged_shape = self.model = None  # no pool, no module (the bench's HF peers need a real target)
+        self.device, self.dtype = torch.device("cpu"), torch.float64  # token ids, exact in float64
+        self.model = None  # no module (the bench's HF peers need a real target)
+        self.paged_shape = (1, 1, 1)
         self.kv_bytes_per_token = 64  # a nominal size: the verifier's block budget counts rows, not memory
+        self._outputs = weakref.WeakKeyDictionary()  # cache -> (prompt length, its recorded output), once known
 
-    def new_cache(self) -> ReplayCache:
-        return ReplayCache()
+    def new_pool(self, num_blocks: int, block_size: int):
+        from specmesh.kv_pool import KVPool
 
-    def new_pool(self, num_blocks: int, block_size: int) -> None:
-        return None  # sessions keep their own caches (the generic path)
+        return KVPool(*self.paged_shape, num_blocks, block_size, self.dtype, self.device)
 
-    def _next(self, cache: ReplayCache, position: int) -> int:
-        if cache.prompt_len is None:  # the prompt is the session's first rows: found once its last row asks
-            output = self.recorded.get(tuple(cache.tokens[: position + 1]))
+    def pool_graphs(self, pool) -> None:
+        return None
+
+    def _next(self, cache, position: int) -> int:
+        known = self._outputs.get(cache)
+        if known is None:  # the prompt is the session's first rows: found once its last row asks
+            tokens = cache.kv(0, position + 1)[0].reshape(-1).long().tolist()
+            output = self.recorded.get(tuple(tokens))
             if output is None:
                 return 0
-            cache.prompt_len, cache.output = position + 1, output
-        at = position + 1 - cache.prompt_len
-        return cache.output[at] if 0 <= at < len(cache.output) else (self.info.eos_token_ids or (0,))[0]
+            known = self._outputs[cache] = (position + 1, output)
+        prompt_len, output = known
+        at = position + 1 - prompt_len
+        return output[at] if 0 <= at < len(output) else (self.info.eos_token_ids or (0,))[0]
 
-    def forward(self, cache: ReplayCache, input_ids, position_ids, attend=None, last_only: bool = False,
-                features: bool = False):
+    def forward(self, cache, input_ids, position_ids, attend=None, last_only: bool = False, features: bool = False):
         """One session's rows: ``forward_batch`` of it alone (``last_only``: the last row's logits)."""
         import torch
 
@@ -131,11 +114,13 @@ class ReplayRunner:
 
         if hidden_rows is not None:
             raise NotImplementedError("a replayed target has no features (Falcon heads need a real one)")
-        ids = torch.as_tensor(input_ids).reshape(-1).tolist()
+        ids = torch.as_tensor(input_ids).reshape(-1).to(self.dtype)
         positions = torch.as_tensor(position_ids).reshape(-1).tolist()
         owner, row = [], 0
         for cache, n in zip(caches, num_new, strict=True):
-            cache.tokens += ids[row : row + n]
+            cache.ensure(cache.length + n)
+            cache.write(0, cache.length, ids[None, row : row + n, None], ids[None, row : row + n, None])
+            cache.length += n
             owner += [cache] * n
             row += n
         wanted = range(row) if logit_rows is None else torch.as_tensor(logit_rows).reshape(-1).tolist()

@@ -10,8 +10,8 @@ the same requests in one process, one after the other:
 - ``threads``: the per-request engine (orchestrator/engine.py) on a StepLoop, one client thread per
   request in flight (the embedded path before the engine core).
 
-(a) host time per step: plain decoding with 1, 16 and 64 requests in flight, and a 16-node tree (four chains
-of four, from a proposer that costs nothing) with 1 request, on short prompts (the last --host-prompt-tokens
+(a) host time per step: plain decoding and a 16-node tree every step (four chains of four, from a proposer that
+costs nothing), each with 1, 16 and 64 requests in flight, on short prompts (the last --host-prompt-tokens
 of each: attention over a long context is the model's work, not the engine's); ms per step = wall time of
 the level / verifier steps (prefill steps included; every request is prompt + 128 tokens), µs per extra
 request = (ms/step at 64 - ms/step at 1) / 63. Each step is split into the model's arithmetic (the forward's wall
@@ -257,7 +257,7 @@ def main() -> int:
     short = [p[-args.host_prompt_tokens:] for p in prompts]
     plan = []
     if "a" in args.parts:
-        plan += [("a", "ar", n, short[:n]) for n in args.levels] + [("a", "fixed_tree", 1, short[:1])]
+        plan += [("a", name, n, short[:n]) for name in ("ar", "fixed_tree") for n in args.levels]
     if "b" in args.parts:
         plan += [("b", name, n, prompts[: args.num_prompts]) for name in args.methods
                  for n in args.levels]
@@ -280,13 +280,13 @@ def main() -> int:
             print(f"({part}) {kind:7s} {name:18s} x{n:<3d} {row['ms_per_step']:7.3f} ms/step "
                   f"(host {row['host_ms_per_step']:6.3f}) {row['tokens_per_s']:8.0f} tok/s  steps {out['steps']}",
                   file=sys.stderr)
-    for kind in args.engines:
-        plain = {r["concurrency"]: r for r in rows if r["part"] == "a" and r["engine"] == kind and r["method"] == "ar"}
-        lo, hi = min(plain, default=0), max(plain, default=0)
+    for kind, name in ((kind, name) for kind in args.engines for name in ("ar", "fixed_tree")):
+        level = {r["concurrency"]: r for r in rows if r["part"] == "a" and r["engine"] == kind and r["method"] == name}
+        lo, hi = min(level, default=0), max(level, default=0)
         if hi > lo:
-            per_extra = {key: (plain[hi][key] - plain[lo][key]) / (hi - lo) * 1e3
+            per_extra = {key: (level[hi][key] - level[lo][key]) / (hi - lo) * 1e3
                          for key in ("ms_per_step", "model_ms_per_step", "host_ms_per_step")}
-            rows.append({"part": "a", "engine": kind, "method": "ar", "concurrency": f"per extra request ({lo}->{hi})",
+            rows.append({"part": "a", "engine": kind, "method": name, "concurrency": f"per extra request ({lo}->{hi})",
                          "us_per_extra_request": per_extra["ms_per_step"],
                          "model_us_per_extra_request": per_extra["model_ms_per_step"],
                          "host_us_per_extra_request": per_extra["host_ms_per_step"]})

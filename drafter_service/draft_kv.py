@@ -17,9 +17,6 @@ they next draft); before that, idle caches give back the blocks past their last 
 the rows of rejected drafts, which a running session otherwise keeps for its next step instead of taking new
 blocks every step). A session whose step cannot get its blocks even then drafts nothing this time (its cache is
 emptied too); the verifier then verifies the pending token alone, as for any empty tree.
-
-On the generic Hugging Face path (``ModelRunner.new_pool`` is None) each session keeps its own cache, as before,
-outside the budget.
 """
 
 from __future__ import annotations
@@ -31,10 +28,10 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, FULL_CONTEXT_SESSIONS, blocks_in, default_gib
 from specmesh.contract import CapacityError
+from specmesh.kv_pool import PagedKVCache
 from specmesh.models import positive_float
 
 log = logging.getLogger(__name__)
@@ -46,7 +43,7 @@ DEFAULT_DRAFT_KV_GB = 1.0  # per draft runner; a 30-layer, 576-wide bf16 draft (
 class DraftCache:
     """One session's draft KV: the runner's cache and the tokens it holds, in order."""
 
-    cache: Any  # PagedKVCache of the draft pool, or the runner's own per-session cache (generic HF path)
+    cache: PagedKVCache  # in the draft pool
     cached: list[int] = field(default_factory=list)  # tokens whose keys/values the cache holds, in order
 
 
@@ -55,7 +52,7 @@ class DraftKV:
 
     def __init__(self, runner, kv_cache_gb: float = DEFAULT_DRAFT_KV_GB, block_size: int = DEFAULT_BLOCK_SIZE):
         self.runner, self.kv_cache_gb = runner, kv_cache_gb
-        self.pool = runner.new_pool(blocks_in(kv_cache_gb, runner.kv_bytes_per_token, block_size), block_size)  # None: HF
+        self.pool = runner.new_pool(blocks_in(kv_cache_gb, runner.kv_bytes_per_token, block_size), block_size)
         self._lock = threading.Lock()
         self._caches: OrderedDict[int, DraftCache] = OrderedDict()  # id -> cache, least recently used first
         self._held: dict[int, int] = {}  # id -> draft steps using the cache now
@@ -64,20 +61,17 @@ class DraftKV:
         self.starved = 0  # sessions that drafted nothing for want of blocks
 
     @property
-    def capacity_tokens(self) -> int | None:
-        """Positions the pool holds (None on the generic path: no pool)."""
-        if self.pool is None:
-            return None
+    def capacity_tokens(self) -> int:
+        """Positions the pool holds."""
         return self.pool.allocator.num_blocks * self.pool.allocator.block_size
 
     @property
     def blocks_used(self) -> int:
-        return 0 if self.pool is None else self.pool.allocator.num_used
+        return self.pool.allocator.num_used
 
     def new(self) -> DraftCache:
         """An empty cache for a session (no blocks until a step holds it)."""
-        cache = self.pool.open(0) if self.pool is not None else self.runner.new_cache()
-        dc = DraftCache(cache)
+        dc = DraftCache(self.pool.open(0))
         with self._lock:
             self._caches[id(dc)] = dc
         return dc
@@ -108,7 +102,7 @@ class DraftKV:
                     self._caches[id(dc)] = dc  # most recently used
                 self._held[id(dc)] = self._held.get(id(dc), 0) + 1
             for i, (dc, length) in enumerate(zip(caches, lengths, strict=True)):
-                if self.pool is not None and not self._room(dc, length):
+                if not self._room(dc, length):
                     self._empty(dc)
                     self.starved += 1
                     ok[i] = False
@@ -145,10 +139,7 @@ class DraftKV:
         return True
 
     def _empty(self, dc: DraftCache) -> None:
-        if self.pool is not None:
-            dc.cache.free()
-        else:
-            dc.cache.truncate(0)
+        dc.cache.free()
         dc.cached = []
 
 
@@ -170,8 +161,7 @@ def draft_kv(runner, kv_cache_gb: float | None = None) -> DraftKV:
         kv = _POOLS.get(runner)
         if kv is None:
             kv = _POOLS[runner] = DraftKV(runner, default_draft_kv_gb(runner) if kv_cache_gb is None else kv_cache_gb)
-            if kv.pool is not None:
-                log.info("draft model KV pool: %d tokens in %g GiB", kv.capacity_tokens, kv.kv_cache_gb)
+            log.info("draft model KV pool: %d tokens in %g GiB", kv.capacity_tokens, kv.kv_cache_gb)
         elif kv_cache_gb is not None and kv_cache_gb != kv.kv_cache_gb:
             raise ValueError(f"the draft model's KV pool already has {kv.kv_cache_gb} GiB; asked for {kv_cache_gb}")
         return kv

@@ -78,7 +78,7 @@ class DrafterMetrics:
 
 class _DraftKVCollector:
     """The draft model's paged KV pool (``drafter_service/draft_kv.DraftKV``), read at scrape time; zeros for a
-    drafter without a draft model (or one on the generic path without a pool)."""
+    drafter without a draft model."""
 
     def __init__(self, kv: Any, model_name: str) -> None:
         self.kv, self.model_name = kv, model_name
@@ -97,8 +97,8 @@ class _DraftKVCollector:
 
     def collect(self):
         usage, evictions, starved = self._families()
-        kv, pool = self.kv, getattr(self.kv, "pool", None)
-        usage.add_metric([self.model_name], kv.blocks_used / pool.allocator.num_blocks if pool is not None else 0.0)
+        kv = self.kv
+        usage.add_metric([self.model_name], kv.blocks_used / kv.pool.allocator.num_blocks if kv is not None else 0.0)
         evictions.add_metric([self.model_name], kv.evictions if kv is not None else 0)
         starved.add_metric([self.model_name], kv.starved if kv is not None else 0)
         yield from (usage, evictions, starved)

@@ -16,8 +16,7 @@ recently used first when the free blocks run out. A key is only a shortcut: each
 and the registration serial of the block before it, and a lookup compares both, so a hash collision (or a parent
 evicted and its block reused) ends the match instead of serving another prefix's KV.
 
-The tensors live in ``specmesh.kv_pool``; the verifier also accounts a generic runner's
-per-session caches in blocks through this allocator.
+The tensors live in ``specmesh.kv_pool``.
 """
 
 from __future__ import annotations
@@ -144,6 +143,13 @@ class BlockAllocator:
             entry = self._cached.pop(block)
             del self._entries[entry.key]
             self._free[block] = True
+
+    def add_blocks(self, count: int) -> None:
+        """``count`` more free blocks, numbered after the last (a pool that grows: ``kv_pool.GrowingKVPool``)."""
+        self._free = np.concatenate([self._free, np.ones(count, dtype=bool)])
+        self._refs = np.concatenate([self._refs, np.zeros(count, dtype=np.int32)])
+        self.num_blocks += count
+        self.num_free += count
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

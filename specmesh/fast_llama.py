@@ -23,9 +23,8 @@ fused tree-attention kernel (``kernels/tree_attention.py``, through ``kernel_att
 session of a forward in one launch per layer, keys/values read from the paged pool through the
 block tables, tree masks as ancestor bits (``TreeMask``). ``auto`` takes $SPECMESH_ATTENTION when
 set, else the kernel for a CUDA model when triton imports, else SDPA. The kernel path needs all
-caches of a forward in one storage (PagedKVCaches of one pool, or a single FastKVCache, read as one
-block) and structured masks (``TreeMask`` or causal); a forward with a dense mask tensor or several
-FastKVCaches runs SDPA.
+caches of a forward in one pool and structured masks (``TreeMask`` or causal); a forward with a dense
+mask tensor or sessions of several pools (``new_cache``s, each its own) runs SDPA.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from specmesh import checkpoint, cpu_platform
 from specmesh.contract import ModelInfo
 from specmesh.cuda_graphs import PoolGraphs, graph_choice, relative_error
 from specmesh.kernel_attention import KernelAttention, kernel_metadata
-from specmesh.kv_pool import DEFAULT_BLOCK_SIZE, FastKVCache, KVPool, PagedKVCache
+from specmesh.kv_pool import KVPool, PagedKVCache
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.runner_options import ATTENTION_BACKENDS, ATTENTION_ENV, COMPILE_ENV, COMPILE_MODES
 from specmesh.sdpa_attention import SdpaAttention
@@ -242,7 +241,7 @@ class FastLlamaRunner(ModelRunner):
         reason = supports(model)
         if reason is not None:
             raise ValueError(f"the fast runner cannot run this model: {reason}")
-        super().__init__(model)
+        self._adopt(model)  # not ModelRunner.__init__: the pool's shape is the runner's own, not probed
         cfg = model.config
         inner = model.model
         # The runner's own layout of the weights ([in, out], fused QKV and gate/up) is the only copy kept: the
@@ -335,6 +334,7 @@ class FastLlamaRunner(ModelRunner):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim
+        self.paged_shape = (len(self.layers), self.num_kv_heads, head_dim)  # of its pools
         self.eps = eps
         self.cos, self.sin = cos, sin
         self.scale = self.head_dim**-0.5
@@ -458,7 +458,7 @@ class FastLlamaRunner(ModelRunner):
             return None
         return stack
 
-    def _probe_stack(self, stack, caches: tuple[FastKVCache, FastKVCache], ids: list[int]) -> None:
+    def _probe_stack(self, stack, caches: tuple[PagedKVCache, PagedKVCache], ids: list[int]) -> None:
         """Run ``ids`` through the eager layers (caches[0]) and ``stack`` (caches[1]) as an 8-row prefill, one row
         and three rows, comparing the logits: ValueError beyond COMPILE_TOLERANCE. The runner's own stack is left
         as it was."""
@@ -491,9 +491,6 @@ class FastLlamaRunner(ModelRunner):
                              "(TRITON_INTERPRET=1 before kernels.tree_attention is imported)")
         return tree_attention
 
-    def new_cache(self) -> FastKVCache:
-        return FastKVCache(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device, self.info.max_positions)
-
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [n] -> [n, hidden] input embeddings."""
         if self.embed is not None:
@@ -519,7 +516,7 @@ class FastLlamaRunner(ModelRunner):
 
     def forward(
         self,
-        cache: FastKVCache | PagedKVCache,
+        cache: PagedKVCache,
         input_ids: Sequence[int] | torch.Tensor,  # [num_new]
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
         attend: torch.Tensor | TreeMask | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
@@ -534,7 +531,7 @@ class FastLlamaRunner(ModelRunner):
     @torch.inference_mode()
     def forward_batch(
         self,
-        caches: Sequence[FastKVCache | PagedKVCache],
+        caches: Sequence[PagedKVCache],
         input_ids: Sequence[int] | torch.Tensor,  # [T]: the new tokens of every request, packed
         position_ids: Sequence[int] | torch.Tensor,  # [T]
         num_new: Sequence[int],  # [B]: request r owns rows cu[r]:cu[r + 1], cu = cumsum([0] + num_new)
@@ -553,12 +550,12 @@ class FastLlamaRunner(ModelRunner):
         total = ids.shape[0]
         assert sum(num_new) == total and len(caches) == len(num_new) == len(attends), (total, num_new)
         for cache, n in zip(caches, num_new, strict=True):
-            cache.reserve(cache.length + n)
+            cache.ensure(cache.length + n)
         meta = None  # the kernel path's metadata, built once for a graph replay or the eager launches
         if self._kernels is not None and KernelAttention.applies(caches, attends):
             meta = kernel_metadata(self, caches, num_new, attends)
         graphs = None
-        if meta is not None and hidden_rows is None and not eager and isinstance(caches[0], PagedKVCache):
+        if meta is not None and hidden_rows is None and not eager:
             graphs = self.pool_graphs(caches[0].pool)
         if graphs is not None and (logits := graphs.forward(meta, ids, pos, num_new)) is not None:
             for cache, n in zip(caches, num_new, strict=True):
@@ -627,9 +624,10 @@ class FastLlamaRunner(ModelRunner):
 
     def pool_graphs(self, pool: KVPool) -> PoolGraphs | None:
         """The pool's CUDA graphs, created (checked against eager on a probe session, the decode buckets captured) on
-        first call: a verifier calls it when it builds its pool, so both happen at start-up. None with graphs off or
-        when the check failed under ``auto`` (every step then runs eager)."""
-        if not self._graph_mode or self._kernels is None:
+        first call: a verifier calls it when it builds its pool, so both happen at start-up. None with graphs off,
+        when the check failed under ``auto`` (every step then runs eager), and for a pool that grows (``new_cache``'s:
+        a graph would keep reading the tensors it had before growing)."""
+        if not self._graph_mode or self._kernels is None or not pool.fixed:
             return None
         graphs = self._pool_graphs.get(pool)
         if graphs is None:
@@ -640,15 +638,6 @@ class FastLlamaRunner(ModelRunner):
             graphs.warm()  # every plain-decoding bucket now: no decode step pays a capture mid-serving
             self._pool_graphs[pool] = graphs
         return graphs
-
-    def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPool:
-        """A paged KV pool for this model's sessions (``PagedKVCache``s from ``pool.open``)."""
-        return KVPool(len(self.layers), self.num_kv_heads, self.head_dim, num_blocks, block_size, self.dtype,
-                      self.device)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return KVPool.bytes_per_token(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
 
 
 def make_runner(model: PreTrainedModel, backend: str = "auto", attention: str = "auto",

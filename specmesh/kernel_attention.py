@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specmesh.kv_pool import FastKVCache, PagedKVCache
+from specmesh.kv_pool import PagedKVCache
 
 ALIGN_INT32 = 4  # int32 elements per 16 bytes
 
@@ -39,7 +39,7 @@ class KernelMetadata:
     """A step's tree-attention metadata on the host (``kernels.tree_attention``'s arguments), for B sessions and
     T packed rows: where the keys live and which rows see which columns."""
 
-    keys: torch.Tensor  # the storage read: a pool's or one FastKVCache's [layers, kv_heads, slots, head_dim]
+    keys: torch.Tensor  # the storage read: the pool's [layers, kv_heads, slots, head_dim]
     values: torch.Tensor
     block_size: int
     cu_q: np.ndarray  # [B + 1] row offsets
@@ -51,16 +51,13 @@ class KernelMetadata:
     has_tree: bool
 
 
-def kernel_metadata(runner: KernelRunner, caches, num_new: Sequence[int], attends) -> KernelMetadata:
-    """The step's metadata for sessions ``caches`` (one pool's PagedKVCaches, or one FastKVCache read as one block)
-    appending ``num_new`` rows under ``attends`` (TreeMask or None = causal); ValueError for a node that attends to
-    a later node."""
-    if isinstance(caches[0], PagedKVCache):
-        keys, values, block_size = caches[0].pool.keys, caches[0].pool.values, caches[0].pool.block_size
-        tables = [np.asarray(c.table, np.int64) for c in caches]
-    else:  # one contiguous session: one block spanning its capacity
-        keys, values, block_size = caches[0].keys, caches[0].values, caches[0].keys.shape[2]
-        tables = [np.zeros(1, np.int64)]
+def kernel_metadata(runner: KernelRunner, caches: Sequence[PagedKVCache], num_new: Sequence[int],
+                    attends) -> KernelMetadata:
+    """The step's metadata for sessions ``caches`` (of one pool) appending ``num_new`` rows under ``attends``
+    (TreeMask or None = causal); ValueError for a node that attends to a later node."""
+    pool = caches[0].pool
+    keys, values, block_size = pool.keys, pool.values, pool.block_size
+    tables = [np.asarray(c.table, np.int64) for c in caches]
     ends = [c.length + n for c, n in zip(caches, num_new, strict=True)]
     num_blocks = max(-(-end // block_size) for end in ends)
     table_rows = np.zeros((len(caches), num_blocks), np.int64)
@@ -93,12 +90,13 @@ class KernelAttention:
     lengths, tables, slots, ancestor bits) is built on the host and crosses to the device in one copy."""
 
     @staticmethod
-    def applies(caches, attends) -> bool:
+    def applies(caches: Sequence[PagedKVCache], attends) -> bool:
+        """Whether one launch per layer can run the forward: every session in one pool, no dense mask (it has no
+        tree structure to pass)."""
         if any(isinstance(a, torch.Tensor) for a in attends):
-            return False  # a dense mask has no tree structure to pass
-        if all(isinstance(c, PagedKVCache) for c in caches):
-            return len({id(c.pool) for c in caches}) == 1
-        return len(caches) == 1 and isinstance(caches[0], FastKVCache)
+            return False
+        pool = caches[0].pool
+        return all(c.pool is pool for c in caches)
 
     def __init__(self, runner: KernelRunner, meta: KernelMetadata, num_new: Sequence[int]) -> None:
         self.runner, self.total = runner, sum(num_new)

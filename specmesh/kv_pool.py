@@ -1,4 +1,4 @@
-"""A paged KV pool shared by every session of one model.
+"""A paged KV pool shared by every session of one model: the one KV cache of every runner.
 
 Storage: one keys and one values tensor per model, [num_layers, num_kv_heads,
 num_blocks * block_size, head_dim]; a *slot* is ``block * block_size + offset``.
@@ -15,9 +15,21 @@ in place on the CPU (``slot_runs``), other rows through a gather. Compaction aft
 accepted tree rows; the prefix is never copied.
 
 ``specmesh.blocks.BlockAllocator`` is the bookkeeping (no torch); ``KVPool`` adds the tensors and
-``PagedKVCache`` is one session's view of them, with the cache interface of
-``FastKVCache`` (reserve / write / kv / keep / truncate / length): one session's keys and values in
-preallocated tensors of its own, the fast runner's cache outside a pool.
+``PagedKVCache`` is one session's view of them (ensure / trim / free / write / kv / keep / truncate / length).
+
+Every session of every runner is a ``PagedKVCache``. A verifier's or a drafter's sessions share the pool it sized
+(``runner.new_pool``: a ``KVPool``, fixed, so a CUDA graph captured over it stays valid); a session outside any
+budget (``runner.new_cache``: the one-request paths, probes, tests) gets a pool of its own that grows with it
+(``GrowingKVPool``: reallocated as it grows, so never captured in a graph; one session, so always one run of blocks
+read as a view). A model whose attention caches are not keys and values of one shape in every layer (a sliding
+window, linear attention, layers of different shapes) has no paged pool, and the runners refuse it
+(``model_runner.paged_shape``, a ValueError naming the caches found) rather than keep a second cache kind behind
+the same interface: nothing in the project needs one (its models are Llama-family, GPT-2 and Qwen2 without
+sliding windows), and the transformers ``DynamicCache`` that served them before could not speculate: a sliding
+layer keeps only its last window of keys, which the cache's tree mask and compaction (absolute positions) do not
+fit. Measured on the code before the change, a 2-layer Mistral with a 16-token window through the verifier: plain
+decoding matched the model's greedy output, ``prompt_lookup_tree`` gave another output on one prompt of three and
+failed with a shape error on the other two.
 """
 
 from __future__ import annotations
@@ -28,37 +40,99 @@ import numpy as np
 import torch
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator
+from specmesh.contract import CapacityError
 from specmesh.row_ops import pack
 
 
 class KVPool:
     """The pool's tensors: keys/values [num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim]. The
-    last block is scratch, in no table: a CUDA graph's padding rows write there (``scratch_slot``)."""
+    last block is scratch, in no table: a CUDA graph's padding rows write there (``scratch_slot``). Its size is
+    fixed (``fixed``): the tensors are never reallocated, so a CUDA graph may be captured over them."""
+
+    fixed = True
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        shape = (num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim)
+        self.keys, self.values = self._tensors(num_layers, num_kv_heads, head_dim, num_blocks, dtype, device)
         self.scratch_slot = num_blocks * block_size  # the first slot of the scratch block
+        self.device = self.keys.device
+
+    def _tensors(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values for ``num_blocks`` blocks and the scratch block."""
+        shape = (num_layers, num_kv_heads, (num_blocks + 1) * self.block_size, head_dim)
         # empty, not zeros: a slot is always written before it is read (attention reads positions [0, length)
         # only), and on the CPU untouched pages of an empty tensor take no memory, so a generous budget costs
         # only what the sessions use
         # normal tensors even when built under inference mode: sessions write and compact them in or out of it
         with torch.inference_mode(False):
-            self.keys = torch.empty(shape, dtype=dtype, device=device)
-            self.values = torch.empty(shape, dtype=dtype, device=device)
-        self.device = self.keys.device
+            return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def open(self, num_tokens: int) -> PagedKVCache:
+    def open(self, num_tokens: int, cached: Sequence[int] = ()) -> PagedKVCache:
         """A session cache with blocks for its first ``num_tokens`` positions (it takes more as it grows,
-        ``PagedKVCache.ensure``); CapacityError when the pool cannot."""
-        return PagedKVCache(self, self.allocator.allocate(num_tokens))
+        ``PagedKVCache.ensure``): first ``cached``, blocks the prefix cache found (``BlockAllocator.lookup``),
+        shared and their positions counted in its length, then new ones. CapacityError (nothing taken) when the
+        pool has too few free."""
+        self.allocator.share(cached)  # before taking the rest: found blocks are not evicted for it
+        cache = PagedKVCache(self, list(cached))
+        cache.length = len(cached) * self.block_size
+        try:
+            cache.ensure(num_tokens)
+        except CapacityError:
+            cache.free()
+            raise
+        return cache
+
+    def take(self, table: list[int], num_blocks: int) -> None:
+        """Append ``num_blocks`` free blocks to ``table`` (``BlockAllocator.grow``); CapacityError (nothing taken)
+        when too few are free."""
+        self.allocator.grow(table, num_blocks)
+
+
+GROW_CHUNK = 256  # positions a growing pool starts with (at most the model's context)
+
+
+class GrowingKVPool(KVPool):
+    """The pool of one session outside any budget (``ModelRunner.new_cache``): it starts at GROW_CHUNK positions
+    and at least doubles whenever its session needs more blocks than it has free, up to ``max_positions`` (more only
+    when asked for more). Growing reallocates the tensors, keeping every block's slots: such a pool is never
+    captured in a CUDA graph (``fixed`` is False). Its one session's table is always blocks 0, 1, ...: one run,
+    read as a view."""
+
+    fixed = False
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_positions: int,
+                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.max_blocks = max(1, -(-max_positions // block_size))
+        super().__init__(num_layers, num_kv_heads, head_dim, min(-(-GROW_CHUNK // block_size), self.max_blocks),
+                         block_size, dtype, device)
+
+    def take(self, table: list[int], num_blocks: int) -> None:
+        allocator = self.allocator
+        short = num_blocks - allocator.num_free
+        if short > 0:
+            need = allocator.num_blocks + short
+            self._grow(min(max(need, 2 * allocator.num_blocks), max(self.max_blocks, need)))
+        allocator.grow(table, num_blocks)
+
+    def _grow(self, num_blocks: int) -> None:
+        """Reallocate the tensors for ``num_blocks`` blocks, the slots of the blocks so far copied over."""
+        layers, heads, _, head_dim = self.keys.shape
+        keys, values = self._tensors(layers, heads, head_dim, num_blocks, self.keys.dtype, self.device)
+        with torch.inference_mode(False), torch.no_grad():
+            keys[:, :, : self.scratch_slot] = self.keys[:, :, : self.scratch_slot]
+            values[:, :, : self.scratch_slot] = self.values[:, :, : self.scratch_slot]
+        self.allocator.add_blocks(num_blocks - self.allocator.num_blocks)
+        self.keys, self.values = keys, values
+        self.scratch_slot = num_blocks * self.block_size
 
 
 def gather_blocks(layer: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -140,11 +214,9 @@ class PagedKVCache:
             return
         old = len(self.table)
         was_run = self.base is not None or not old
-        self.pool.allocator.grow(self.table, self.pool.allocator.blocks_for(length) - old)
+        self.pool.take(self.table, self.pool.allocator.blocks_for(length) - old)
         added = self.table[old:]
         self._resized(was_run and _is_run(added) and (not old or added[0] == self.table[old - 1] + 1))
-
-    reserve = ensure  # the runner's call before it writes new rows
 
     def trim(self) -> int:
         """Give back the blocks past the one holding the last position; returns how many."""
@@ -227,62 +299,5 @@ def compact(caches: Sequence[PagedKVCache], prefix_lens: Sequence[int],
             store.index_copy_(2, dst_slots, store.index_select(2, src_slots))
 
 
-class FastKVCache:
-    """Keys/values of one session in preallocated tensors, grown in chunks.
-
-    keys/values: [num_layers, num_kv_heads, capacity, head_dim].
-    """
-
-    CHUNK = 256
-
-    @torch.inference_mode()
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, max_len: int):
-        self.shape = (num_layers, num_kv_heads, 0, head_dim)
-        self.dtype, self.device, self.max_len = dtype, device, max_len
-        self.keys = torch.empty(self.shape, dtype=dtype, device=device)
-        self.values = torch.empty(self.shape, dtype=dtype, device=device)
-        self.length = 0
-
-    @torch.inference_mode()
-    def reserve(self, length: int) -> None:
-        capacity = self.keys.shape[2]
-        if length <= capacity:
-            return
-        new_cap = min(max(length, capacity * 2, self.CHUNK), max(self.max_len, length))
-        layers, heads, _, dim = self.shape
-        keys = torch.empty((layers, heads, new_cap, dim), dtype=self.dtype, device=self.device)
-        values = torch.empty_like(keys)
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
-        values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    @torch.inference_mode()
-    def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
-        """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending)."""
-        offsets = list(keep_offsets)
-        if offsets != list(range(len(offsets))):
-            src = prefix_len + torch.tensor(offsets, dtype=torch.long).to(self.device, non_blocking=True)
-            dst = slice(prefix_len, prefix_len + len(offsets))
-            self.keys[:, :, dst] = self.keys.index_select(2, src)
-            self.values[:, :, dst] = self.values.index_select(2, src)
-        self.length = prefix_len + len(offsets)
-
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values: [num_kv_heads, n, head_dim] for positions [start, start + n) (reserved)."""
-        self.keys[layer, :, start : start + keys.shape[1]] = keys
-        self.values[layer, :, start : start + keys.shape[1]] = values
-
-    def kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_kv_heads, end, head_dim] keys and values of positions [0, end) (views)."""
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_kv_heads, length, head_dim] keys and values of one layer."""
-        return self.kv(layer, self.length)
-
-
-__all__ = ["DEFAULT_BLOCK_SIZE", "BlockAllocator", "FastKVCache", "KVPool", "PagedKVCache", "compact",
-           "gather_blocks"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "GROW_CHUNK", "BlockAllocator", "GrowingKVPool", "KVPool", "PagedKVCache",
+           "compact", "gather_blocks"]

@@ -5,11 +5,11 @@ of the verifier (or of the draft model: ``drafter_service/draft_kv.py``), the sa
 the fast runner uses: ``new_pool`` makes one for any model whose attention layers all cache keys and values of
 one shape (probed once with a one-token forward: Llama, Qwen, Mistral without a sliding window, GPT-2, ...), and
 ``forward`` hands transformers a ``Cache`` whose layers write the new rows into the session's slots and read its
-positions back (``_paged_cache``: a view where the session's blocks are one run, else a gather). Models with
-other caches (sliding windows, linear attention, layers of different shapes) keep a transformers
-``DynamicCache`` per session (``KVCache``, ``new_cache``), which the verifier accounts in blocks only.
-``forward`` appends the new tokens' keys/values to the cache and returns their logits; ``keep`` compacts the
-cache to the accepted path after a tree step. The tree structure reaches the model as an explicit 4-D additive
+positions back (``_paged_cache``: a view where the session's blocks are one run, else a gather); ``new_cache``
+is a session outside any pool (a ``GrowingKVPool`` of its own). Models with other caches (sliding windows, linear
+attention, layers of different shapes) are refused when the runner is built (``paged_shape``: ValueError; why,
+in ``specmesh/kv_pool.py``). ``forward`` appends the new tokens' keys/values to the cache and returns their
+logits; the cache's ``keep`` compacts it to the accepted path after a tree step. The tree structure reaches the model as an explicit 4-D additive
 attention mask plus explicit position ids, which every transformers 5 decoder honours (a 4-D mask is used as
 given).
 """
@@ -17,61 +17,18 @@ given).
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
 
+from specmesh.blocks import DEFAULT_BLOCK_SIZE
 from specmesh.contract import ModelInfo
-from specmesh.kv_pool import KVPool, PagedKVCache
-
-log = logging.getLogger(__name__)
+from specmesh.kv_pool import GrowingKVPool, KVPool, PagedKVCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-
-class KVCache:
-    """The keys/values of one session: a transformers ``DynamicCache`` plus the operations we need."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        from transformers import DynamicCache  # imported by the runner that needs it (a fast runner does not)
-
-        self.hf_cache = DynamicCache(config=model.config)
-        self.length = 0  # number of token positions held
-
-    def _layers(self):
-        return [layer for layer in self.hf_cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
-
-    def truncate(self, length: int) -> None:
-        """Drop every position from ``length`` on."""
-        if length >= self.length:
-            return
-        for layer in self._layers():
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]
-        self.length = length
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_kv_heads, length, head_dim] keys and values of one layer."""
-        hf_layer = self.hf_cache.layers[layer]
-        return hf_layer.keys[0, :, : self.length], hf_layer.values[0, :, : self.length]
-
-    @torch.inference_mode()
-    def keep(self, prefix_len: int, keep_offsets: Sequence[int]) -> None:
-        """Keep positions [0, prefix_len) plus ``prefix_len + o`` for o in keep_offsets (ascending): the kept
-        rows move down in place, then the cache is cut; the prefix is never copied."""
-        offsets = list(keep_offsets)
-        if offsets != list(range(len(offsets))):  # not already a contiguous prefix of the new rows
-            src = prefix_len + torch.tensor(offsets, dtype=torch.long)
-            dst = slice(prefix_len, prefix_len + len(offsets))
-            for layer in self._layers():
-                layer.keys[:, :, dst] = layer.keys.index_select(2, src)
-                layer.values[:, :, dst] = layer.values.index_select(2, src)
-        self.truncate(prefix_len + len(offsets))
 
 
 @functools.cache
@@ -121,10 +78,47 @@ def _paged_cache(session: PagedKVCache, num_layers: int):
     return _paged_cache_class()(session, num_layers)
 
 
+def paged_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a paged pool for ``model``: probed with a one-token forward into a
+    transformers ``DynamicCache``, whose every layer must be a full-attention ``DynamicLayer`` holding keys and values
+    of one shape in the model's dtype. ValueError naming what it found otherwise (``kv_pool``'s doc says why such
+    models are refused)."""
+    from transformers import DynamicCache  # imported by the runner that needs it (a fast runner does not)
+    from transformers.cache_utils import DynamicLayer
+
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    layers = cache.layers
+    kinds = {type(layer) for layer in layers}
+    shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype) for layer in layers
+              if type(layer) is DynamicLayer and layer.keys is not None}
+    name = type(model).__name__
+    if not layers or kinds != {DynamicLayer} or len(shapes) != 1:
+        found = ", ".join(sorted(kind.__name__ for kind in kinds)) or "none"
+        raise ValueError(f"{name} is not supported: its attention caches ({found}) are not full-attention keys and "
+                         "values of one shape in every layer, which specmesh's paged KV pool needs (sliding windows "
+                         "and linear attention are not supported)")
+    (keys, values, cache_dtype), = shapes
+    if len(keys) != 4 or keys[0] != 1 or keys[2] != 1 or keys != values or cache_dtype != dtype:
+        raise ValueError(f"{name} is not supported: its attention caches hold keys {keys} and values {values} in "
+                         f"{cache_dtype}, not one [1, kv_heads, 1, head_dim] shape in the model's {dtype}, which "
+                         "specmesh's paged KV pool needs")
+    return len(layers), keys[1], keys[3]
+
+
 class ModelRunner:
-    """Stateless forward passes of one model over any session's cache."""
+    """Stateless forward passes of one model over any session's cache. ValueError for a model whose attention
+    caches do not fit a paged pool (``paged_shape``)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
+        self._adopt(model)
+        self.paged_shape = paged_shape(model)  # (layers, kv_heads, head_dim) of its pools
+
+    def _adopt(self, model: PreTrainedModel) -> None:
+        """The model, its ``info``, dtype and device (what every runner built on a transformers module reads)."""
         self.model = model.eval()
         cfg = model.config
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else ()
@@ -138,39 +132,27 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.model)
+    def new_cache(self) -> PagedKVCache:
+        """An empty session cache outside any budget: a pool of its own that grows with it (``GrowingKVPool``)."""
+        return GrowingKVPool(*self.paged_shape, self.info.max_positions, DEFAULT_BLOCK_SIZE, self.dtype,
+                             self.device).open(0)
 
-    @cached_property
-    def paged_shape(self) -> tuple[int, int, int] | None:
-        """(layers, kv_heads, head_dim) of a paged pool for this model, or None where its attention caches do not
-        fit one: probed with a one-token forward into a ``DynamicCache`` (every layer a full-attention
-        ``DynamicLayer`` holding keys and values of one shape and the model's dtype)."""
-        from transformers.cache_utils import DynamicLayer
+    def new_pool(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPool:
+        """A paged KV pool of ``num_blocks`` blocks for this model's sessions (``PagedKVCache``s from ``pool.open``)."""
+        return KVPool(*self.paged_shape, num_blocks, block_size, self.dtype, self.device)
 
-        cache = KVCache(self.model)
-        with torch.inference_mode():
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                       position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                       past_key_values=cache.hf_cache, use_cache=True)
-        layers = cache.hf_cache.layers
-        kinds = {type(layer) for layer in layers}
-        shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype) for layer in layers
-                  if type(layer) is DynamicLayer and layer.keys is not None}
-        if not layers or kinds != {DynamicLayer} or len(shapes) != 1:
-            log.info("%s: no paged KV pool (attention caches %s); sessions keep their own caches",
-                     type(self.model).__name__, sorted(k.__name__ for k in kinds))
-            return None
-        (keys, values, dtype), = shapes
-        if len(keys) != 4 or keys[0] != 1 or keys[2] != 1 or keys != values or dtype != self.dtype:
-            log.info("%s: no paged KV pool (keys %s, values %s, %s)", type(self.model).__name__, keys, values, dtype)
-            return None
-        return len(layers), keys[1], keys[3]
+    def pool_graphs(self, pool: KVPool) -> None:
+        """No CUDA graphs: the transformers forward runs eager (``FastLlamaRunner.pool_graphs`` has them)."""
+        return None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return KVPool.bytes_per_token(*self.paged_shape, self.dtype)
 
     @torch.inference_mode()
     def forward(
         self,
-        cache: KVCache,
+        cache: PagedKVCache,
         input_ids: Sequence[int] | torch.Tensor,  # [num_new]
         position_ids: Sequence[int] | torch.Tensor,  # [num_new]
         attend: torch.Tensor | TreeMask | None = None,  # [num_new, cache.length + num_new] bool, or None = causal
@@ -184,11 +166,8 @@ class ModelRunner:
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = torch.as_tensor(position_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         num_new = ids.shape[1]
-        if isinstance(cache, PagedKVCache):
-            cache.reserve(cache.length + num_new)  # CapacityError (nothing written) when the pool is short
-            past = _paged_cache(cache, self.paged_shape[0])
-        else:
-            past = cache.hf_cache
+        cache.ensure(cache.length + num_new)  # CapacityError (nothing written) when the pool is short
+        past = _paged_cache(cache, self.paged_shape[0])
         mask = None
         if isinstance(attend, TreeMask):
             attend = attend.dense(self.device)
@@ -216,7 +195,7 @@ class ModelRunner:
 
     def forward_batch(
         self,
-        caches: Sequence[KVCache],
+        caches: Sequence[PagedKVCache],
         input_ids: Sequence[int] | torch.Tensor,  # [T]: the new tokens of every request, packed
         position_ids: Sequence[int] | torch.Tensor,  # [T]
         num_new: Sequence[int],  # [B]
@@ -241,23 +220,6 @@ class ModelRunner:
         if hidden_rows is None:
             return logits
         return logits, torch.cat(hiddens)[hidden_rows.to(logits.device)]
-
-    def new_pool(self, num_blocks: int, block_size: int) -> KVPool | None:
-        """A paged KV pool for this model's sessions (``PagedKVCache``s from ``pool.open``), the fast runner's
-        kind; None where the model's caches do not fit one (``paged_shape``): its sessions keep transformers
-        caches (``new_cache``), and the verifier accounts their memory in blocks."""
-        if self.paged_shape is None:
-            return None
-        return KVPool(*self.paged_shape, num_blocks, block_size, self.dtype, self.device)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        if self.paged_shape is not None:
-            return KVPool.bytes_per_token(*self.paged_shape, self.dtype)
-        cfg = self.model.config
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 
 def tree_attend_mask(prefix_len: int, ancestor_rows: torch.Tensor) -> torch.Tensor:

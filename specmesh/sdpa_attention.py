@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specmesh import cpu_platform
-from specmesh.kv_pool import KVPool, PagedKVCache, write_slots
+from specmesh.kv_pool import KVPool, write_slots
 from specmesh.model_runner import TreeMask
 from specmesh.padded_attention import PAD_LIMIT, PAD_MAX_NEW, padded_layout, padded_sdpa
 
@@ -51,8 +51,8 @@ class SdpaAttention:
         # (SDPA's one-query path in bfloat16 takes 2x as long as its copy in float32 there)
         self.compute_dtype = cpu_platform.decode_attention_dtype(runner.device, runner.dtype)
         # one scatter for the new rows of several sessions of one pool; a single session writes its own slice
-        pool = getattr(caches[0], "pool", None) if len(caches) > 1 else None
-        if pool is not None and not all(getattr(c, "pool", None) is pool for c in caches):
+        pool = caches[0].pool if len(caches) > 1 else None
+        if pool is not None and not all(c.pool is pool for c in caches):
             pool = None
         self.pool = pool
         starts = [c.length for c in caches]
@@ -74,7 +74,7 @@ class SdpaAttention:
                     causal = True           # the diagonal: half the work of a dense mask, and no mask to build)
                 elif n > 1:
                     mask = torch.ones(n, end, dtype=torch.bool, device=runner.device).tril(diagonal=start)
-                elif isinstance(cache, PagedKVCache) and cache.base is None and runner.device.type == "cpu":
+                elif cache.base is None and runner.device.type == "cpu":
                     stitched.append(len(self.spans))  # a table of prefix-cache blocks + its own: maybe in place
                 self.spans.append([cache, slice(row, row + n), start, end, mask, causal, None])
             row += n

@@ -268,10 +268,7 @@ def fresh_kv(runner: ModelRunner, tokens: Sequence[int]) -> list[tuple[torch.Ten
 
 
 def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[num_kv_heads, length, head_dim] keys/values of one layer, for either cache type."""
-    if hasattr(cache, "hf_cache"):
-        hf_layer = cache.hf_cache.layers[layer]
-        return hf_layer.keys[0, :, : cache.length], hf_layer.values[0, :, : cache.length]
+    """[num_kv_heads, length, head_dim] keys/values of one layer."""
     return cache.layer_kv(layer)
 
 

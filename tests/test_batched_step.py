@@ -19,7 +19,7 @@ import torch
 from spec_helpers import fragment
 
 from specmesh import sdpa_attention
-from specmesh.kv_pool import FastKVCache, compact
+from specmesh.kv_pool import compact
 from specmesh.model_runner import TreeMask, tree_attend_mask
 from specmesh.padded_attention import PAD_LIMIT
 from specmesh.tree import TokenTree, ancestor_mask
@@ -30,7 +30,7 @@ from verifier_service.verifier import packed_runs
 def _fill(runner, caches, rng: random.Random, lengths) -> None:
     """Write random keys/values at positions [0, length) of every cache (no forward needed)."""
     for cache, length in zip(caches, lengths, strict=True):
-        cache.reserve(length)
+        cache.ensure(length)
         for layer in range(len(runner.layers)):
             shape = (runner.num_kv_heads, length, runner.head_dim)
             gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
@@ -93,8 +93,7 @@ def test_padded_attention_equals_one_forward_per_session(model_sets, monkeypatch
     prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 16))] for _ in range(6)]
     prompts.append([rng.randrange(128) for _ in range(30)])
     paged = [pool.open(len(p) + 40) for p in prompts]
-    single = [FastKVCache(len(runner.layers), runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu", 1024)
-              for _ in prompts]
+    single = [runner.new_cache() for _ in prompts]  # each a pool of its own
     ids, pos = np.concatenate(prompts), np.concatenate([np.arange(len(p)) for p in prompts])
     batched = runner.forward_batch(paged, ids, pos, [len(p) for p in prompts], [None] * len(prompts))
     alone = torch.cat([runner.forward(c, p, range(len(p))) for c, p in zip(single, prompts, strict=True)])

@@ -28,7 +28,6 @@ from spec_helpers import engine_for, fragment, greedy, make_prompts, window_for
 from drafter_service.proposer import make_proposer, proposer_names, proposer_spec
 from specmesh.blocks import BlockAllocator
 from specmesh.contract import CapacityError, UnknownSessionError
-from specmesh.kv_pool import FastKVCache
 from specmesh.model_runner import tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree, ancestor_mask
@@ -68,8 +67,7 @@ def test_forward_batch_equals_one_forward_per_session(model_sets, fragmented):
     paged = [pool.open(len(p) + 12) for p in prompts]
     if fragmented:
         assert any(c.base is None for c in paged), "the pool did not fragment"
-    single = [FastKVCache(len(runner.layers), runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu", 512)
-              for _ in prompts]
+    single = [runner.new_cache() for _ in prompts]  # each a pool of its own
     # step 1: prompts of different lengths, causal, in one batch
     ids = np.concatenate(prompts)
     pos = np.concatenate([np.arange(len(p)) for p in prompts])

@@ -105,6 +105,27 @@ def test_graphed_steps_equal_eager_and_write_only_their_slots(pair, monkeypatch,
     assert len(splits) == 2 and (min(splits) > 1 if split else max(splits) == 1), graphs.graphs
 
 
+def test_a_session_of_its_own_pool_is_never_graphed(pair):
+    """``new_cache``: a session in a pool of its own that grows (reallocated) runs the kernel eagerly on the graphed
+    runner, never through graphs (they would keep reading the tensors it had before growing), and gives the eager
+    runner's logits while it grows past its first chunk."""
+    eager, graphed = pair
+    rng = random.Random(7)
+    tokens = [rng.randrange(128) for _ in range(300)]
+    before, results = graphed.graph_replays, []
+    for runner in pair:
+        cache = runner.new_cache()
+        first_keys = cache.pool.keys
+        logits = [runner.forward(cache, tokens[:250], range(250))]
+        # decode rows, past the GROW_CHUNK (256) positions it started with: it grows on the way
+        logits += [runner.forward(cache, [t], [250 + i]) for i, t in enumerate(tokens[250:])]
+        assert cache.pool.keys is not first_keys and not cache.pool.fixed and cache.base == 0
+        assert runner.pool_graphs(cache.pool) is None
+        results.append(torch.cat(logits))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+    assert graphed.graph_replays == before
+
+
 def test_greedy_through_graphs_equals_plain_decoding(pair):
     """Speculative greedy decoding on the graphed runner, one request and a batch of requests sharing steps,
     equals plain decoding on the eager runner; the graphs served the steps."""

@@ -5,7 +5,7 @@ Models whose attention caches are one shape per layer get a ``KVPool`` like the 
 keys/values are written into and read from the pool's slots through transformers' own ``Cache`` interface. Held
 here against a full recompute without any cache, on three architectures, over fragmented pools (tables that are
 no run of blocks: the gather path), chunked prefill, tree steps with compaction and shared prefix blocks; a model
-with a sliding window keeps its transformers caches.
+with a sliding window is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from spec_helpers import engine_for, greedy, make_prompts, naive_greedy, tiny_llama
 
-from specmesh.kv_pool import PagedKVCache, compact
+from specmesh.kv_pool import compact
 from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.tree import ancestor_mask
 from verifier_service.verifier import LocalVerifier
@@ -92,25 +92,28 @@ def test_shared_prefix_blocks_are_read_not_written():
     runner.forward(first, prompt, range(12))
     shared = list(first.table[:3])
     before = pool.keys[:, :, shared[0] * 4 : (shared[-1] + 1) * 4].clone()
-    pool.allocator.share(shared)
-    second = PagedKVCache(pool, list(shared))
-    second.length = 12
+    second = pool.open(12, shared)  # holds the shared blocks, their 12 positions counted
     out = runner.forward(second, [20, 21], [12, 13])
     torch.testing.assert_close(out.double(), full(model, prompt + [20, 21])[-2:], rtol=1e-6, atol=1e-6)
     assert torch.equal(pool.keys[:, :, shared[0] * 4 : (shared[-1] + 1) * 4], before)
     assert second.table[:3] == shared and len(second.table) == 4
 
 
-def test_a_sliding_window_model_keeps_its_own_caches():
+def test_a_sliding_window_model_is_refused():
+    """A model whose caches do not fit a paged pool (a sliding window: transformers' sliding layers drop the
+    oldest keys) is refused when its runner is built, with the reason, by the generic runner and by ``make_runner``
+    (the fast runner refuses sliding windows first)."""
     from transformers import MistralConfig, MistralForCausalLM
+
+    from specmesh.fast_llama import make_runner
 
     torch.manual_seed(5)
     model = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, sliding_window=16)).eval()
-    runner = ModelRunner(model)
-    assert runner.paged_shape is None and runner.new_pool(8, 16) is None
-    verifier = LocalVerifier(runner, kv_cache_gb=0.001)
-    assert verifier.pool is None and not verifier.prefix_caching  # blocks accounted, caches transformers'
+    for build in (ModelRunner, make_runner):
+        with pytest.raises(ValueError, match="MistralForCausalLM is not supported: its attention caches "
+                                             r"\(DynamicSlidingWindowLayer"):
+            build(model)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
@@ -121,7 +124,7 @@ def test_greedy_equals_ar_through_the_paged_hf_verifier(arch, proposer):
     model = MODELS[arch]()
     target = ModelRunner(model)
     verifier = LocalVerifier(target, kv_cache_gb=0.01)
-    assert verifier.pool is not None and verifier.prefix_caching
+    assert verifier.prefix_caching
     engine = engine_for(target, proposer, 8, 4, draft_runner=ModelRunner(model), verifier=verifier)
     for prompt in make_prompts(3, seed=9, vocab=128, min_len=10, max_len=40):
         result = engine.generate(prompt, greedy(16))

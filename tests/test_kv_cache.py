@@ -27,6 +27,7 @@ from spec_helpers import (
     make_prompts,
 )
 
+from specmesh.kv_pool import GROW_CHUNK, PagedKVCache
 from specmesh.model_runner import tree_attend_mask
 from specmesh.sampling import SamplingParams
 from specmesh.tree import TokenTree
@@ -169,3 +170,34 @@ def test_keep_moves_only_the_accepted_rows_in_place(model_sets, backend):
         assert keys.untyped_storage().data_ptr() == storages[i]  # rows moved within the same buffer
         torch.testing.assert_close(keys, torch.cat([before[i][0][:, :20], before[i][0][:, 22:24]], dim=1))
         torch.testing.assert_close(values, torch.cat([before[i][1][:, :20], before[i][1][:, 22:24]], dim=1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cache_of_its_own_grows_and_keeps_its_positions(model_sets, backend):
+    """``new_cache``: a PagedKVCache in a pool of its own, GROW_CHUNK positions to start with, that grows (its
+    tensors reallocated) as the session does, across chunks, a tree step with compaction and decode rows: its
+    keys/values and logits stay those of a session in a pool sized once; ``free`` empties it and it grows again."""
+    runner = model_sets("random").runner("target", backend)
+    rng = random.Random(6)
+    tokens = [rng.randrange(128) for _ in range(400)]
+    cache = runner.new_cache()
+    assert isinstance(cache, PagedKVCache) and not cache.pool.fixed
+    assert cache.pool.allocator.num_blocks * cache.pool.block_size == GROW_CHUNK and cache.table == []
+    fixed = runner.new_pool(num_blocks=40, block_size=16).open(0)
+    tree = TokenTree(np.asarray([5, 6, 7]), np.asarray([-1, -1, 1]), np.ones(3))
+    for c in (cache, fixed):
+        runner.forward(c, tokens[:200], range(200))
+        runner.forward(c, tokens[200:300], range(200, 300))  # past the first chunk: the pool grows
+        runner.forward(c, tree.tokens, tree.position_ids(300),
+                       tree_attend_mask(300, torch.from_numpy(tree.ancestor_mask)))
+        c.keep(300, [1, 2])
+        c.trim()
+    steps = [[runner.forward(c, [t], [302 + i])[0] for i, t in enumerate(tokens[300:320])] for c in (cache, fixed)]
+    torch.testing.assert_close(torch.stack(steps[0]), torch.stack(steps[1]), rtol=1e-6, atol=1e-6)
+    assert cache.length == 322 and cache.base == 0 and cache.table == list(range(len(cache.table)))
+    assert cache.pool.allocator.num_blocks >= 2 * GROW_CHUNK // cache.pool.block_size  # at least doubled
+    assert_cache_matches(cache, [layer_kv(fixed, i) for i in range(runner.model.config.num_hidden_layers)],
+                         "grown cache")
+    assert cache.free() == len(fixed.table) and cache.length == 0
+    runner.forward(cache, tokens[:330], range(330))  # empty again, it takes blocks 0, 1, ... again
+    assert cache.base == 0 and cache.length == 330

@@ -330,7 +330,8 @@ def _count_launches(monkeypatch) -> list[int]:
 
 
 def test_runner_with_the_kernel_equals_sdpa(runners, monkeypatch):
-    """Prefill chunks and trees (TreeMask) of sessions on a fragmented pool, and one FastKVCache session:
+    """Prefill chunks and trees (TreeMask) of sessions on a fragmented pool, and one session of its own pool
+    (``new_cache``: a growing pool, read through its table):
     the kernel path gives SDPA's logits and writes the same keys/values."""
     from specmesh.model_runner import TreeMask
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specmesh.blocks import DEFAULT_BLOCK_SIZE, BlockAllocator, blocks_in, default_gib
+from specmesh.blocks import DEFAULT_BLOCK_SIZE, blocks_in, default_gib
 from specmesh.contract import (
     CapacityError,
     PrefillResult,
@@ -54,7 +54,7 @@ from specmesh.feedback import TargetFeatures, VerifyFeedback
 from specmesh.grammar import CompiledGrammar, GrammarState, GrammarTokenizer, prunable, tree_masks
 from specmesh.kv_pool import PagedKVCache, compact
 from specmesh.logits_process import ContextCounts, processes_logits
-from specmesh.model_runner import KVCache, ModelRunner, TreeMask
+from specmesh.model_runner import ModelRunner, TreeMask
 from specmesh.row_ops import argmax_last, pack
 from specmesh.sampling import SamplingParams
 from specmesh.tree import MAX_TREE_NODES, InvalidTreeError, TokenTree, ancestor_mask
@@ -146,10 +146,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Session:
-    cache: KVCache | PagedKVCache
+    cache: PagedKVCache  # in the verifier's pool; its table is the session's KV blocks
     sampling: SamplingParams
     generator: torch.Generator | None  # a seeded sampled request's own (None: the verifier's shared draws)
-    table: list[int]  # a runner cache's KV blocks, bookkeeping only (a paged cache holds its own table)
     # every token whose KV the cache holds (or will, once computed): the prompt, then each step's pending token and
     # accepted path; what a preempted session computes again when it resumes
     tokens: list[int]
@@ -245,7 +244,7 @@ class LocalVerifier:
         of every verification's pending + accepted rows (``VerifyResult.features``) for every session, as if each
         had asked (``prefill``/``admit`` ``features=True``); off by default: only the sessions that ask get them,
         and a step with none computes none. ``prefix_caching``: sessions share the KV blocks of identical prompt
-        prefixes (``specmesh.blocks``; the paged pool only; a session that asks for features computes its whole
+        prefixes (``specmesh.blocks``; a session that asks for features computes its whole
         prompt: a Falcon head needs every position's). ``kv_cache_memory``: on CUDA without ``kv_cache_gb``, the
         share of the device's memory the process may use with the pool, after a forward of ``profile_rows`` rows
         (the scheduler's ``max_batch_tokens``) is profiled (``kv_pool_blocks``); None: the fixed default budget (the
@@ -281,11 +280,10 @@ class LocalVerifier:
         self.prefill_chunk = prefill_chunk
         self.features = features
         num_blocks = kv_pool_blocks(runner, kv_cache_gb, block_size, kv_cache_memory, profile_rows)
-        self.pool = runner.new_pool(num_blocks, block_size)  # None on the generic HF path
-        if self.pool is not None and hasattr(runner, "pool_graphs"):
-            runner.pool_graphs(self.pool)  # CUDA graphs for its steps, checked against eager now (cuda_graphs.py)
-        self.allocator = self.pool.allocator if self.pool is not None else BlockAllocator(num_blocks, block_size)
-        self.prefix_caching = prefix_caching and self.pool is not None
+        self.pool = runner.new_pool(num_blocks, block_size)
+        runner.pool_graphs(self.pool)  # CUDA graphs for its steps, checked against eager now (cuda_graphs.py)
+        self.allocator = self.pool.allocator
+        self.prefix_caching = prefix_caching
         # admission leaves this many blocks free, so the running sessions' next steps rarely preempt (vLLM's 1 %)
         self.watermark_blocks = max(1, num_blocks // 100)
         self.model_positions = runner.info.max_positions
@@ -322,7 +320,7 @@ class LocalVerifier:
     def release(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            self._free(session)
+            session.cache.free()
 
     # ------------------------------------------------------------ scheduling
     def admit(self, session_id: str, prompt: Sequence[int], sampling: SamplingParams, features: bool = False,
@@ -340,7 +338,7 @@ class LocalVerifier:
         compiled = grammar or self.compile_grammar(sampling)
         topk, lookahead = self.session_feedback(feedback_topk, lookahead)
         features = features or self.features
-        cache, table = self._take(prompt, (len(prompt) - 1) // self.allocator.block_size, features)
+        cache = self._take(prompt, (len(prompt) - 1) // self.allocator.block_size, features)
         generator = None  # an unseeded sampled request draws from the verifier's shared generator
         if not sampling.greedy and sampling.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
@@ -350,7 +348,7 @@ class LocalVerifier:
             context = ContextCounts(sampling, prompt, self.info.vocab_size, self.runner.device)
         if compiled is not None:
             grammar = self.grammar_tokenizer.state(*sampling.grammar, compiled=compiled)
-        self._sessions[session_id] = _Session(cache, sampling, generator, table, prompt, reused,
+        self._sessions[session_id] = _Session(cache, sampling, generator, prompt, reused,
                                               reused // self.allocator.block_size, features=features, context=context,
                                               grammar=grammar, lookahead=lookahead, topk=topk)
 
@@ -374,7 +372,7 @@ class LocalVerifier:
         session = self._get(session_id)
         session.prefilled = session.registered = 0
         session.prompt_features = []  # a first prefill cut short collects them again
-        return self._free(session)
+        return session.cache.free()
 
     def resume_blocks(self, session_id: str) -> int:
         """KV blocks ``resume`` takes: those of every token the session had in its cache."""
@@ -387,12 +385,11 @@ class LocalVerifier:
         session = self._get(session_id)
         first = session.pending < 0  # its first prefill: the last prompt token is computed again for its logits
         size = self.allocator.block_size
-        cache, session.table = self._take(session.tokens, (len(session.tokens) - first) // size, session.features)
+        cache = self._take(session.tokens, (len(session.tokens) - first) // size, session.features)
         session.cache, session.prefilled, session.registered = cache, cache.length, cache.length // size
 
     def held_blocks(self, session_id: str) -> int:
-        session = self._get(session_id)
-        return len(session.cache.table) if isinstance(session.cache, PagedKVCache) else len(session.table)
+        return len(self._get(session_id).cache.table)
 
     def step_blocks(self, verifies: Sequence[tuple[str, TokenTree]]) -> dict[str, int]:
         """The KV blocks each session of ``verifies`` has yet to take for its rows of a step (the pending token,
@@ -649,12 +646,11 @@ class LocalVerifier:
         most = max(1, min(most, self.allocator.num_free // max(per_session, 1)))
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(self.info.vocab_size, (prefix_len,), generator=generator).tolist()
-        reserved = []  # (cache, table) of the scratch sessions
+        caches = []  # the scratch sessions
         try:
             for _ in range(most):
-                reserved.append(self._reserve(prefix_len + max(rows)))
-                self.runner.forward(reserved[-1][0], prompt, range(prefix_len), last_only=True)
-            caches = [cache for cache, _ in reserved]
+                caches.append(self.pool.open(prefix_len + max(rows)))
+                self.runner.forward(caches[-1], prompt, range(prefix_len), last_only=True)
             points = []
             for b in sorted({min(s, most) for s in sessions}):
                 for n in rows:
@@ -669,41 +665,18 @@ class LocalVerifier:
                             cache.truncate(prefix_len)
                     points.append((b, b * n, best))
         finally:
-            for cache, table in reserved:
-                self._unreserve(cache, table)
+            for cache in caches:
+                cache.free()
         return fit_verify_costs(points)
 
     # -------------------------------------------------------------- internals
-    def _reserve(self, num_tokens: int) -> tuple[KVCache | PagedKVCache, list[int]]:
-        """A cache with blocks for ``num_tokens`` positions: from the paged pool (table in the cache, [] returned),
-        or a runner cache with the blocks accounted only. CapacityError when the pool has too few free blocks."""
-        if self.pool is not None:
-            return self.pool.open(num_tokens), []
-        table = self.allocator.allocate(num_tokens)
-        return self.runner.new_cache(), table
-
-    def _unreserve(self, cache: KVCache | PagedKVCache, table: list[int]) -> None:
-        if isinstance(cache, PagedKVCache):
-            cache.free()
-        else:
-            self.allocator.free(table)
-
-    def _take(self, tokens: list[int], max_cached: int, features: bool) -> tuple[KVCache | PagedKVCache, list[int]]:
+    def _take(self, tokens: list[int], max_cached: int, features: bool) -> PagedKVCache:
         """A cache with blocks for ``tokens``: the first (up to ``max_cached``) found in the prefix cache, shared,
         with their positions counted in its length; the rest new. Nothing is looked up for a session that asks
         for features. CapacityError (nothing taken) when the pool has too few free blocks."""
         if not self.prefix_caching or features or max_cached <= 0:
-            return self._reserve(len(tokens))
-        found = self.allocator.lookup(tokens, max_cached)
-        self.allocator.share(found)  # before taking the rest: found blocks are not evicted for it
-        cache = PagedKVCache(self.pool, list(found))
-        cache.length = len(found) * self.allocator.block_size
-        try:
-            cache.ensure(len(tokens))
-        except CapacityError:
-            cache.free()
-            raise
-        return cache, []
+            return self.pool.open(len(tokens))
+        return self.pool.open(len(tokens), self.allocator.lookup(tokens, max_cached))
 
     def _register(self, rows: Sequence[_Row]) -> None:
         """Offer the prefix cache the blocks the step filled with committed tokens (prompt chunks, accepted paths)."""
@@ -714,35 +687,6 @@ class LocalVerifier:
             if full > session.registered:
                 self.allocator.register(session.cache.table, session.tokens, session.registered, full)
                 session.registered = full
-
-    def _grow(self, session: _Session, positions: int) -> None:
-        """Blocks for the session's positions [0, positions). CapacityError (nothing taken) when too few are free."""
-        if isinstance(session.cache, PagedKVCache):
-            session.cache.ensure(positions)
-            return
-        missing = self.allocator.blocks_for(positions) - len(session.table)
-        if missing > 0:
-            self.allocator.grow(session.table, missing)
-
-    def _trim(self, session: _Session) -> None:
-        """Give back the blocks past the session's last position (a rejected branch's)."""
-        if isinstance(session.cache, PagedKVCache):
-            session.cache.trim()
-            return
-        keep = self.allocator.blocks_for(session.cache.length)
-        if len(session.table) > keep:
-            self.allocator.free(session.table[keep:])
-            del session.table[keep:]
-
-    def _free(self, session: _Session) -> int:
-        """Every block of the session back to the pool (its cache empty); returns how many."""
-        if isinstance(session.cache, PagedKVCache):
-            return session.cache.free()
-        freed = len(session.table)
-        self.allocator.free(session.table)
-        session.table = []
-        session.cache = self.runner.new_cache()
-        return freed
 
     def _get(self, session_id: str) -> _Session:
         try:
@@ -771,7 +715,7 @@ class LocalVerifier:
             raise InvalidTreeError("tree would run past the target's context length")
         window = session.window
         if window is None and not tree.num_nodes:  # plain decoding: the pending token alone, causal
-            self._grow(session, prefix_len + 1)
+            session.cache.ensure(prefix_len + 1)
             return _Row(session, start, 1, prefix_len, tree, 0, session.pending, prefix_len, num_out=1)
         if window is None:  # no lookahead: [pending, tree]
             span, levels = 0, 1
@@ -782,7 +726,7 @@ class LocalVerifier:
             span, levels = window_span(prefix_len, session.lookahead, self.info.max_positions), session.lookahead.levels
             guesses = window_inputs(window, span)  # [levels * span]
             input_ids = np.concatenate([[session.pending], tree.tokens, guesses]).astype(np.int64)
-        self._grow(session, prefix_len + len(input_ids))
+        session.cache.ensure(prefix_len + len(input_ids))
         if rows_are_causal(tree.num_nodes, tree.is_chain, span, levels):  # one chain in row order: causal
             positions = np.arange(prefix_len, prefix_len + len(input_ids))
             attend = None
@@ -798,23 +742,19 @@ class LocalVerifier:
 
     def _compact(self, rows: Sequence[_Row], acceptances: Sequence[Acceptance]) -> None:
         """Keep each verified session's pending row and accepted path in its cache (dropping the rest of the tree
-        and the window): the paged sessions in one batched move (``kv_pool.compact``), other caches one by one."""
-        paged, prefix_lens, offsets = [], [], []
+        and the window), every session in one batched move (``kv_pool.compact``), then give back the blocks past
+        each one's last position (a rejected branch's)."""
+        caches, prefix_lens, offsets = [], [], []
         for row, acceptance in zip(rows, acceptances, strict=True):
             if row.num_new == 1:  # the pending token alone: its cache holds what it keeps
                 continue
-            keep = [0, *map((1).__add__, acceptance.accepted_nodes)]  # (no generator: a Python frame per node)
-            if isinstance(row.session.cache, PagedKVCache):
-                paged.append(row.session.cache)
-                prefix_lens.append(row.prefix_len)
-                offsets.append(keep)
-            else:
-                row.session.cache.keep(row.prefix_len, keep)
-        if paged:
-            compact(paged, prefix_lens, offsets)
-        for row in rows:
-            if row.num_new > 1:
-                self._trim(row.session)
+            caches.append(row.session.cache)
+            prefix_lens.append(row.prefix_len)
+            offsets.append([0, *map((1).__add__, acceptance.accepted_nodes)])  # (no generator: a frame per node)
+        if caches:
+            compact(caches, prefix_lens, offsets)
+            for cache in caches:
+                cache.trim()
 
     def _finish_verify(self, row: _Row, acceptance: Acceptance, argmax: np.ndarray, topk: np.ndarray | None,
                        first: int, elapsed: float, batch_sessions: int,
@@ -895,8 +835,8 @@ class LocalVerifier:
         blocks_for = self.allocator.blocks_for
         filled = set()
         for session in list(self._sessions.values()):
-            table = session.cache.table if isinstance(session.cache, PagedKVCache) else session.table
-            filled.update(table[: blocks_for(session.cache.length)])
+            cache = session.cache
+            filled.update(cache.table[: blocks_for(cache.length)])
         return len(filled)
 
     def session_ids(self) -> list[str]:
