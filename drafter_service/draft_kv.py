@@ -28,11 +28,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specmesh.blocks import DEFAULT_BLOCK_SIZE, FULL_CONTEXT_SESSIONS, blocks_in, default_gib
 from specmesh.contract import CapacityError
-from specmesh.kv_pool import PagedKVCache
 from specmesh.models import positive_float
+
+if TYPE_CHECKING:  # the argument parsers import this module: torch only where a pool is made
+    from specmesh.kv_pool import PagedKVCache
 
 log = logging.getLogger(__name__)
 
