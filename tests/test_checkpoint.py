@@ -115,24 +115,28 @@ def test_unexpected_tensor_names_go_through_transformers(tmp_path: Path) -> None
     assert "tensor names" in checkpoint.fast_reason(path)
 
 
+def _imports_transformers(code: str) -> bool:
+    """Whether ``code``, run in a fresh interpreter, leaves transformers imported."""
+    out = subprocess.run([sys.executable, "-c", f"import sys\n{code}print('transformers' in sys.modules)\n"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    last = out.stdout.strip().splitlines()[-1]
+    assert last in ("True", "False"), out.stderr[-2000:]
+    return last == "True"
+
+
 def test_generate_runs_without_importing_transformers() -> None:
     """The README's run line loads the demo pair and its tokenizer without transformers (seconds of start-up)."""
-    code = ("import contextlib, io, sys\n"
-            "from specmesh_app.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-            "    main(['generate', 'def f(n):', '--max-new-tokens', '8'])\n"
-            "print('transformers' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+    assert not _imports_transformers(
+        "import contextlib, io\n"
+        "from specmesh_app.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['generate', 'def f(n):', '--max-new-tokens', '8'])\n")
 
 
 def test_a_drafter_starts_without_importing_transformers() -> None:
     """A drafter over the demo draft builds every proposer (the n-gram store's namespace is its vocabulary's
     fingerprint) without transformers: its tokenizer classes were 4 of a drafter's 10 seconds of start-up."""
-    code = ("import sys\n"
-            "from specmesh_app.cli import build_parser\n"
-            "from drafter_service.server import build_servicer\n"
-            "build_servicer(build_parser().parse_args(['drafter', '--threads', '1']), None)\n"
-            "print('transformers' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+    assert not _imports_transformers(
+        "from specmesh_app.cli import build_parser\n"
+        "from drafter_service.server import build_servicer\n"
+        "build_servicer(build_parser().parse_args(['drafter', '--threads', '1']), None)\n")
