@@ -70,7 +70,8 @@ def mesh():
 
 
 def open_streams(client: Client, n: int) -> list:
-    """``n`` streams, each past its first chunk (its session holds KV blocks on the verifier)."""
+    """``n`` streams, each past its first chunk (its session holds KV blocks on the verifier). Keep the list: a
+    stream's generator cancels its call when collected, and serve then releases the session itself."""
     streams = [client.stream(PROMPT, max_new_tokens=1500, ignore_eos=True) for _ in range(n)]
     for stream in streams:
         next(stream)
@@ -82,7 +83,7 @@ def test_kill_9_of_serve_frees_its_sessions_on_the_verifier_within_seconds(mesh)
     s = sh.serve([v], [d]).wait_ready()
     try:
         with Client(s.address, timeout=120) as client:
-            open_streams(client, NUM_STREAMS)
+            streams = open_streams(client, NUM_STREAMS)  # held open: only the kill may end them
             held = verifier_info(v)
             assert held.num_sessions == NUM_STREAMS
             assert held.kv_blocks_free < held.kv_blocks_total
@@ -90,6 +91,7 @@ def test_kill_9_of_serve_frees_its_sessions_on_the_verifier_within_seconds(mesh)
             killed = time.monotonic()
             assert sh.wait_until(lambda: freed(v), timeout=FREED_WITHIN), verifier_info(v)
             print(f"sessions freed {time.monotonic() - killed:.2f} s after kill -9 of serve")
+            del streams
     finally:
         s.stop()
 
@@ -100,8 +102,9 @@ def test_a_restarted_serve_gets_a_clean_verifier_and_serves(mesh):
     first = sh.serve([v], [d]).wait_ready()
     try:
         with Client(first.address, timeout=120) as client:
-            open_streams(client, 2)
-            first.kill()
+            streams = open_streams(client, 2)
+            first.kill()  # with its streams open: no Release comes
+            del streams
     finally:
         first.stop()
     second = sh.serve([v], [d]).wait_ready()
