@@ -472,9 +472,9 @@ def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int
     return counts, accepted / max(steps, 1)
 
 
-def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, seed0: int, overlap: bool = False,
-                         in_flight: int = 16) -> tuple[Counter, float]:
-    """``sample_pairs`` on the engine core: the ``n`` requests run ``in_flight`` at a time (batched forwards, one
+def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, seed0: int,
+                         overlap: bool = False) -> tuple[Counter, float]:
+    """``sample_pairs`` on the engine core: the ``n`` requests run ``CORE_IN_FLIGHT`` at a time (batched forwards, one
     drafter serving them all; ``proposer`` None: plain decoding); acceptance = draft tokens accepted per step."""
     from spec_helpers import results_on_core, window_for
 
@@ -496,7 +496,7 @@ def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, se
                                         max_new_tokens=4, ignore_eos=True)) for i in range(n)]
     counts: Counter = Counter()
     accepted = steps = 0
-    for result in results_on_core(verifier, method, jobs, in_flight):
+    for result in results_on_core(verifier, method, jobs):
         assert len(result.token_ids) == 4
         counts[tuple(result.token_ids[1:3])] += 1
         accepted += sum(s.num_accepted for s in result.stats.steps)
@@ -528,7 +528,7 @@ def ar_pairs(e2e_models):
     return get
 
 
-# Every proposer family on the engine core, which `generate`, `bench` and `serve` run: 16 requests in flight,
+# Every proposer family on the engine core, which `generate`, `bench` and `serve` run: 64 requests in flight,
 # batched forwards, one drafter for all of them (and PEARL's overlap where marked)
 CORE_CASES = [
     ("draft_model", "plain", False), ("draft_model_tree", "plain", False), ("prompt_lookup", "plain", False),
