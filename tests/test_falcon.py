@@ -394,8 +394,8 @@ def e2e():
 
 def falcon_pairs(runner, proposer: FalconProposer, warp: str, overlap: bool, on_core: bool) -> tuple[Counter, int]:
     """(counts of the 2nd and 3rd generated tokens of E2E_SAMPLES seeded samples, draft tokens accepted): on the
-    engine core (``on_core``: 64 requests in flight, one head drafting for all, as `serve` runs it) or on the
-    per-request Engine."""
+    engine core (``on_core``: ``CORE_IN_FLIGHT`` requests in flight, one head drafting for all, as `serve` runs
+    it) or on the per-request Engine."""
     from spec_helpers import results_on_core
 
     from orchestrator.requests import Method

@@ -217,7 +217,8 @@ def processed_pair_law(model, prompt, sp: SamplingParams) -> dict[tuple, float]:
     ("fused", dict(repetition_penalty=2.0, top_k=5, top_p=0.9)),
 ], ids=["tree_penalties_bias", "fused_repetition_warped"])
 def test_speculative_sampling_with_processors_has_the_processed_law(e2e, proposer, options):
-    """On the engine core (64 requests in flight: the processors' per-row state in a batch, as `serve` runs it)."""
+    """On the engine core (``CORE_IN_FLIGHT`` requests in flight: the processors' per-row state in a batch, as
+    `serve` runs it)."""
     from spec_helpers import results_on_core, window_for
 
     from drafter_service.drafter import LocalDrafter

@@ -474,8 +474,9 @@ def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int
 
 def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, seed0: int,
                          overlap: bool = False) -> tuple[Counter, float]:
-    """``sample_pairs`` on the engine core: the ``n`` requests run ``CORE_IN_FLIGHT`` at a time (batched forwards, one
-    drafter serving them all; ``proposer`` None: plain decoding); acceptance = draft tokens accepted per step."""
+    """``sample_pairs`` on the engine core: the ``n`` requests run ``spec_helpers.CORE_IN_FLIGHT`` at a time
+    (batched forwards, one drafter serving them all; ``proposer`` None: plain decoding); acceptance = draft tokens
+    accepted per step."""
     from spec_helpers import results_on_core, window_for
 
     from drafter_service.drafter import LocalDrafter
@@ -528,8 +529,8 @@ def ar_pairs(e2e_models):
     return get
 
 
-# Every proposer family on the engine core, which `generate`, `bench` and `serve` run: 64 requests in flight,
-# batched forwards, one drafter for all of them (and PEARL's overlap where marked)
+# Every proposer family on the engine core, which `generate`, `bench` and `serve` run: CORE_IN_FLIGHT requests
+# in flight, batched forwards, one drafter for all of them (and PEARL's overlap where marked)
 CORE_CASES = [
     ("draft_model", "plain", False), ("draft_model_tree", "plain", False), ("prompt_lookup", "plain", False),
     ("draft_model", "topk_topp", False), ("draft_model", "plain", True), ("draft_model_tree", "plain", True),
