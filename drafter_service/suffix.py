@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from drafter_service.proposer import DraftSessionState, Proposer, proposer_options
-from drafter_service.suffix_index import SuffixIndex, out_buffers, propose
+from drafter_service.suffix_index import SuffixIndex, out_buffers, propose, warm_up
 from drafter_service.suffix_log import TOKENS_PER_ENTRY, SuffixLog
 from specmesh.contract import Budget
 from specmesh.tree import TokenTree
@@ -135,6 +135,7 @@ def suffix_proposer(store_spec: str | None = None, store_namespace: str = "defau
     """``store_spec``: the host's n-gram store; a Redis one carries the fleet's stream of outputs too (``fleet=0``:
     not), so every replica's global index learns from every replica's outputs (``drafter_service/suffix_log.py``).
     """
+    warm_up()  # no request waits for numba's compiler (once per process; ~50 ms from its cache)
     opts = proposer_options(given, OPTIONS, "suffix")
     fleet = str(opts.pop("fleet", 1)).lower() not in ("0", "false", "no", "off")
     kinds = {"max_depth": int, "max_spec_factor": float, "max_spec_offset": float, "min_token_prob": float,

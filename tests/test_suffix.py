@@ -227,3 +227,39 @@ def test_the_replay_benchmark_takes_method_specs():
     assert narrow["tau"] < wide["tau"] and narrow["nodes_per_tree"] <= 2
     with pytest.raises(ValueError, match="engine"):
         draft_cost.replay("suffix:overlap=1", [prompt], [output])
+
+
+def test_a_built_proposer_has_compiled_everything_a_request_runs():
+    """``warm_up`` (run when a suffix proposer is built) leaves nothing for numba to compile on a request's path:
+    in a fresh process, a proposer's whole life (prepare, proposals as tokens commit, release into a bounded global
+    index that forgets) adds no signature to any compiled function, and every function the host calls has been
+    compiled (a helper only compiled code calls is compiled into its callers)."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np
+from numba.core.registry import CPUDispatcher
+import drafter_service.suffix_index as m
+from drafter_service.proposer import DraftSessionState, make_proposer
+from specmesh.contract import Budget
+from specmesh.sampling import SamplingParams
+
+proposer = make_proposer("suffix", global_tokens=64)
+compiled = {n: f for n, f in vars(m).items() if isinstance(f, CPUDispatcher) and f.targetoptions.get("inline") != "always"}
+before = {n: len(f.signatures) for n, f in compiled.items()}
+rng = np.random.default_rng(0)
+for _ in range(6):
+    tokens = rng.integers(0, 5, 40).tolist()
+    state = DraftSessionState("s", tokens[:10], SamplingParams(max_new_tokens=30))
+    for n in range(10, 40, 3):
+        state.tokens[:] = tokens[:n]
+        state.committed_len = n
+        proposer.propose(state, Budget(8, 4))
+    proposer.release(state)
+after = {n: len(f.signatures) for n, f in compiled.items()}
+entries = ("_propose", "_extend", "_close", "_evict", "_speculate", "_count", "_rehash")  # called from Python
+print(sorted(n for n in entries if not before[n]), sorted(n for n in compiled if after[n] != before[n]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["[]", "[]"], out.stdout + out.stderr
