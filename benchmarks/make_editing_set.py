@@ -115,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=Path, default=SOURCE, help="stdlib functions JSONL (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=OUT, help="where to write (default: %(default)s)")
-    parser.add_argument("--functions", type=int, default=12, help="functions to use (default: %(default)s)")
+    parser.add_argument("--functions", type=int, default=16, help="functions to use (default: %(default)s)")
     parser.add_argument("--max-lines", type=int, default=40, help="longest function taken (default: %(default)s)")
     args = parser.parse_args()
     rows = build(args.source, args.functions, args.max_lines)

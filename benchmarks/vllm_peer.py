@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched with --ngram")
     p.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message in the model's chat template (assistant turn opened), "
-                        "as specmesh bench --chat does")
+                        "or a row's 'messages' (a conversation) when it has them, as specmesh bench --chat does")
     p.add_argument("--json", metavar="OUT", default=None, help="write summary and per-request records here")
     return p.parse_args()
 
@@ -185,8 +185,8 @@ def main() -> None:
         prompts = [json.loads(line) for line in f if line.strip()][: args.limit]
     for p in prompts:  # tokenized here, like specmesh bench
         if args.chat:  # the rendered template holds its special tokens
-            text = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True)
+            messages = p.get("messages") or [{"role": "user", "content": p["prompt"]}]  # a row's conversation
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             p["ids"] = tok(text, add_special_tokens=False).input_ids
         else:
             p["ids"] = tok(p["prompt"]).input_ids
