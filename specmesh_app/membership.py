@@ -138,6 +138,7 @@ class Membership:
             await asyncio.to_thread(fleet_metrics.write_targets, self.targets_file, document)
             self._written = document
         signals = fleet_metrics.pool_signals(live.values())
+        # the signals first: a controller slow to answer (or restarting) leaves them current, its counts as they were
         self.view = fleet_metrics.PoolView(self.roster.model_name(), signals, self.view.counts)
         details = await asyncio.to_thread(serve_details)
         self.view = fleet_metrics.PoolView(self.view.model_name, signals,
@@ -164,7 +165,9 @@ class Membership:
 
 def serve_details() -> dict:
     """Serve's instance details (``ServeInstanceDetails`` as a dict: what `serve status` and Ray's dashboard
-    show, each deployment's ``target_num_replicas`` and replicas), from the controller."""
+    show, each deployment's ``target_num_replicas`` and replicas), from the controller. Through the client
+    ``serve.status()`` itself uses (``_get_global_client``, private in Ray 2.60: the public ``serve.status()``
+    leaves the targets out); tests/test_ray_serve.py reads the targets it yields in Prometheus."""
     from ray.serve.context import _get_global_client
 
     return _get_global_client().get_serve_details()
