@@ -25,7 +25,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -118,9 +118,26 @@ def bearer_guard(app, tokens: Sequence[str]):
     return guarded
 
 
-def start_metrics_server(address: str, registry: CollectorRegistry, access: MetricsAccess = MetricsAccess()) -> int:
+def with_routes(app, routes: Mapping[str, Callable[[], tuple[bytes, str]]]):
+    """A WSGI app answering GET on each path of ``routes`` with what its function returns (body, content type),
+    and everything else as ``app``."""
+
+    def routed(environ, start_response):
+        route = routes.get(environ.get("PATH_INFO", ""))
+        if route is None:
+            return app(environ, start_response)
+        body, content_type = route()
+        start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return routed
+
+
+def start_metrics_server(address: str, registry: CollectorRegistry, access: MetricsAccess = MetricsAccess(),
+                         routes: Mapping[str, Callable[[], tuple[bytes, str]]] | None = None) -> int:
     """Serve ``registry`` at http(s)://``address``/metrics on a daemon thread, as ``access`` allows (TLS, client
     certificates, bearer tokens: the API port's); returns the bound port (``address`` may ask for port 0).
+    ``routes``: other paths, under the same access (Ray Serve's Membership serves its scrape targets so).
     SystemExit with one line when the address cannot be bound (e.g. the port is taken) or a TLS file not read."""
     from prometheus_client import make_wsgi_app
     from prometheus_client.exposition import ThreadingWSGIServer
@@ -134,6 +151,8 @@ def start_metrics_server(address: str, registry: CollectorRegistry, access: Metr
             log.debug("metrics: a connection from %s failed", client_address[0], exc_info=True)
 
     app = make_wsgi_app(registry)
+    if routes:
+        app = with_routes(app, routes)
     if access.tokens:
         app = bearer_guard(app, access.tokens)
     try:
@@ -194,7 +213,16 @@ def histogram_family(name: str, documentation: str, histograms: Iterable[Buckets
 class Registry(CollectorRegistry):
     """A CollectorRegistry without the ``_created`` samples prometheus_client adds to counters, histograms
     and summaries (the text format shows each as a gauge family of its own, OpenMetrics as a sample of its
-    family: the two formats would disagree on the series and their metadata)."""
+    family: the two formats would disagree on the series and their metadata).
+
+    ``labels``: labels every sample gets at scrape time, the same for the whole process (on Ray Serve a
+    replica's ``replica``, ``deployment`` and ``application``: specmesh_app/fleet_metrics.py). Added here,
+    not declared by each metric, so that names, label lists and the single-process servers stay as they are.
+    A collector's own label of one of these names is a bug: the scrape fails with a ValueError naming it."""
+
+    def __init__(self, labels: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.labels = dict(labels or {})
 
     def collect(self):
         for family in super().collect():
@@ -203,12 +231,23 @@ class Registry(CollectorRegistry):
                 kept = Metric(family.name, family.documentation, family.type, family.unit)
                 kept.samples = [s for s in family.samples if s.name != created]
                 family = kept
+            if self.labels:
+                family = self._labelled(family)
             yield family
 
+    def _labelled(self, family: Metric) -> Metric:
+        labelled = Metric(family.name, family.documentation, family.type, family.unit)
+        for sample in family.samples:
+            clash = self.labels.keys() & sample.labels.keys()
+            if clash:
+                raise ValueError(f"{family.name}: label {sorted(clash)[0]!r} is the registry's own")
+            labelled.samples.append(sample._replace(labels={**sample.labels, **self.labels}))
+        return labelled
 
-def new_registry(registry: CollectorRegistry | None = None) -> CollectorRegistry:
-    """``registry``, or a fresh ``Registry`` (never the process-wide default)."""
-    return registry if registry is not None else Registry()
+
+def new_registry(registry: CollectorRegistry | None = None, labels: dict[str, str] | None = None) -> CollectorRegistry:
+    """``registry``, or a fresh ``Registry`` with ``labels`` on every sample (never the process-wide default)."""
+    return registry if registry is not None else Registry(labels)
 
 
 def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:

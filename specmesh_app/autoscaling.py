@@ -25,6 +25,7 @@ from typing import Any
 # the metric names replicas report (specmesh_app/deploy.py)
 SESSIONS, KV_USAGE = "sessions", "kv_usage"
 DRAFT_LATENCY_MS, DRAFT_BUSY = "draft_latency_ms", "draft_busy"
+AVERAGED_SIGNALS = (DRAFT_LATENCY_MS,)  # the policies take the mean over replicas of these, the sum of the others
 
 
 def _totals(metrics: Mapping[str, Mapping[Any, float]] | None, name: str) -> tuple[float, int]:

@@ -17,6 +17,10 @@ Deployments (each scales on its own; deploy/README.md has the reasons):
   call anew.
 - Replicas report their load to Serve's autoscaler (``record_autoscaling_stats``: sessions and KV pool use
   for verifiers, drafting time for drafters), which specmesh_app/autoscaling.py turns into replica counts.
+- Every replica serves its Prometheus registry on a free port of its node, its samples labelled with the
+  replica (specmesh_app/fleet_metrics.py), and announces the port with its heartbeat; ``Membership``
+  (specmesh_app/membership.py) turns the announcements into scrape targets (a file_sd file, ``/targets`` for
+  http_sd) and exports the autoscaler's signals and targets (``specmesh_autoscale_*``).
 - Stopping a replica (scale-down, redeploy) drains it: it withdraws from ``Membership``, refuses new sessions
   (UNAVAILABLE: the orchestrator uses another replica) and waits up to ``drain_timeout_s`` for its open ones.
 """
@@ -27,24 +31,35 @@ import argparse
 import asyncio
 import contextlib
 import io
-import ipaddress
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specmesh import models, rpc, serving
+from specmesh import metrics, models, rpc, serving
 from specmesh.host_runtime import freeze_heap, tune_host_allocator
+from specmesh_app import fleet_metrics
 from specmesh_app.autoscaling import DRAFT_BUSY, DRAFT_LATENCY_MS, KV_USAGE, SESSIONS
+from specmesh_app.membership import (
+    DRAFTER,
+    ORCHESTRATOR,
+    VERIFIER,
+    Announcer,
+    Membership,
+    listen_host,
+    node_address,
+    or_runtime_error,
+    serve_replica_metrics,
+)
 
 log = logging.getLogger("specmesh.deploy")
 
-VERIFIER, DRAFTER = "verifier", "drafter"
-# options Serve decides for its replicas: where they listen, how they are told apart, where metrics go
+# options Serve decides for its replicas: where they listen, how they are told apart, where metrics go (a free
+# port each, announced to Membership: specmesh_app/fleet_metrics.py)
 REPLICA_OPTIONS = ("--listen", "--ready-file", "--reuse-port", "--metrics")
 SERVE_OPTIONS = ("--listen", "--http", "--verifier", "--drafter", "--embedded", "--metrics", "--health",
                  "--ready-file", "--reuse-port")  # --health: Serve's proxy and its replica health checks probe it
@@ -68,6 +83,14 @@ class AppArgs(BaseModel):
                                          "--drafter, --http or --listen: Serve provides those")
     heartbeat_s: float = Field(2.0, gt=0, description="seconds between a replica's announcements")
     drain_timeout_s: float = Field(60.0, ge=0, description="seconds a stopping replica waits for its sessions")
+    metrics_targets_file: str | None = Field(
+        None, description="where Membership writes every replica's metrics port as Prometheus file_sd targets "
+                          "(JSON, rewritten as replicas come and go; a relative path is the replica's working "
+                          "directory's, where `serve run` started on a local cluster); null = no file")
+    membership_metrics_port: int = Field(
+        0, ge=0, le=65535, description="port of Membership's /metrics (the autoscaler's gauges) and /targets "
+                                       "(the same targets for Prometheus' http_sd_configs); 0 = a free port, "
+                                       "listed in the targets")
 
 
 def parse_options(command: str, options: Sequence[str], decided_by_serve: Iterable[str] = ()) -> argparse.Namespace:
@@ -86,106 +109,32 @@ def parse_options(command: str, options: Sequence[str], decided_by_serve: Iterab
         raise ValueError(f"{command} options {list(options)}: {stderr.getvalue().strip()}") from None
 
 
-def _or_runtime_error(fn: Callable, *args):
-    """``fn(*args)``, its one-line SystemExit (a bad option, a missing model) turned into an error Serve shows."""
-    try:
-        return fn(*args)
-    except SystemExit as exc:
-        raise RuntimeError(str(exc)) from None
-
-
-# ------------------------------------------------------------------ membership
-class Roster:
-    """Which replicas of each kind are up. A replica announces itself every few seconds; one silent for
-    ``ttl`` seconds is gone (killed without a goodbye)."""
-
-    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl, self.clock = ttl, clock
-        self._seen: dict[tuple[str, str], tuple[str, float]] = {}  # (kind, replica) -> (address, last seen)
-
-    def announce(self, kind: str, replica: str, address: str) -> None:
-        self._seen[(kind, replica)] = (address, self.clock())
-
-    def withdraw(self, kind: str, replica: str) -> None:
-        self._seen.pop((kind, replica), None)
-
-    def members(self, kind: str) -> list[str]:
-        """Addresses of the replicas of ``kind`` heard from within ``ttl``, sorted."""
-        cutoff = self.clock() - self.ttl
-        for key in [k for k, (_, seen) in self._seen.items() if seen < cutoff]:
-            del self._seen[key]
-        return sorted(address for (k, _), (address, _) in self._seen.items() if k == kind)
-
-
-@serve.deployment(name="Membership", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                  logging_config={"enable_access_log": False})  # a call per replica per heartbeat
-class Membership:
-    """The Roster as a deployment. Replicas re-announce every heartbeat, so a restarted Membership is whole
-    again one heartbeat later."""
-
-    def __init__(self, ttl: float) -> None:
-        self.roster = Roster(ttl)
-
-    def announce(self, kind: str, replica: str, address: str) -> None:
-        self.roster.announce(kind, replica, address)
-
-    def withdraw(self, kind: str, replica: str) -> None:
-        self.roster.withdraw(kind, replica)
-
-    def members(self, kind: str) -> list[str]:
-        return self.roster.members(kind)
-
-
-def listen_host(node_ip: str) -> str:
-    """Where a replica's gRPC server listens: loopback on a local cluster (Ray's node address is loopback there
-    when RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, else Ray 2.60 swaps in the interface's), every interface on a
-    real one (the node's address is how other nodes reach it)."""
-    try:
-        loopback = ipaddress.ip_address(node_ip).is_loopback
-    except ValueError:
-        loopback = False
-    return ("[::1]" if ":" in node_ip else "127.0.0.1") if loopback else ("[::]" if ":" in node_ip else "0.0.0.0")
-
-
+# ------------------------------------------------------------------ replicas' gRPC services
 class HostedService:
-    """A specmesh gRPC service listening on a free port of this replica's node, announced to Membership."""
+    """A specmesh gRPC service listening on a free port of this replica's node, announced to Membership with
+    the replica's metrics port."""
 
-    def __init__(self, kind: str, started: rpc.StartedServer, address: str, membership: DeploymentHandle,
-                 heartbeat_s: float) -> None:
-        self.kind, self.started, self.address = kind, started, address
-        self.membership, self.heartbeat_s = membership, heartbeat_s
-        self.replica = serve.get_replica_context().replica_id.unique_id
-        self._announcer = asyncio.ensure_future(self._announce_forever())
+    def __init__(self, kind: str, started: rpc.StartedServer, address: str, announcer: Announcer) -> None:
+        self.kind, self.started, self.address, self.announcer = kind, started, address, announcer
 
     @classmethod
     async def start(cls, kind: str, servicer, add_to_server: Callable, service_name: str, security: rpc.Security,
-                    membership: DeploymentHandle, heartbeat_s: float) -> HostedService:
+                    membership: DeploymentHandle, heartbeat_s: float, metrics_address: str, model_name: str,
+                    signals: Callable[[], Mapping[str, float]]) -> HostedService:
         import ray
 
         server = rpc.new_server(security)
         add_to_server(servicer, server)
         node = ray.util.get_node_ip_address()
         started = await rpc.start_server(server, f"{listen_host(node)}:0", security, [service_name])
-        address = f"[{node}]:{started.port}" if ":" in node else f"{node}:{started.port}"
-        log.info("%s replica serving on %s", kind, address)
-        return cls(kind, started, address, membership, heartbeat_s)
-
-    async def _announce_forever(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self.membership.announce.remote(self.kind, self.replica, self.address),
-                                       self.heartbeat_s)
-            except Exception as exc:  # Membership restarting: the next heartbeat tries again
-                log.warning("could not announce %s %s: %s", self.kind, self.address, exc)
-            await asyncio.sleep(self.heartbeat_s)
+        address = node_address(node, started.port)
+        log.info("%s replica serving on %s, metrics at %s", kind, address, metrics_address)
+        return cls(kind, started, address,
+                   Announcer(kind, address, membership, heartbeat_s, metrics_address, model_name, signals))
 
     async def stop(self, drain: Callable[[float], object], timeout: float) -> None:
         """Withdraw, let ``drain(timeout)`` refuse new sessions and wait for open ones, then stop the server."""
-        self._announcer.cancel()
-        # bounded: when the whole application is deleted, Membership may be gone already (a handle call would
-        # wait for it to come back)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.membership.withdraw.remote(self.kind, self.replica), 1.0)
+        await self.announcer.withdraw()
         if not await drain(timeout):
             log.warning("%s %s stopping with sessions still open after %.0f s", self.kind, self.address, timeout)
         await self.started.drain(1.0)
@@ -193,18 +142,51 @@ class HostedService:
 
 # ------------------------------------------------------------------ replicas
 async def host_servicer(kind: str, options: list[str], build_servicer: Callable, add_to_server: Callable,
-                        service_name: str, membership: DeploymentHandle, heartbeat_s: float):
+                        service_name: str, membership: DeploymentHandle, heartbeat_s: float,
+                        signals: Callable[[object], Callable[[], Mapping[str, float]]]):
     """`specmesh <kind>`'s servicer, built from its command-line ``options`` as the command builds it (the model
-    loaded off the event loop), served and announced: (servicer, HostedService)."""
+    loaded off the event loop), its metrics served as ``--metrics`` serves them (labelled with this replica,
+    under the API port's security), served and announced: (servicer, HostedService). ``signals(servicer)``:
+    what the heartbeat carries for the autoscale gauges."""
     args = parse_options(kind, options, REPLICA_OPTIONS)
     tune_host_allocator()  # as the specmesh command does (host_runtime.py)
     serving.setup_logging(args)
     serving.setup_tracing(args)
-    security = _or_runtime_error(serving.server_security, args)
-    servicer = await asyncio.to_thread(_or_runtime_error, build_servicer, args)
+    security = or_runtime_error(serving.server_security, args)
+    registry = metrics.Registry(fleet_metrics.replica_labels(serve.get_replica_context()))
+    servicer = await asyncio.to_thread(or_runtime_error, build_servicer, args, registry)
     freeze_heap()  # built: the GC never walks it again (specmesh/host_runtime.py)
-    hosted = await HostedService.start(kind, servicer, add_to_server, service_name, security, membership, heartbeat_s)
+    metrics_address = serve_replica_metrics(registry, metrics.MetricsAccess.of(args, security.tokens))
+    hosted = await HostedService.start(kind, servicer, add_to_server, service_name, security, membership, heartbeat_s,
+                                       metrics_address, args.model_name or models.served_name(args.target),
+                                       signals(servicer))
     return servicer, hosted
+
+
+def verifier_signals(servicer) -> dict[str, float]:
+    """A verifier replica's load as its autoscaling policy reads it: open sessions, share of KV blocks taken."""
+    verifier = servicer.verifier
+    allocator = verifier.verifier.allocator
+    return {SESSIONS: float(verifier.num_sessions), KV_USAGE: allocator.num_used / max(1, allocator.num_blocks)}
+
+
+class DraftLoad:
+    """A drafter replica's load since the previous ``read``: mean proposal latency and share of time drafting.
+    One per reader (Serve's autoscaler, Membership's heartbeat): each read starts the next window."""
+
+    def __init__(self, servicer, clock: Callable[[], float] = time.monotonic) -> None:
+        self.servicer, self.clock = servicer, clock
+        self._last = (clock(), servicer.drafts, servicer.draft_seconds)  # (when, drafts, draft seconds)
+
+    def read(self) -> dict[str, float]:
+        now, drafts, seconds = self.clock(), self.servicer.drafts, self.servicer.draft_seconds
+        then, drafts_then, seconds_then = self._last
+        self._last = (now, drafts, seconds)
+        busy = seconds - seconds_then
+        stats = {DRAFT_BUSY: min(1.0, busy / max(now - then, 1e-3))}
+        if drafts > drafts_then:
+            stats[DRAFT_LATENCY_MS] = busy / (drafts - drafts_then) * 1e3
+        return stats
 
 
 @serve.deployment(name="Verifier", ray_actor_options={"num_cpus": 1}, health_check_period_s=5)
@@ -220,7 +202,7 @@ class VerifierReplica:
         self.drain_timeout_s = drain_timeout_s
         self.servicer, self.hosted = await host_servicer(
             VERIFIER, options, build_servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, VERIFIER_SERVICE,
-            membership, heartbeat_s)
+            membership, heartbeat_s, lambda servicer: lambda: verifier_signals(servicer))
         self._reaper = asyncio.ensure_future(self.servicer.background())  # leases, --session-ttl
 
     def address(self) -> str:
@@ -231,9 +213,7 @@ class VerifierReplica:
             raise RuntimeError("the verifier's step loop is not running")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        verifier = self.servicer.verifier
-        allocator = verifier.verifier.allocator
-        return {SESSIONS: float(verifier.num_sessions), KV_USAGE: allocator.num_used / max(1, allocator.num_blocks)}
+        return verifier_signals(self.servicer)
 
     async def __del__(self) -> None:
         if hasattr(self, "_reaper"):  # stopped after its constructor finished
@@ -256,22 +236,15 @@ class DrafterReplica:
         self.drain_timeout_s = drain_timeout_s
         self.servicer, self.hosted = await host_servicer(
             DRAFTER, options, build_servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE,
-            membership, heartbeat_s)
-        self._last = (time.monotonic(), 0, 0.0)  # (when, drafts, draft seconds) at the last report
+            membership, heartbeat_s, lambda servicer: DraftLoad(servicer).read)
+        self._load = DraftLoad(self.servicer)  # Serve's window, apart from the heartbeat's
 
     def address(self) -> str:
         return self.hosted.address
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Since the last report: the mean proposal latency and the share of time spent drafting."""
-        now, drafts, seconds = time.monotonic(), self.servicer.drafts, self.servicer.draft_seconds
-        then, drafts_then, seconds_then = self._last
-        self._last = (now, drafts, seconds)
-        busy = seconds - seconds_then
-        stats = {DRAFT_BUSY: min(1.0, busy / max(now - then, 1e-3))}
-        if drafts > drafts_then:
-            stats[DRAFT_LATENCY_MS] = busy / (drafts - drafts_then) * 1e3
-        return stats
+        return self._load.read()
 
     async def __del__(self) -> None:
         if hasattr(self, "hosted"):  # stopped after its constructor finished
@@ -301,10 +274,11 @@ class Orchestrator:
     """The ingress: `specmesh serve` over the replicas Membership knows (HTTP API and Generate gRPC)."""
 
     async def __init__(self, options: list[str], membership: DeploymentHandle, *pools: DeploymentHandle,
-                       refresh_s: float = 1.0, grace: float = 6.0) -> None:
+                       refresh_s: float = 1.0, grace: float = 6.0, heartbeat_s: float = 2.0) -> None:
         """``pools``: the Verifier and Drafter deployments, bound here only so that Serve deploys them with this
         application; requests reach their replicas over gRPC. ``grace``: seconds a replica missing from
-        Membership is still used (``_sync``)."""
+        Membership is still used (``_sync``). ``heartbeat_s``: between this replica's own announcements (its
+        metrics port)."""
         from orchestrator.metrics import ServeMetrics
         from orchestrator.server import GenerateServicer, build_service, load_tokenizer
         from orchestrator.service import RemoteBackend
@@ -313,8 +287,8 @@ class Orchestrator:
         serving.setup_logging(args)
         serving.setup_tracing(args)
         self.args, self.membership, self.refresh_s, self.grace = args, membership, refresh_s, grace
-        self.security = _or_runtime_error(serving.server_security, args)
-        self.upstream = _or_runtime_error(serving.upstream_security, args, self.security)
+        self.security = or_runtime_error(serving.server_security, args)
+        self.upstream = or_runtime_error(serving.upstream_security, args, self.security)
         self.verifiers: dict = {}  # address -> VerifierClient
         self.drafters: dict = {}  # address -> DrafterClient
         self._absent: dict[str, float] = {}  # address -> when Membership first stopped listing it
@@ -322,8 +296,14 @@ class Orchestrator:
         self.backend = RemoteBackend([first], [], info.max_tree_nodes, args.draft_timeout_ms / 1000, info.model)
         self.tokenizer_dir, tokenizer = await asyncio.to_thread(load_tokenizer, args, info.model)
         model_name = args.model_name or models.served_name(info.model or self.tokenizer_dir)  # as `serve` names it
-        self.service = build_service(args, self.backend, tokenizer, model_name, ServeMetrics(model_name))
+        registry = metrics.Registry(fleet_metrics.replica_labels(serve.get_replica_context()))
+        self.service = build_service(args, self.backend, tokenizer, model_name, ServeMetrics(model_name, registry))
         self.grpc = GenerateServicer(self.service)
+        # its own port too (Serve's proxy hands each scrape of /metrics to any replica), under the internal token:
+        # the one credential a Prometheus needs for every replica (the client tokens are the API's)
+        access = metrics.MetricsAccess.of(args, self.upstream.tokens[:1])
+        self.announcer = Announcer(ORCHESTRATOR, "", membership, heartbeat_s, serve_replica_metrics(registry, access),
+                                   model_name)
         await self._sync()
         self._syncer = asyncio.ensure_future(self._sync_forever())
 
@@ -357,6 +337,7 @@ class Orchestrator:
     async def __del__(self) -> None:
         if hasattr(self, "_syncer"):  # Serve has drained this replica's requests by now
             self._syncer.cancel()
+            await self.announcer.withdraw()
 
     # ------------------------------------------------------------- replicas
     async def _first_verifier(self, timeout: float):
@@ -457,11 +438,14 @@ def application(args: AppArgs | dict, options: dict[str, dict] | None = None) ->
         return d.options(**{**defaults, **options.get(name, {})})
 
     shutdown = {"graceful_shutdown_timeout_s": args.drain_timeout_s + 10}
-    membership = deployment(Membership, "Membership").bind(3 * args.heartbeat_s)
+    upstream_token_file = parse_options("serve", args.serve, SERVE_OPTIONS).upstream_token_file
+    membership = deployment(Membership, "Membership").bind(
+        3 * args.heartbeat_s, args.heartbeat_s, upstream_token_file and str(upstream_token_file),
+        args.membership_metrics_port, args.metrics_targets_file)
     pools = [deployment(VerifierReplica, "Verifier", **shutdown).bind(args.verifier, membership, args.heartbeat_s,
                                                                        args.drain_timeout_s)]
     if args.drafter is not None:
         pools.append(deployment(DrafterReplica, "Drafter", **shutdown).bind(args.drafter, membership,
                                                                             args.heartbeat_s, args.drain_timeout_s))
     return deployment(Orchestrator, "Orchestrator").bind(args.serve, membership, *pools,
-                                                         grace=3 * args.heartbeat_s)
+                                                         grace=3 * args.heartbeat_s, heartbeat_s=args.heartbeat_s)

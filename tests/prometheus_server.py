@@ -1,6 +1,7 @@
 """A real Prometheus server for tests: Debian's `prometheus` package (2.42 here), started on a free loopback
-port with a temporary config and TSDB, scraping the given targets every second, stopped when the context ends.
-Where the binary is absent (CI may not have it) the test skips, saying how to install it."""
+port with a temporary config and TSDB, scraping the given targets (fixed, or from file_sd files) every second,
+stopped when the context ends. Where the binary is absent (CI may not have it) the test skips, saying how to
+install it."""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ class Prometheus:
         """An instant vector: [{"metric": labels, "value": [time, "value"]}]."""
         return self.api("query", query=expr)["result"]
 
+    def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict]:
+        """A range of ``expr`` (Unix seconds): [{"metric": labels, "values": [[time, "value"], ...]}]."""
+        return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step:g}")["result"]
+
     def names(self) -> set[str]:
         return set(self.api("label/__name__/values"))
 
@@ -60,13 +65,19 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus_server(tmp_path: Path, jobs: Mapping[str, Sequence[str]]) -> Iterator[Prometheus]:
-    """A Prometheus scraping ``jobs`` (job name -> ``host:port`` targets, path /metrics) every second, its
-    TSDB in ``tmp_path``; stopped (terminated, then killed) when the block ends."""
+def prometheus_server(tmp_path: Path, jobs: Mapping[str, Sequence[str]],
+                      file_jobs: Mapping[str, Path] | None = None) -> Iterator[Prometheus]:
+    """A Prometheus scraping ``jobs`` (job name -> ``host:port`` targets, path /metrics) every second, and the
+    targets of ``file_jobs`` (job name -> a file_sd JSON file, re-read when it changes; its labels kept over the
+    scraped ones, ``honor_labels``, as deploy/monitoring/prometheus/prometheus.yml does), its TSDB in
+    ``tmp_path``; stopped (terminated, then killed) when the block ends."""
     binary = prometheus_binary()
     config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
               "scrape_configs": [{"job_name": job, "static_configs": [{"targets": list(targets)}]}
-                                 for job, targets in jobs.items()]}
+                                 for job, targets in jobs.items()]
+              + [{"job_name": job, "honor_labels": True,
+                  "file_sd_configs": [{"files": [str(path)], "refresh_interval": "1s"}]}
+                 for job, path in (file_jobs or {}).items()]}
     config_file = tmp_path / "prometheus.yml"
     config_file.write_text(json.dumps(config))  # JSON is YAML
     port = _free_port()

@@ -206,19 +206,24 @@ def test_rayservice_matches_kuberay_crd():
 
 
 def test_rayservice_pieces_agree():
-    """The head exposes Serve's ports to KubeRay's serve Service; every label selector of a replica matches a
-    worker group's Ray node labels; drafters reach the Redis Service of redis.yaml."""
+    """The head exposes Serve's ports to KubeRay's serve Service, and Membership's metrics port, with Membership
+    placed there; every label selector of a replica matches a group's Ray node labels; drafters reach the Redis
+    Service of redis.yaml."""
     cluster, config = rayservice()["spec"]["rayClusterConfig"], serve_config("kuberay")
     (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert ports["serve"] == config["http_options"]["port"]
     assert ports["serve-grpc"] == config["grpc_options"]["port"]
 
-    groups = [group.get("labels", {}) for group in cluster["workerGroupSpecs"]]
+    groups = [group.get("labels", {}) for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]]
     for name, deployment in deployments(config).items():
         selector = deployment.get("ray_actor_options", {}).get("label_selector")
         if selector:
             assert any(selector.items() <= labels.items() for labels in groups), f"{name}: no group has {selector}"
+    # Membership, on the head only, serves /targets on the head port the Service carries (http_sd_configs)
+    membership = deployments(config)["Membership"]["ray_actor_options"]["label_selector"]
+    assert [g for g in groups if membership.items() <= g.items()] == [groups[0]]
+    assert ports["membership"] == only_app(config)["args"]["membership_metrics_port"]
 
     store = urlparse(check_app_args(only_app(config)["args"])["drafter"].ngram_store)
     (service,) = [d for n, d in k8s_documents() if n == "redis.yaml" and d["kind"] == "Service"]

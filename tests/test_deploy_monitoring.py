@@ -5,8 +5,11 @@
 - grafana/specmesh.json is a Grafana dashboard with the panels an operator needs, every expression is valid
   PromQL (promtool parses each as a recording rule), and every series the dashboard and the alerts name is one the
   code exports: the list comes from the project's own registries, instantiated here, not from a copy.
-- The PrometheusRule holds the groups of alerts.yaml; `kubectl kustomize deploy/monitoring` builds the PodMonitors,
+- The PrometheusRule holds the groups of alerts.yaml; `kubectl kustomize deploy/monitoring` builds the PodMonitor,
   the PrometheusRule and the dashboard's ConfigMap, whose selectors and ports match deploy/k8s/rayservice.yaml.
+- The Prometheus configs of specmesh's Ray Serve replicas pass `promtool check config`: the laptop's reads the
+  targets file deploy/serve_config.yaml has Membership write, with its upstream token; the Kubernetes one reads
+  Membership's /targets on the head port and Service rayservice.yaml gives it, with the token its Secret holds.
 - The PodMonitors and the PrometheusRule match the Prometheus Operator's CRD schemas vendored in deploy/k8s/schemas/
   (unknown fields rejected, as kubectl's strict field validation does), and broken copies do not.
 """
@@ -30,6 +33,8 @@ DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 MONITORING = DEPLOY / "monitoring"
 ALERTS = MONITORING / "prometheus" / "alerts.yaml"
 ALERTS_TEST = MONITORING / "prometheus" / "alerts_test.yaml"
+LAPTOP_PROMETHEUS = MONITORING / "prometheus" / "prometheus.yml"
+KUBERNETES_SCRAPE = MONITORING / "prometheus" / "kubernetes-scrape.yaml"
 DASHBOARD = MONITORING / "grafana" / "specmesh.json"
 PROVISIONING = MONITORING / "grafana" / "provisioning"
 # the Prometheus Operator's CRD schemas (deploy/k8s/schemas/README.md), by the kind of the manifests they check
@@ -54,6 +59,10 @@ REQUIRED_PANELS = ("Draft acceptance rate", "τ: tokens committed per verificati
                    "Acceptance per proposer", "Time to first token", "Inter-token latency",
                    "End-to-end request latency", "Requests running / waiting", "KV cache usage", "Drafter failovers",
                    "Verifier batch size")
+# the Ray Serve pools (issue 74): tests/test_ray_serve.py runs each of their queries against a live application
+POOL_PANELS = ("Replicas per pool", "Autoscaler signals", "KV use per pool", "Queue per pool",
+               "Drafter latency per pool", "Drafter failovers per pool")
+VARIABLES = ("$model_name", "$replica")  # the dashboard's query variables, "All" being .*
 MODEL = "m"
 
 
@@ -71,10 +80,11 @@ def exported_series() -> set[str]:
     their type implies."""
     from drafter_service.metrics import DrafterMetrics
     from orchestrator.metrics import ServeMetrics
+    from specmesh_app.fleet_metrics import AutoscaleMetrics, PoolView
     from verifier_service.metrics import VerifierMetrics
 
     registries = [ServeMetrics(MODEL).registry, VerifierMetrics(list, model_name=MODEL).registry,
-                  DrafterMetrics(sessions=dict, model_name=MODEL).registry]
+                  DrafterMetrics(sessions=dict, model_name=MODEL).registry, AutoscaleMetrics(PoolView).registry]
     names: set[str] = set()
     for registry in registries:
         families = list(registry.collect())
@@ -190,14 +200,45 @@ def test_dashboard_is_a_grafana_dashboard():
         refs = [t["refId"] for t in panel["targets"]]
         assert panel["targets"] and len(refs) == len(set(refs)), panel["title"]
     titles = {p["title"] for p in panels(dash)}
-    assert set(REQUIRED_PANELS) <= titles, set(REQUIRED_PANELS) - titles
+    assert set(REQUIRED_PANELS) | set(POOL_PANELS) <= titles, (set(REQUIRED_PANELS) | set(POOL_PANELS)) - titles
+
+
+def test_dashboard_selects_replicas_and_shows_the_pools():
+    """A `replica` variable (every replica's series on Ray Serve carry the label) narrows every panel's specmesh
+    selectors; the Pools row groups by deployment, each replica-level query of it by replica as well."""
+    dash = dashboard()
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    replica = variables["replica"]
+    assert replica["type"] == "query" and replica["includeAll"] and replica["allValue"] == ".*"
+    assert re.fullmatch(r"label_values\(.*specmesh_.*, replica\)", replica["query"]["query"]), replica["query"]
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    (pools_row,) = [r for r in rows if r["title"].startswith("Pools")]
+    pool_panels = [p for p in panels(dash) if p["gridPos"]["y"] > pools_row["gridPos"]["y"]]
+    assert {p["title"] for p in pool_panels} == set(POOL_PANELS)
+    for panel in panels(dash):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            selectors = re.findall(r"(specmesh_\w+)\{([^}]*)\}", expr)
+            if not selectors:  # Ray Serve's own series (their `replica` is Serve's id too, but not narrowed)
+                assert "specmesh_" not in expr, (panel["title"], expr)
+                continue
+            if panel in pool_panels:
+                grouped = re.findall(r"by \(([^)]*)\)", expr)
+                assert all("deployment" in g or "replica" in g for g in grouped), (panel["title"], expr)
+                narrowed = all('replica=~"$replica"' in labels for _, labels in selectors)
+                assert narrowed == all("replica" in g for g in grouped), (panel["title"], expr)
+            else:
+                assert all('replica=~"$replica"' in labels for _, labels in selectors), (panel["title"], expr)
 
 
 @needs_promtool
 def test_dashboard_expressions_are_promql(tmp_path):
     """Each expression, Grafana's variables filled in, parses as PromQL (promtool checks it as a recording
     rule)."""
-    exprs = [re.sub(r"\$__rate_interval", "1m", e).replace("$model_name", ".*") for e in dashboard_exprs(dashboard())]
+    exprs = [re.sub(r"\$__rate_interval", "1m", e) for e in dashboard_exprs(dashboard())]
+    for variable in VARIABLES:
+        exprs = [e.replace(variable, ".*") for e in exprs]
+    assert not [e for e in exprs if "$" in e], exprs
     rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:expr_{i}", "expr": e}
                                                         for i, e in enumerate(exprs)]}]}
     path = tmp_path / "dashboard_rules.yaml"
@@ -240,6 +281,72 @@ def test_grafana_provisioning_loads_the_dashboard():
     assert source["type"] == "prometheus"
     (provider,) = yaml.safe_load((PROVISIONING / "dashboards" / "specmesh.yaml").read_text())["providers"]
     assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+
+
+# ------------------------------------------------------------------ Prometheus configs (Ray Serve replicas)
+def app_args(config: dict) -> dict:
+    (app,) = config["applications"]
+    return app["args"]
+
+
+def option(options: list[str], name: str) -> str:
+    return options[options.index(name) + 1]
+
+
+@needs_promtool
+def test_prometheus_configs_pass_promtool_check(tmp_path):
+    """The laptop's prometheus.yml, and the Kubernetes scrape configs inside a config of their own (syntax only:
+    their token files exist only where they run)."""
+    done = promtool("check", "config", "--syntax-only", str(LAPTOP_PROMETHEUS))
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({"scrape_configs": yaml.safe_load(KUBERNETES_SCRAPE.read_text())}))
+    done = promtool("check", "config", "--syntax-only", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    config.write_text(config.read_text().replace("http_sd_configs", "http_sd_config"))  # a typo fails the check
+    assert promtool("check", "config", "--syntax-only", str(config)).returncode != 0
+
+
+def test_laptop_prometheus_reads_the_targets_the_serve_config_writes():
+    """Paths in prometheus.yml are its directory's, those of the Serve config the repository root's (where `serve
+    run` starts): the file_sd glob matches the targets file, the token is the upstream one every replica takes."""
+    root = DEPLOY.parent
+    prometheus = yaml.safe_load(LAPTOP_PROMETHEUS.read_text())
+    args = app_args(yaml.safe_load((DEPLOY / "serve_config.yaml").read_text()))
+    (job,) = prometheus["scrape_configs"]
+    assert job["honor_labels"] is True  # the replica's own labels, not exported_replica
+    (discovery,) = job["file_sd_configs"]
+    targets = root / args["metrics_targets_file"]
+    assert any(targets.match(str(LAPTOP_PROMETHEUS.parent.resolve() / pattern)) for pattern in discovery["files"])
+    token = (LAPTOP_PROMETHEUS.parent / job["authorization"]["credentials_file"]).resolve()
+    assert token == (root / option(args["serve"], "--upstream-token-file")).resolve()
+    assert token == (root / option(args["verifier"], "--token-file")).resolve() == \
+        (root / option(args["drafter"], "--token-file")).resolve()
+    assert [(LAPTOP_PROMETHEUS.parent / f).resolve() for f in prometheus["rule_files"]] == [ALERTS.resolve()]
+    ignored = (LAPTOP_PROMETHEUS.parent / ".gitignore").read_text()
+    assert "/targets/" in ignored and targets.parent.name == "targets"  # git never sees a run's targets
+
+
+def test_kubernetes_scrape_config_reads_membership_on_the_head():
+    (rayservice,) = yaml.safe_load_all((DEPLOY / "k8s" / "rayservice.yaml").read_text())
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    args = app_args(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
+    (job,) = yaml.safe_load(KUBERNETES_SCRAPE.read_text())
+    assert job["honor_labels"] is True
+    (discovery,) = job["http_sd_configs"]
+    url = re.fullmatch(r"http://([\w-]+)\.[\w-]+\.svc:(\d+)(/\S*)", discovery["url"])
+    assert url, discovery["url"]
+    assert url.group(1) == rayservice["metadata"]["name"] + "-head-svc"  # the head Service KubeRay makes
+    port = {p["name"]: p["containerPort"] for p in head["ports"]}["membership"]
+    assert int(url.group(2)) == port == args["membership_metrics_port"] and url.group(3) == "/targets"
+    # both read with the upstream token: the Secret the RayService's pods mount, where the Prometheus resource's
+    # `secrets:` puts it
+    (secret,) = {v["secret"]["secretName"] for g in cluster["workerGroupSpecs"]
+                 for v in g["template"]["spec"]["volumes"] if "secret" in v}
+    upstream = Path(option(args["serve"], "--upstream-token-file")).name
+    expected = f"/etc/prometheus/secrets/{secret}/{upstream}"
+    assert job["authorization"]["credentials_file"] == discovery["authorization"]["credentials_file"] == expected
 
 
 # ------------------------------------------------------------------ Kubernetes objects

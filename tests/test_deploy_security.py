@@ -63,16 +63,17 @@ def groups() -> list[dict]:
     """Head and worker groups as {name, labels, template, rayStartParams}."""
     cluster = rayservice()["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]
-    found = [{"name": "head", "labels": {}, "template": head["template"], "params": head["rayStartParams"]}]
+    found = [{"name": "head", "labels": head.get("labels", {}), "template": head["template"],
+              "params": head["rayStartParams"]}]
     found += [{"name": g["groupName"], "labels": g.get("labels", {}), "template": g["template"],
                "params": g.get("rayStartParams", {})} for g in cluster["workerGroupSpecs"]]
     return found
 
 
 def group_of(deployment: dict) -> dict:
-    """The worker group whose Ray node labels the deployment's label_selector asks for."""
+    """The group whose Ray node labels the deployment's label_selector asks for (the head's for Membership)."""
     selector = deployment["ray_actor_options"]["label_selector"]
-    (group,) = [g for g in groups() if g["name"] != "head" and selector.items() <= g["labels"].items()]
+    (group,) = [g for g in groups() if selector.items() <= g["labels"].items()]
     return group
 
 
@@ -154,16 +155,17 @@ def test_every_replica_reserves_memory():
 
 # ------------------------------------------------------------------ Kubernetes placement and mounts
 def test_token_files_are_mounted_where_their_replicas_run():
-    """Each deployment's token paths are files of the Secret mounted in the pods of its worker group, and a
-    group gets no key its replicas do not use."""
+    """Each deployment's token paths are files of the Secret mounted in the pods of its group, and a group gets
+    no key its replicas do not use."""
     options = app_options("kuberay")
     needs = {"Verifier": {options["verifier"].token_file},
              "Drafter": {options["drafter"].token_file},
-             "Orchestrator": {options["serve"].token_file, options["serve"].upstream_token_file}}
+             "Orchestrator": {options["serve"].token_file, options["serve"].upstream_token_file},
+             "Membership": {options["serve"].upstream_token_file}}  # its metrics port takes the upstream token
     used: dict[str, set[str]] = {}
     for name, paths in needs.items():
         group = group_of(deployments("kuberay")[name])
-        mounted = secret_files(group["template"])
+        mounted = secret_files(group["template"], group["template"]["spec"]["containers"][0]["name"])
         for path in paths:
             assert str(path) in mounted, f"{name}: {path} not mounted in {group['name']}"
             used.setdefault(group["name"], set()).add(str(path))

@@ -1,16 +1,20 @@
-"""The Ray Serve application's pure parts, without a cluster: membership, autoscaling policies, option checks."""
+"""The Ray Serve application's pure parts, without a cluster: membership, scrape targets and autoscale gauges,
+autoscaling policies, option checks."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 pytest.importorskip("ray")  # the [ray] extra
 
-from specmesh_app import autoscaling  # noqa: E402
-from specmesh_app.deploy import AppArgs, Roster, ServeCallContext, application, build_app, parse_options  # noqa: E402
+from specmesh_app import autoscaling, fleet_metrics  # noqa: E402
+from specmesh_app.deploy import AppArgs, DraftLoad, ServeCallContext, application, build_app, parse_options  # noqa: E402
+from specmesh_app.membership import Roster  # noqa: E402
 
 
 class Clock:
@@ -37,6 +41,91 @@ def test_roster_forgets_a_replica_silent_for_its_ttl_and_a_withdrawn_one_at_once
     assert roster.members("verifier") == []
     roster.announce("verifier", "a2", "10.0.0.1:6000")  # a restarted replica, on a new port
     assert roster.members("verifier") == ["10.0.0.1:6000"]
+
+
+def test_roster_keeps_what_replicas_announce_for_the_scrape_targets():
+    clock = Clock()
+    roster = Roster(ttl=6.0, clock=clock)
+    roster.announce("verifier", "v1", "10.0.0.1:5000", deployment="Verifier", metrics="10.0.0.1:6000",
+                    model_name="target", signals={"sessions": 3.0, "kv_usage": 0.5})
+    roster.announce("verifier", "v2", "10.0.0.2:5000", deployment="Verifier", metrics="10.0.0.2:6000",
+                    model_name="target", signals={"sessions": 1.0, "kv_usage": 0.25})
+    roster.announce("drafter", "d1", "10.0.0.3:5000", deployment="Drafter", metrics="10.0.0.3:6000",
+                    signals={"draft_busy": 0.5, "draft_latency_ms": 10.0})
+    roster.announce("drafter", "d2", "10.0.0.4:5000", deployment="Drafter", signals={"draft_busy": 0.25,
+                                                                                      "draft_latency_ms": 30.0})
+    roster.announce("orchestrator", "o1", "", deployment="Orchestrator", metrics="10.0.0.5:6000", model_name="served")
+    assert roster.members("verifier") == ["10.0.0.1:5000", "10.0.0.2:5000"]  # the gRPC addresses, as before
+    assert roster.model_name() == "served"  # the orchestrator's name for the model, else a verifier's
+    live = roster.live()
+    document = fleet_metrics.targets(live, "app")
+    assert document == [  # sorted by replica; d2 announced no metrics port
+        {"targets": ["10.0.0.3:6000"], "labels": {"deployment": "Drafter", "replica": "d1", "application": "app"}},
+        {"targets": ["10.0.0.5:6000"], "labels": {"deployment": "Orchestrator", "replica": "o1", "application": "app"}},
+        {"targets": ["10.0.0.1:6000"], "labels": {"deployment": "Verifier", "replica": "v1", "application": "app"}},
+        {"targets": ["10.0.0.2:6000"], "labels": {"deployment": "Verifier", "replica": "v2", "application": "app"}}]
+    # summed as the policies sum them; the latency averaged, as drafter_replicas averages it
+    assert fleet_metrics.pool_signals(live.values()) == {
+        "Verifier": {"sessions": 4.0, "kv_usage": 0.75}, "Drafter": {"draft_busy": 0.75, "draft_latency_ms": 20.0}}
+    clock.now = 7.0
+    roster.announce("verifier", "v1", "10.0.0.1:5000", deployment="Verifier", metrics="10.0.0.1:6000")
+    assert [g["labels"]["replica"] for g in fleet_metrics.targets(roster.live(), "app")] == ["v1"]  # the rest fell silent
+    assert fleet_metrics.pool_signals(roster.live().values()) == {}  # v1 reported nothing this time
+
+
+def test_targets_file_is_replaced_whole(tmp_path):
+    path = tmp_path / "targets" / "specmesh.json"  # its directory made on the way
+    document = [{"targets": ["127.0.0.1:1"], "labels": {"deployment": "Verifier"}}]
+    fleet_metrics.write_targets(path, document)
+    assert json.loads(path.read_text()) == document
+    fleet_metrics.write_targets(path, [])
+    assert json.loads(path.read_text()) == []
+    assert [p.name for p in path.parent.iterdir()] == ["specmesh.json"]  # no temporary left for file_sd's glob
+
+
+def test_autoscale_gauges_read_serves_targets_from_its_instance_details():
+    """replica_counts reads the dict Serve's controller gives (ServeInstanceDetails): the field names it uses are
+    the schema's."""
+    from ray.serve.schema import ApplicationDetails, DeploymentDetails, ReplicaDetails, ServeInstanceDetails
+
+    assert "applications" in ServeInstanceDetails.model_fields and "deployments" in ApplicationDetails.model_fields
+    assert {"target_num_replicas", "replicas"} <= DeploymentDetails.model_fields.keys()
+    assert "state" in ReplicaDetails.model_fields
+    details = {"applications": {
+        "app": {"deployments": {"Verifier": {"target_num_replicas": 3, "replicas": [{"state": "RUNNING"},
+                                                                                  {"state": "STARTING"}]},
+                                "Drafter": {"target_num_replicas": 1, "replicas": [{"state": "RUNNING"}]}}},
+        "other": {"deployments": {"Verifier": {"target_num_replicas": 9, "replicas": []}}}}}
+    counts = fleet_metrics.replica_counts(details, "app")
+    assert counts == {"Verifier": (3, 1), "Drafter": (1, 1)}
+    assert fleet_metrics.replica_counts(details, "gone") == {} == fleet_metrics.replica_counts({}, "app")
+
+    view = fleet_metrics.PoolView("m", {"Verifier": {"sessions": 4.0}}, counts)
+    registry = fleet_metrics.AutoscaleMetrics(lambda: view).registry
+    value = registry.get_sample_value
+    assert value("specmesh_autoscale_signal", {"model_name": "m", "deployment": "Verifier", "signal": "sessions"}) == 4
+    assert value("specmesh_autoscale_target_replicas", {"model_name": "m", "deployment": "Verifier"}) == 3
+    assert value("specmesh_autoscale_running_replicas", {"model_name": "m", "deployment": "Verifier"}) == 1
+    assert value("specmesh_autoscale_target_replicas", {"model_name": "m", "deployment": "Drafter"}) == 1
+    empty = fleet_metrics.AutoscaleMetrics(fleet_metrics.PoolView).registry  # before the first reading
+    assert b"specmesh_autoscale" in generate_latest(empty)  # HELP/TYPE, no sample
+    assert empty.get_sample_value("specmesh_autoscale_target_replicas", {"model_name": "", "deployment": "Verifier"}) \
+        is None
+
+
+def test_drafter_load_gives_each_reader_its_own_window():
+    """Serve's autoscaler and Membership's heartbeat read the same drafter: neither takes the other's drafts."""
+
+    class Servicer:
+        drafts, draft_seconds = 0, 0.0
+
+    servicer, clock = Servicer(), Clock()
+    serve_reads, heartbeat_reads = DraftLoad(servicer, clock), DraftLoad(servicer, clock)
+    clock.now, servicer.drafts, servicer.draft_seconds = 1.0, 10, 0.5  # 10 drafts of 50 ms in one second
+    assert serve_reads.read() == {autoscaling.DRAFT_BUSY: 0.5, autoscaling.DRAFT_LATENCY_MS: 50.0}
+    clock.now = 2.0
+    assert heartbeat_reads.read() == {autoscaling.DRAFT_BUSY: 0.25, autoscaling.DRAFT_LATENCY_MS: 50.0}  # 2 s window
+    assert serve_reads.read() == {autoscaling.DRAFT_BUSY: 0.0}  # nothing drafted since its last read
 
 
 def test_verifier_policy_takes_the_larger_need_of_sessions_and_kv_pool():
@@ -94,6 +183,8 @@ def test_build_app_fails_at_once_on_bad_args():
     with pytest.raises(ValueError, match="--bogus"):
         build_app({"verifier": ["--bogus"]})  # the import path's builder checks the same way
     assert AppArgs().drafter == []  # a drafter pool by default; None = none
+    with pytest.raises(ValueError):
+        application({"membership_metrics_port": 70000})
 
 
 def test_serve_call_context_abort_sets_the_status_the_proxy_sends():

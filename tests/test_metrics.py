@@ -29,6 +29,7 @@ from orchestrator.stats import RequestStats, StepStats
 from specmesh.metrics import (
     Buckets,
     MetricsAccess,
+    Registry,
     add_metrics_argument,
     histogram_family,
     start_metrics_server,
@@ -367,6 +368,43 @@ def test_metrics_endpoint_serves_the_registry_and_refuses_a_port_in_use():
         start_metrics_server(f"127.0.0.1:{port}", CollectorRegistry())
     message = str(exc.value)
     assert f"127.0.0.1:{port}" in message and "\n" not in message
+
+
+def test_registry_labels_every_sample_and_keeps_the_names():
+    """A Ray Serve replica's registry: `replica`, `deployment`, `application` on every sample of every kind of
+    metric (children, custom collectors, histograms), the names and the metrics' own labels unchanged."""
+    labels = {"replica": "r1", "deployment": "Drafter", "application": "app"}
+    plain, labelled = DrafterMetrics(sessions=lambda: {"copy": 1}, model_name=MODEL, proposers=("copy",)), \
+        DrafterMetrics(Registry(labels), sessions=lambda: {"copy": 1}, model_name=MODEL, proposers=("copy",))
+    for metrics in (plain, labelled):
+        metrics.proposed("copy", 4, 0.002)
+    before = {(s.name, tuple(sorted(s.labels.items())), s.value) for f in plain.registry.collect() for s in f.samples}
+    after = {(s.name, tuple(sorted({k: v for k, v in s.labels.items() if k not in labels}.items())), s.value)
+             for f in labelled.registry.collect() for s in f.samples}
+    assert before == after and before
+    samples = [s for f in labelled.registry.collect() for s in f.samples]
+    assert all(labels.items() <= s.labels.items() for s in samples)
+    assert {s.name for s in samples} >= {"specmesh_drafter_proposals_total", "specmesh_drafter_proposal_seconds_bucket",
+                                         "specmesh_drafter_num_sessions"}
+    assert 'replica="r1"' in generate_latest(labelled.registry).decode()
+
+    clashing = Registry({"model_name": "other"})  # a metric's own label is never overwritten
+    ServeMetrics(MODEL, clashing)
+    with pytest.raises(ValueError, match="model_name"):
+        list(clashing.collect())
+
+
+def test_metrics_server_answers_its_extra_routes_under_the_same_token():
+    metrics = ServeMetrics(MODEL)
+    port = start_metrics_server("127.0.0.1:0", metrics.registry, MetricsAccess(("s3cret",)),
+                                {"/targets": lambda: (b'[{"targets": []}]', "application/json")})
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/targets", headers={"Authorization": "Bearer s3cret"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.headers["Content-Type"] == "application/json" and reply.read() == b'[{"targets": []}]'
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/targets", timeout=10)
+    assert refused.value.code == 401
+    assert scrape_status(f"http://127.0.0.1:{port}/metrics", token="s3cret") == 200
 
 
 def scrape_status(url: str, context: ssl.SSLContext | None = None, token: str | None = None) -> int:

@@ -1,6 +1,7 @@
 """Metric names as a Prometheus server stores them (issue 35, items 1 and 2).
 
-- Each process's registry (serve, verifier, drafter), after some activity, exposes the same series in the text
+- Each process's registry (serve, verifier, drafter; Ray Serve's Membership with the autoscale gauges), after some
+  activity, exposes the same series in the text
   0.0.4 format and in OpenMetrics (what a Prometheus server negotiates), with HELP/TYPE for exactly those, no
   colon and no ``_created`` series; together they are the metric tables of docs/observability.md.
 - Labelled children exist at 0 before their first event; every verifier and drafter sample has ``model_name``.
@@ -31,6 +32,7 @@ from orchestrator.metrics import FINISHED_REASONS, ServeMetrics, default_positio
 from orchestrator.stats import StepStats
 from specmesh.metrics import exposition, start_metrics_server
 from specmesh.tree import TokenTree
+from specmesh_app.fleet_metrics import AutoscaleMetrics, PoolView
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.step_loop import StepLoop
 from verifier_service.verifier import LocalVerifier
@@ -100,6 +102,13 @@ def drafter_metrics() -> DrafterMetrics:
     return metrics
 
 
+def autoscale_metrics() -> AutoscaleMetrics:
+    """Membership's gauges over a verifier and a drafter pool, as a Ray Serve application has them."""
+    view = PoolView(MODEL, {"Verifier": {"sessions": 3.0, "kv_usage": 0.25}, "Drafter": {"draft_busy": 0.5}},
+                    {"Verifier": (2, 1), "Drafter": (1, 1), "Orchestrator": (1, 1)})
+    return AutoscaleMetrics(lambda: view)
+
+
 @pytest.fixture(scope="module")
 def registries(runner):
     """process -> registry, after a request, a Verify and a few Proposes."""
@@ -108,13 +117,14 @@ def registries(runner):
         loop.prefill("a", make_prompts(1, seed=2, min_len=20, max_len=20)[0], greedy(4))
         loop.verify("a", TokenTree.empty())
         yield {"serve": serve_metrics().registry, "drafter": drafter_metrics().registry,
-               "verifier": VerifierMetrics(lambda: [loop], model_name=MODEL).registry}
+               "verifier": VerifierMetrics(lambda: [loop], model_name=MODEL).registry,
+               "membership": autoscale_metrics().registry}
     finally:
         loop.close()
 
 
 # ------------------------------------------------------------------ both formats
-@pytest.mark.parametrize("process", ["serve", "verifier", "drafter"])
+@pytest.mark.parametrize("process", ["serve", "verifier", "drafter", "membership"])
 def test_text_and_openmetrics_expose_the_same_series(registries, process):
     registry = registries[process]
     text, openmetrics = generate_latest(registry).decode(), generate_openmetrics(registry).decode()
@@ -216,11 +226,13 @@ def test_a_real_prometheus_stores_the_documented_names(tmp_path):
         assert status == 200
         verifier = VerifierMetrics(lambda: [core.scheduler for core in stack.shared_verifiers()], model_name=served)
         drafter = drafter_metrics()
+        membership = autoscale_metrics()
         jobs = {"http_api": [f"127.0.0.1:{app.port}"],
                 "serve": [f"127.0.0.1:{start_metrics_server('127.0.0.1:0', service.metrics.registry)}"],
                 "serve_text": [f"127.0.0.1:{text_only.server_address[1]}"],
                 "verifier": [f"127.0.0.1:{start_metrics_server('127.0.0.1:0', verifier.registry)}"],
-                "drafter": [f"127.0.0.1:{start_metrics_server('127.0.0.1:0', drafter.registry)}"]}
+                "drafter": [f"127.0.0.1:{start_metrics_server('127.0.0.1:0', drafter.registry)}"],
+                "membership": [f"127.0.0.1:{start_metrics_server('127.0.0.1:0', membership.registry)}"]}
         expected = series_names(documented())
         with prometheus_server(tmp_path, jobs) as prometheus:
             def scraped() -> bool:
@@ -236,7 +248,7 @@ def test_a_real_prometheus_stores_the_documented_names(tmp_path):
 
             # one counter, one name: the HTTP API, the --metrics port (OpenMetrics) and the text format agree
             assert names_of("http_api") == names_of("serve") == names_of("serve_text")
-            assert names_of("drafter") | names_of("serve") == expected
+            assert names_of("drafter") | names_of("serve") | names_of("membership") == expected
             assert not prometheus.query('{__name__=~"specmesh_.+",model_name=""}')  # every series has a model
             reasons = prometheus.query('specmesh_request_success_total{job="http_api"}')
             assert {r["metric"]["finished_reason"] for r in reasons} == set(FINISHED_REASONS)  # before any error

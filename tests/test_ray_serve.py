@@ -2,7 +2,8 @@
 
 One cluster for the module (a Ray start costs seconds). The application serves the bundled demo pair in
 float64, so outputs are compared token for token with plain greedy decoding of the embedded engine in this
-process. Ray's CPUs here are logical: replicas reserve 1 (verifier), 0.5 (drafter), 0.25 (orchestrator)
+process. Its replicas are found and scraped by a real Prometheus (tests/prometheus_server.py, skipped where the
+binary is absent) through the targets file Membership writes. Ray's CPUs here are logical: replicas reserve 1 (verifier), 0.5 (drafter), 0.25 (orchestrator)
 of the 6 declared (two applications at once), on a 2-core
 machine.
 
@@ -12,11 +13,14 @@ machine.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -25,6 +29,7 @@ import torch
 from orchestrator.embedded import EmbeddedStack
 from specmesh.client import Client
 from specmesh.sampling import SamplingParams
+from tests.prometheus_server import prometheus_binary, prometheus_server
 from tests.service_helpers import DRAFT, DRAFT_ARGS, TARGET, TARGET_ARGS, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -77,15 +82,23 @@ def reference(stack, prompt: str, max_new_tokens: int) -> tuple[str, list[int]]:
     return stack.decode(result.token_ids), result.token_ids
 
 
-def main_app(count_file):
-    """The verifier pool scales to the count in ``count_file`` (tests/ray_policies.py), in place."""
-    count_file.write_text("2")
-    autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2, "upscale_delay_s": 0,
-                   "downscale_delay_s": 0, "look_back_period_s": 1.0,
-                   "policy": {"policy_function": "tests.ray_policies:CountFromFile",
-                              "policy_kwargs": {"path": str(count_file)}}}
-    return application({"verifier": VERIFIER_ARGS, "drafter": DRAFTER_ARGS, "serve": SERVE_ARGS},
-                     {"Verifier": {"autoscaling_config": autoscaling}})
+def counted(count_file, initial: int) -> dict:
+    """An autoscaling config holding the pool at the count in ``count_file`` (tests/ray_policies.py), changed in
+    place by writing the file."""
+    count_file.write_text(str(initial))
+    return {"min_replicas": 1, "max_replicas": 2, "initial_replicas": initial, "upscale_delay_s": 0,
+            "downscale_delay_s": 0, "look_back_period_s": 1.0,
+            "policy": {"policy_function": "tests.ray_policies:CountFromFile",
+                       "policy_kwargs": {"path": str(count_file)}}}
+
+
+def main_app(files: dict):
+    """Two verifier replicas and one drafter, each pool scaled to the count in its file; the scrape targets in
+    ``files["targets"]``."""
+    return application({"verifier": VERIFIER_ARGS, "drafter": DRAFTER_ARGS, "serve": SERVE_ARGS,
+                        "metrics_targets_file": str(files["targets"])},
+                       {"Verifier": {"autoscaling_config": counted(files["verifiers"], 2)},
+                        "Drafter": {"autoscaling_config": counted(files["drafters"], 1)}})
 
 
 def replicas() -> dict[str, list[str]]:
@@ -120,10 +133,12 @@ def kill(actor_name: str) -> None:
 
 @pytest.fixture(scope="module")
 def app(cluster, tmp_path_factory):
-    count_file = tmp_path_factory.mktemp("ray") / "verifiers"
-    serve.run(main_app(count_file), name=APP, route_prefix="/")
+    directory = tmp_path_factory.mktemp("ray")
+    files = {"verifiers": directory / "verifiers", "drafters": directory / "drafters",
+             "targets": directory / "targets" / "specmesh.json"}
+    serve.run(main_app(files), name=APP, route_prefix="/")
     assert wait_until(lambda: pool_is("verifier", 2) and pool_is("drafter", 1), 60)
-    yield {**cluster, "verifiers": count_file}
+    yield {**cluster, **files}
     serve.delete(APP)
 
 
@@ -269,21 +284,105 @@ def test_scale_down_drains_the_stopped_replica(app, stack):
     assert wait_until(lambda: pool_is("verifier", 2), 90)
 
 
-def test_verifier_pool_autoscales_up_under_load_and_back_down(cluster, stack):
-    """A test-only autoscaling window: one session per replica as the target, sub-second metrics."""
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "monitoring" / "grafana" / "specmesh.json"
+
+
+def pool_panel_queries() -> dict[str, list[str]]:
+    """The expressions of the dashboard's "Pools" row by panel title, its variables filled in as Grafana's
+    "All" does."""
+    panels, queries, in_pools = json.loads(DASHBOARD.read_text())["panels"], {}, False
+    for panel in panels:
+        if panel["type"] == "row":
+            in_pools = panel["title"].startswith("Pools")
+        elif in_pools:
+            queries[panel["title"]] = [re.sub(r"\$__rate_interval", "30s", re.sub(r"\$(model_name|replica)", ".*",
+                                                                                     t["expr"]))
+                                       for t in panel["targets"]]
+    assert queries, "no Pools row in the dashboard"
+    return queries
+
+
+def replica_ids(deployment: str, app: str = APP) -> set[str]:
+    """Serve's ids of the deployment's replicas, from their actors' names (SERVE_REPLICA::app#deployment#id)."""
+    return {name.rpartition("#")[2] for name in replica_actors(deployment, app)}
+
+
+def number(result: list[dict]) -> float:
+    (sample,) = result
+    return float(sample["value"][1])
+
+
+def test_every_replica_is_scraped_under_its_own_labels(app, tmp_path):
+    """Two verifier and two drafter replicas (and the orchestrator, and Membership), found by a real Prometheus
+    in the file Membership writes: each replica's series under its own `replica` label, the autoscale gauges
+    with Serve's targets, and every query of the dashboard's per-pool panels answering."""
+    prometheus_binary()  # skips without one, before the pool grows
+    app["drafters"].write_text("2")
+    try:
+        assert wait_until(lambda: pool_is("drafter", 2) and pool_is("verifier", 2), 120), pools()
+        with prometheus_server(tmp_path, {}, {"specmesh": app["targets"]}) as prometheus:
+            def all_up() -> bool:
+                up = prometheus.query('up{job="specmesh"}')
+                return len(up) == 6 and all(r["value"][1] == "1" for r in up)
+
+            assert prometheus.wait_for(all_up, 60), (prometheus.query("up"), app["targets"].read_text())
+            # traffic on every replica: the second request starts while the first runs, so it goes to the other,
+            # less loaded, verifier and drafter
+            threads, outcomes = two_streams(app["grpc"], PROMPTS[0], 200)
+            for t in threads:
+                t.join(120)
+            assert all(isinstance(o, list) for o in outcomes.values()), outcomes
+            for deployment, name in (("Verifier", "specmesh_verifier_kv_blocks"),
+                                     ("Drafter", "specmesh_drafter_num_sessions"),
+                                     ("Orchestrator", "specmesh_num_requests_running")):
+                series = prometheus.query(f'{name}{{application="{APP}"}}')
+                assert {r["metric"]["replica"] for r in series} == replica_ids(deployment), (deployment, series)
+                assert {(r["metric"]["deployment"], r["metric"]["model_name"]) for r in series} == {(deployment, "demo")}
+            # every specmesh series names its replica and deployment (the autoscale gauges: the pool they describe)
+            assert not prometheus.query('{__name__=~"specmesh_.+", deployment=""}')
+            assert not prometheus.query('{__name__=~"specmesh_.+", __name__!~"specmesh_autoscale_.+", replica=""}')
+            for deployment in ("Verifier", "Drafter"):
+                assert number(prometheus.query(f'specmesh_autoscale_target_replicas{{deployment="{deployment}"}}')) == 2
+                assert number(prometheus.query(f'specmesh_autoscale_running_replicas{{deployment="{deployment}"}}')) == 2
+
+            def drafted_everywhere() -> bool:  # both drafters' proposals counted, scraped after the traffic
+                rates = prometheus.query('sum by (replica) (increase(specmesh_drafter_proposals_total[1m])) > 0')
+                return len(rates) == 2
+
+            assert prometheus.wait_for(drafted_everywhere, 30), prometheus.query("specmesh_drafter_proposals_total")
+            answers = {(title, query): prometheus.query(query)
+                       for title, queries in pool_panel_queries().items() for query in queries}
+            empty = [key for key, result in answers.items() if not result]
+            assert not empty, f"per-pool queries without data: {empty}"
+            latency = answers[("Drafter latency per pool", pool_panel_queries()["Drafter latency per pool"][0])]
+            assert all(math.isfinite(float(r["value"][1])) for r in latency), latency
+    finally:
+        app["drafters"].write_text("1")  # as the other tests found it
+        assert wait_until(lambda: pool_is("drafter", 1), 120), pools()
+
+
+def test_verifier_pool_autoscales_up_under_load_and_back_down(cluster, stack, tmp_path):
+    """A test-only autoscaling window: one session per replica as the target, sub-second metrics. A real
+    Prometheus (found through the application's targets file) records the scale-up and the scale-down: Serve's
+    target and the verifier replicas it scrapes, with the sessions signal that drove them."""
     name = "scaling"
     autoscaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                    "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
                    "policy": {"policy_function": "specmesh_app.autoscaling:VerifierAutoscaling",
                               "policy_kwargs": {"target_sessions": 1}}}
-    scaling_app = application({"verifier": VERIFIER_ARGS, "drafter": None, "serve": ["--proposer", "prompt_lookup",
-                                                                                  "--tokenizer", TARGET]},
-                            {"Verifier": {"autoscaling_config": autoscaling}})
+    targets = tmp_path / "targets.json"
+    scaling_app = application({"verifier": VERIFIER_ARGS, "drafter": None, "metrics_targets_file": str(targets),
+                               "serve": ["--proposer", "prompt_lookup", "--tokenizer", TARGET]},
+                              {"Verifier": {"autoscaling_config": autoscaling}})
+    prometheus_binary()  # skips without one
     serve.run(scaling_app, name=name, route_prefix="/scaling")
     stop = threading.Event()
     errors: list[Exception] = []
     prompt = PROMPTS[0]
     expected = reference(stack, prompt, 64)[0]
+    pool = f'application="{name}", deployment="Verifier"'
+    target, scraped = f"specmesh_autoscale_target_replicas{{{pool}}}", f"count(specmesh_verifier_kv_blocks{{{pool}}})"
+    sessions = f'specmesh_autoscale_signal{{{pool}, signal="sessions"}}'
 
     def load() -> None:  # bounded: until told to stop, 90 s at most
         deadline = time.monotonic() + 90
@@ -297,19 +396,40 @@ def test_verifier_pool_autoscales_up_under_load_and_back_down(cluster, stack):
                 return
 
     try:
-        started = time.monotonic()
-        threads = [threading.Thread(target=load) for _ in range(3)]
-        for t in threads:
-            t.start()
-        assert wait_until(lambda: pool_is("verifier", 2, name), 60), "no scale-up"
-        scaled_up = time.monotonic() - started
-        stop.set()
-        for t in threads:
-            t.join(120)
-        idle = time.monotonic()
-        assert wait_until(lambda: pool_is("verifier", 1, name), 60), "no scale-down"
-        print(f"autoscaling: 1 -> 2 verifier replicas {scaled_up:.1f} s into the load, 2 -> 1 "
-              f"{time.monotonic() - idle:.1f} s after it stopped")
+        (tmp_path / "prometheus").mkdir()
+        with prometheus_server(tmp_path / "prometheus", {}, {"specmesh": targets}) as prometheus:
+            def recorded(expr: str, value: float) -> bool:
+                result = prometheus.query(expr)
+                return len(result) == 1 and float(result[0]["value"][1]) == value
+
+            assert prometheus.wait_for(lambda: recorded(target, 1) and recorded(scraped, 1), 60), \
+                (prometheus.query(target), prometheus.query(scraped))
+            began = time.time()
+            started = time.monotonic()
+            threads = [threading.Thread(target=load) for _ in range(3)]
+            for t in threads:
+                t.start()
+            assert prometheus.wait_for(lambda: recorded(target, 2) and recorded(scraped, 2), 60), \
+                ("no scale-up in Prometheus", pools(name), prometheus.query(target), prometheus.query(scraped))
+            assert pool_is("verifier", 2, name) or wait_until(lambda: pool_is("verifier", 2, name), 30), pools(name)
+            scaled_up = time.monotonic() - started
+            stop.set()
+            for t in threads:
+                t.join(120)
+            idle = time.monotonic()
+            assert prometheus.wait_for(lambda: recorded(target, 1) and recorded(scraped, 1), 60), \
+                ("no scale-down in Prometheus", pools(name), prometheus.query(target), prometheus.query(scraped))
+            assert wait_until(lambda: pool_is("verifier", 1, name), 30), pools(name)
+            scaled_down = time.monotonic() - idle
+            # the run as Prometheus stored it, one point a second
+            history = {expr: [float(v) for _, v in prometheus.query_range(expr, began - 2, time.time())[0]["values"]]
+                       for expr in (target, scraped, sessions)}
+            print(f"autoscaling: 1 -> 2 verifier replicas {scaled_up:.1f} s into the load, 2 -> 1 "
+                  f"{scaled_down:.1f} s after it stopped; Prometheus: " +
+                  "; ".join(f"{expr}: {' '.join(f'{v:g}' for v in values)}" for expr, values in history.items()))
+            assert max(history[sessions]) >= 2  # the signal the policy scaled on, over one session per replica
+            assert history[target][0] == 1 and max(history[target]) == 2 and history[target][-1] == 1
+            assert history[scraped][0] == 1 and max(history[scraped]) == 2 and history[scraped][-1] == 1
         assert not errors, errors
     finally:
         stop.set()
