@@ -61,11 +61,11 @@ class CoreEngine:
         self.core, self.method = core, method
 
     def stream(self, prompt: Sequence[int], sampling: SamplingParams,
-               result: GenerationResult | None = None) -> Iterator[StepEvent]:
+               result: GenerationResult | None = None, trace=None) -> Iterator[StepEvent]:
         """Yield the request's events; ``result`` is filled in as the stream ends. Closing the iterator early
-        cancels the request."""
+        cancels the request. ``trace``: the request's span (``tracing.request_span``), each step a child of it."""
         output = QueueOutput()
-        request_id = self.core.submit(prompt, sampling, self.method, output)
+        request_id = self.core.submit(prompt, sampling, self.method, output, trace=trace)
         done = False
         try:
             for event in output.events():
@@ -82,9 +82,9 @@ class CoreEngine:
                 result.token_ids, result.finish_reason = output.result.token_ids, output.result.finish_reason
                 result.stats, result.text_limit = output.result.stats, output.result.text_limit
 
-    def generate(self, prompt: Sequence[int], sampling: SamplingParams) -> GenerationResult:
+    def generate(self, prompt: Sequence[int], sampling: SamplingParams, trace=None) -> GenerationResult:
         result = GenerationResult([], "", RequestStats())
-        for event in self.stream(prompt, sampling, result):
+        for event in self.stream(prompt, sampling, result, trace):
             result.events.append(event)
         return result
 
