@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         drafts from what an earlier one taught a learning proposer."""
         name, _, options = method.partition(":")
         opts = dict(kv.split("=") for kv in options.split(",")) if options else {}
-        return stack.engine(None if name == "none" else name, overlap=False, shared=True, fresh=True, **opts)
+        return stack.engine(None if name == "none" else name, overlap=False, fresh=True, **opts)
 
     rows = prompts(args.limit)
     warm = stack.tokenizer.encode(template.render([{"role": "user", "content": "Say hi."}]), add_special_tokens=False)

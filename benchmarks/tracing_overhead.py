@@ -175,7 +175,7 @@ def measure_embedded(sink: SinkProcess, prompts: list[str], requests: int, max_n
     stack = EmbeddedStack.load(demo_model("target"), demo_model("draft"), prefix_caching=False)
     stack.profile_costs = False  # one request at a time: no load to size trees for
     # on the stack's engine core, as `specmesh generate` runs; the defaults: drafting ahead (PEARL)
-    engine = stack.engine(proposer, shared=True, fresh=True)
+    engine = stack.engine(proposer, fresh=True)
     sampling = SamplingParams(max_new_tokens=max_new)
     provider = _sdk_provider(sink, ratio)
     per_step: dict[str, list[float]] = {"on": [], "off": []}

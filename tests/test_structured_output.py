@@ -238,7 +238,14 @@ def test_speculative_sampling_under_a_grammar_has_the_constrained_law(demo_stack
     # prompt lookup finds continuations here (point masses: the ones the grammar rules out are pruned)
     prompt = demo_stack.tokenizer.encode("yes-no\nno-maybe\nmaybe-yes\nyes-")
     law = constrained_law(hf_target, grammar_tokenizer, prompt, 3)
-    engine = demo_stack.engine(name, 6, 3, overlap=False, policy="static", shared=shared, fresh=shared, **opts)
+    if shared:
+        engine = demo_stack.engine(name, 6, 3, overlap=False, policy="static", fresh=True, **opts)
+    else:  # the per-request Engine, built as the stack built it (the static policy, no overlap)
+        from spec_helpers import engine_for
+
+        verifier = LocalVerifier(demo_stack.target_runner, grammar_tokenizer=demo_stack.grammar_tokenizer)
+        engine = engine_for(demo_stack.target_runner, name, 6, 3, draft_runner=demo_stack.draft_runner,
+                            verifier=verifier, grammar_tokenizer=demo_stack.grammar_tokenizer, **opts)
 
     def sample(seed: int):
         return engine.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=3, ignore_eos=True,
