@@ -171,8 +171,11 @@ def measure_embedded(sink: SinkProcess, prompts: list[str], requests: int, max_n
     from specmesh.sampling import SamplingParams
 
     torch.set_num_threads(1)
-    stack = EmbeddedStack.load(demo_model("target"), demo_model("draft"))
-    engine = stack.engine(proposer)  # the defaults: overlapped (PEARL) loop
+    # the on and off requests of a pair share their prompt: each prefills it, as one request alone does
+    stack = EmbeddedStack.load(demo_model("target"), demo_model("draft"), prefix_caching=False)
+    stack.profile_costs = False  # one request at a time: no load to size trees for
+    # on the stack's engine core, as `specmesh generate` runs; the defaults: drafting ahead (PEARL)
+    engine = stack.engine(proposer, fresh=True)
     sampling = SamplingParams(max_new_tokens=max_new)
     provider = _sdk_provider(sink, ratio)
     per_step: dict[str, list[float]] = {"on": [], "off": []}
@@ -182,8 +185,8 @@ def measure_embedded(sink: SinkProcess, prompts: list[str], requests: int, max_n
         _use(provider if mode == "on" else None)
         prompt = stack.tokenizer.encode(prompts[(i // 2) % len(prompts)])
         t0 = time.perf_counter()
-        with tracing.request_span("text_completion", "demo", sampling, len(prompt)):
-            result = engine.generate(prompt, sampling)
+        with tracing.request_span("text_completion", "demo", sampling, len(prompt)) as request:
+            result = engine.generate(prompt, sampling, trace=request)  # the core records each step under it
         if i >= 2:  # the first pair warms up
             per_request[mode].append(time.perf_counter() - t0)
             per_step[mode].append(per_request[mode][-1] / max(1, result.stats.num_steps))

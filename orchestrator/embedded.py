@@ -2,9 +2,9 @@
 
 This is the one place where the embedded wiring is chosen; the gRPC and Ray
 deployments run their requests on the same engine core, over verifier replicas
-(orchestrator/remote_loop.py) and remote drafters. ``CoreEngine`` is the per-request
-engine's ``stream``/``generate`` over the core, what ``EmbeddedStack.engine(shared=True)``
-returns.
+(orchestrator/remote_loop.py) and remote drafters. ``CoreEngine``, what ``EmbeddedStack.engine``
+returns, is ``stream``/``generate`` of one request over the core (the per-request
+``orchestrator.engine.Engine``'s interface; that engine itself runs in no command).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from drafter_service.proposer import make_proposer, proposer_spec
 from orchestrator.arguments import resolve_models
 from orchestrator.core import EngineCore
 from orchestrator.drafter_link import only
-from orchestrator.engine import Engine, GenerationResult, StepEvent
+from orchestrator.engine import GenerationResult, StepEvent
 from orchestrator.policy import DEFAULT_OVERLAP, DEFAULT_POLICY, build_policy, load_aware, resolve_budget
 from orchestrator.requests import Method, QueueOutput, RequestOutput
 from orchestrator.stats import RequestStats
@@ -54,18 +54,19 @@ MAX_METHOD_ENGINES = 64  # methods whose engines (proposer, drafter, policy) the
 
 
 class CoreEngine:
-    """The per-request engine's ``stream``/``generate`` over an EngineCore: for callers that consume one request
-    on their own thread (``specmesh generate``, bench, tests). Many threads may use one at once."""
+    """``stream``/``generate`` of one request over an EngineCore (the per-request Engine's interface): for callers
+    that consume one request on their own thread (``specmesh generate``, bench, tests). Many threads may use one at
+    once."""
 
     def __init__(self, core: EngineCore, method: Method) -> None:
         self.core, self.method = core, method
 
     def stream(self, prompt: Sequence[int], sampling: SamplingParams,
-               result: GenerationResult | None = None) -> Iterator[StepEvent]:
+               result: GenerationResult | None = None, trace=None) -> Iterator[StepEvent]:
         """Yield the request's events; ``result`` is filled in as the stream ends. Closing the iterator early
-        cancels the request."""
+        cancels the request. ``trace``: the request's span (``tracing.request_span``), each step a child of it."""
         output = QueueOutput()
-        request_id = self.core.submit(prompt, sampling, self.method, output)
+        request_id = self.core.submit(prompt, sampling, self.method, output, trace=trace)
         done = False
         try:
             for event in output.events():
@@ -82,9 +83,9 @@ class CoreEngine:
                 result.token_ids, result.finish_reason = output.result.token_ids, output.result.finish_reason
                 result.stats, result.text_limit = output.result.stats, output.result.text_limit
 
-    def generate(self, prompt: Sequence[int], sampling: SamplingParams) -> GenerationResult:
+    def generate(self, prompt: Sequence[int], sampling: SamplingParams, trace=None) -> GenerationResult:
         result = GenerationResult([], "", RequestStats())
-        for event in self.stream(prompt, sampling, result):
+        for event in self.stream(prompt, sampling, result, trace):
             result.events.append(event)
         return result
 
@@ -178,34 +179,42 @@ class EmbeddedStack:
         overlap: bool | None = None,
         policy: str | None = None,
         restart_depth: int | None = None,
-        ahead_from: str = "path",
-        shared: bool = False,
         fresh: bool = False,
         **proposer_opts,
-    ) -> Engine:
-        """An engine with ``proposer`` (None or "none" = plain autoregressive decoding).
-        ``overlap``: PEARL (drafts ahead while verifying); ``policy``: static | adaptive (None: defaults);
-        ``restart_depth``: with overlap and the static policy, the depth of a tree the verifier
-        has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH). ``shared``: run on the stack's
-        engine core (``orchestrator/core.py``), so the requests of all threads using such engines share one step
-        loop and its forwards (a ``CoreEngine``, safe to use from many threads at once; ``overlap`` drafts
-        ahead on the core's drafting thread; ``ahead_from`` applies to the per-request engine only). A method's
-        shared engine is one per stack (``shared_engine``): its proposer serves every request of the method;
-        ``fresh``: a new one, not kept (a benchmark's run: its proposer learns nothing from earlier runs)."""
+    ) -> CoreEngine:
+        """The engine of a method on the stack's engine core (``orchestrator/core.py``): ``proposer`` (None or
+        "none" = plain autoregressive decoding); ``overlap``: PEARL, drafting ahead on the core's drafting thread;
+        ``policy``: static | adaptive (None: defaults); ``restart_depth``: with overlap and the static policy, the
+        depth of a tree the verifier has to wait for (pre-verify; None = DEFAULT_RESTART_DEPTH). The requests of
+        all threads share the core's step loop and its forwards (a ``CoreEngine`` is safe to use from many threads
+        at once). A method's engine is made on first use and kept (the ``MAX_METHOD_ENGINES`` most recently used):
+        one proposer and one drafter for every request of the method, so the core drafts all of a step's requests
+        of it in one ``propose_batch`` (a draft model: one forward per level for all), in `serve` as in `bench
+        --concurrency`. Per-request state lives in the drafter's sessions (by request id) and the request's stats;
+        what a proposer learns across requests (an n-gram store, token recycling's table) it learns from all of
+        them. ``fresh``: a new engine, neither taken from nor kept among them (a benchmark's run: its proposer
+        learns nothing from earlier runs; its load-aware policy still pools its steps with the method's).
+        Thread-safe (serve builds engines off its event loop). The per-request ``orchestrator.engine.Engine`` is
+        not made here: tests build it themselves (``tests/spec_helpers.engine_for``)."""
         proposer = None if proposer in (None, "none", "ar") else proposer
         overlap = DEFAULT_OVERLAP if overlap is None else bool(overlap)
-        if shared:
-            return self.shared_engine(proposer, max_nodes, max_depth, overlap, policy, restart_depth, fresh,
-                                      **proposer_opts)
-        drafter, policy_chosen, topk, lookahead, features = self._speculation(
-            proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
-        # one request at a time: a pool for two sessions at the full context, not the server's budget
-        per_session = self.target_runner.info.max_positions + 1 + MAX_TREE_NODES + (lookahead.rows if lookahead else 0)
-        gb = 2 * per_session * self.target_runner.kv_bytes_per_token / 2**30
-        verifier = LocalVerifier(self.target_runner, MAX_TREE_NODES, topk, lookahead, kv_cache_gb=gb,
-                                 grammar_tokenizer=self.grammar_tokenizer)
-        return Engine(verifier, only(drafter, proposer or ""), policy_chosen, self.decode, overlap=overlap,
-                      ahead_from=ahead_from, features=features)
+        key = (proposer, max_nodes, max_depth, overlap, policy, restart_depth, repr(sorted(proposer_opts.items())))
+        with self._shared_lock:
+            engine = None if fresh else self._engines.pop(key, None)
+            if engine is None:
+                drafter, chosen, topk, lookahead, features = self._speculation(
+                    proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
+                core = self._engine_core()
+                chosen = load_aware(chosen, core.costs, drafting_shares_cores=True, pooled=core.method_steps(key))
+                method = Method(only(drafter, proposer or ""), chosen, features, overlap=overlap,
+                                feedback_topk=topk, lookahead=lookahead)
+                engine = CoreEngine(core, method)
+            if fresh:
+                return engine
+            if len(self._engines) >= MAX_METHOD_ENGINES:  # the least recently used (its requests run on)
+                del self._engines[next(iter(self._engines))]
+            self._engines[key] = engine  # (last: the most recently used)
+            return engine
 
     def _speculation(self, proposer: str | None, max_nodes: int | None, max_depth: int | None, policy: str | None,
                      restart_depth: int | None, proposer_opts: dict):
@@ -234,35 +243,6 @@ class EmbeddedStack:
                              f"(its contexts are at least {min_ngram - 1} tokens), got {lookahead.ngram}")
         return drafter, chosen, topk, lookahead, features
 
-    def shared_engine(self, proposer: str | None, max_nodes: int | None = None, max_depth: int | None = None,
-                      overlap: bool = DEFAULT_OVERLAP, policy: str | None = None, restart_depth: int | None = None,
-                      fresh: bool = False, **proposer_opts) -> CoreEngine:
-        """The method's engine on the stack's engine core, made on first use and kept (the ``MAX_METHOD_ENGINES``
-        most recently used): one proposer and one drafter for every request of the method, so the core drafts
-        all of a step's requests of it in one ``propose_batch`` (a draft model: one forward per level for all),
-        in `serve` as in `bench --concurrency`. Per-request state lives in the drafter's sessions (by request id)
-        and the request's stats; what a proposer learns across requests (an n-gram store, token recycling's
-        table) it learns from all of them. ``fresh``: a new engine, neither taken from nor kept among them (its
-        load-aware policy still pools its steps with the method's). Thread-safe (serve builds engines off its
-        event loop)."""
-        key = (proposer, max_nodes, max_depth, overlap, policy, restart_depth, repr(sorted(proposer_opts.items())))
-        with self._shared_lock:
-            engine = None if fresh else self._engines.pop(key, None)
-            if engine is None:
-                drafter, chosen, topk, lookahead, features = self._speculation(
-                    proposer, max_nodes, max_depth, policy, restart_depth, proposer_opts)
-                core = self._engine_core()
-                chosen = load_aware(chosen, core.costs, drafting_shares_cores=True, pooled=core.method_steps(key))
-                method = Method(only(drafter, proposer or ""), chosen, features, overlap=overlap,
-                                feedback_topk=topk, lookahead=lookahead)
-                engine = CoreEngine(core, method)
-            if fresh:
-                return engine
-            if len(self._engines) >= MAX_METHOD_ENGINES:  # the least recently used (its requests run on)
-                del self._engines[next(iter(self._engines))]
-            self._engines[key] = engine  # (last: the most recently used)
-            return engine
-
     @property
     def max_window_rows(self) -> int:
         """The largest lookahead window a request on the core may ask for: MAX_WINDOW_ROWS, or the stack's
@@ -272,7 +252,7 @@ class EmbeddedStack:
     @property
     def core(self) -> EngineCore:
         """The stack's one engine core (one verifier, one KV pool, one step thread), created on first use: every
-        shared engine submits its requests to it. What requests differ in (proposer, top-k feedback, lookahead
+        engine of the stack submits its requests to it. What requests differ in (proposer, top-k feedback, lookahead
         window, target features, grammar, processors) are per-row options of its batch."""
         with self._shared_lock:
             return self._engine_core()
@@ -321,7 +301,7 @@ WARM_UP_TOKENS = 8
 
 class EmbeddedBackend:
     """`specmesh serve --embedded`: every request runs on the stack's engine core (one thread steps them all, one
-    forward per step) through its method's engine-wide proposer in this process (``EmbeddedStack.shared_engine``:
+    forward per step) through its method's engine-wide proposer in this process (``EmbeddedStack.engine``:
     a method's requests are drafted together; orchestrator.service.Backend; ``submit``: the service consumes the
     request's events on its event loop, no thread per request)."""
 
@@ -355,12 +335,12 @@ class EmbeddedBackend:
         sampling = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
         for name in dict.fromkeys([proposer, None]):  # (one run when the default is plain decoding)
             options = {"store_spec": "memory"} if name is not None else {}
-            self.stack.engine(name, shared=True, fresh=True, **options).generate(prompt, sampling)
+            self.stack.engine(name, fresh=True, **options).generate(prompt, sampling)
         return time.perf_counter() - started
 
     def _engine(self, plan) -> CoreEngine:
         return self.stack.engine(plan.proposer, plan.max_nodes, plan.max_depth, overlap=plan.overlap,
-                                 policy=plan.policy, restart_depth=plan.restart_depth, shared=True)
+                                 policy=plan.policy, restart_depth=plan.restart_depth)
 
     def retryable(self, exc: Exception) -> bool:
         return False  # one verifier: nowhere else to go

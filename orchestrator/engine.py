@@ -1,5 +1,11 @@
 """The per-request speculation loop: prefill -> (propose -> verify -> commit)* -> stop.
 
+No product path runs this engine: `specmesh generate`, `bench`, `serve` and the benchmarks run their requests on
+the engine core (orchestrator/core.py; ``EmbeddedStack.engine`` returns a ``CoreEngine``). It is kept as the tests'
+oracle of greedy equality (``tests/spec_helpers.engine_for``; the tests of its PEARL loop and drafter failover
+still run on it) and as the "before the engine core" comparison of ``benchmarks/engine_overhead.py --engines
+threads``. Its ``StepEvent`` and ``GenerationResult`` are the types the core emits as well.
+
 The engine only sees the Drafter and Verifier interfaces; whether they run in
 this process, behind gRPC or on Ray is decided by whoever builds the engine.
 Plain autoregressive decoding is the same loop with no drafter (empty trees).

@@ -54,7 +54,7 @@ def embedded_engine(stack, spec: MethodSpec):
     """The method's engine on the stack's engine core (a CoreEngine: every request of the level on one core), with
     a fresh proposer (a level's: it learns nothing from the warm-up or the levels before; serve keeps one)."""
     options = {k: v for k, v in spec.options if k != "threshold"}  # the verifier's (mjsd), not the proposer's
-    return stack.engine(None if spec.name == "ar" else spec.name, shared=True, fresh=True, **options)
+    return stack.engine(None if spec.name == "ar" else spec.name, fresh=True, **options)
 
 
 def run_level_on_core(engine, spec: MethodSpec | None, prompts: Sequence[tuple[str, list[int], int]],

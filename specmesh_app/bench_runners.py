@@ -134,7 +134,7 @@ class SpecmeshRunner:
     def __init__(self, stack, spec: MethodSpec) -> None:
         options = {k: v for k, v in spec.options if k != "threshold"}  # the verifier's (mjsd), not the proposer's
         self.spec = spec
-        self.engine = stack.engine(None if spec.name == "ar" else spec.name, shared=True, fresh=True, **options)
+        self.engine = stack.engine(None if spec.name == "ar" else spec.name, fresh=True, **options)
 
     def run(self, prompt: list[int], sampling: SamplingParams) -> RunOutput:
         sampling = asked_sampling(self.spec, sampling)

@@ -288,7 +288,7 @@ def _embedded_runs(args: argparse.Namespace, prompt: str, sampling, proposer: st
         earlier one taught a learning proposer."""
         try:
             return stack.engine(name, args.max_nodes, args.max_depth, overlap=args.overlap, policy=args.policy,
-                                restart_depth=args.restart_depth, shared=True, fresh=True,
+                                restart_depth=args.restart_depth, fresh=True,
                                 **({**options, **extra} if name != "none" else {}))
         except ValueError as exc:
             raise SystemExit(f"specmesh generate: {exc}") from None

@@ -191,9 +191,9 @@ def test_shared_engines_of_one_method_pool_their_steps(demo_stack):
     stack = dataclasses.replace(demo_stack, _core=None, _engines={}, _shared_lock=threading.Lock())
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            same = list(pool.map(lambda _: stack.engine("prompt_lookup_tree", shared=True), range(2)))
-        other = stack.engine("prompt_lookup_tree", max_nodes=4, shared=True)
-        recycling = stack.engine("recycling", shared=True)
+            same = list(pool.map(lambda _: stack.engine("prompt_lookup_tree"), range(2)))
+        other = stack.engine("prompt_lookup_tree", max_nodes=4)
+        recycling = stack.engine("recycling")
         assert same[0] is same[1] and same[0].method.drafters[0][1]() is not other.method.drafters[0][1]()
         pooled = same[0].method.policy.pooled
         assert pooled is not None and pooled is not other.method.policy.pooled

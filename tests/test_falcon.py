@@ -392,10 +392,9 @@ def e2e():
     return target, make_runner(target, "fast")
 
 
-def falcon_pairs(runner, proposer: FalconProposer, warp: str, overlap: bool, on_core: bool) -> tuple[Counter, int]:
-    """(counts of the 2nd and 3rd generated tokens of E2E_SAMPLES seeded samples, draft tokens accepted): on the
-    engine core (``on_core``: ``CORE_IN_FLIGHT`` requests in flight, one head drafting for all, as `serve` runs
-    it) or on the per-request Engine."""
+def falcon_pairs(runner, proposer: FalconProposer, warp: str, overlap: bool) -> tuple[Counter, int]:
+    """(counts of the 2nd and 3rd generated tokens of E2E_SAMPLES seeded samples, draft tokens accepted) on the
+    engine core: ``CORE_IN_FLIGHT`` requests in flight, one head drafting for all, as `serve` runs it."""
     from spec_helpers import results_on_core
 
     from orchestrator.requests import Method
@@ -403,27 +402,21 @@ def falcon_pairs(runner, proposer: FalconProposer, warp: str, overlap: bool, on_
     temperature, top_k, top_p = WARPS[warp]
     jobs = [(E2E_PROMPT, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i, max_new_tokens=4,
                                         ignore_eos=True)) for i in range(E2E_SAMPLES)]
-    if on_core:
-        policy = StaticPolicy(6, 4, restart_depth=0) if overlap else StaticPolicy(6, 4)
-        method = Method(only(LocalDrafter(proposer), "falcon"), policy, features=True, strict=True, overlap=overlap)
-        results = results_on_core(LocalVerifier(runner, features=True), method, jobs)
-    else:
-        engine = _engine(runner, proposer, (6, 4), overlap, restart_depth=0 if overlap else None)
-        results = [engine.generate(prompt, sp) for prompt, sp in jobs]
+    policy = StaticPolicy(6, 4, restart_depth=0) if overlap else StaticPolicy(6, 4)
+    method = Method(only(LocalDrafter(proposer), "falcon"), policy, features=True, strict=True, overlap=overlap)
+    results = results_on_core(LocalVerifier(runner, features=True), method, jobs)
     counts = Counter(tuple(res.token_ids[1:3]) for res in results)
     return counts, sum(s.num_accepted for res in results for s in res.stats.steps)
 
 
-@pytest.mark.parametrize("on_core,overlap,warp", [(True, False, "plain"), (True, True, "plain"),
-                                                  (True, False, "topk_topp"), (True, True, "topk_topp"),
-                                                  (False, True, "topk_topp")],
+@pytest.mark.parametrize("overlap,warp", [(False, "plain"), (True, "plain"), (False, "topk_topp"), (True, "topk_topp")],
                          ids=["core-sequential-plain", "core-pearl-plain", "core-sequential-topk_topp",
-                              "core-pearl-topk_topp", "engine-pearl-topk_topp"])
+                              "core-pearl-topk_topp"])
 @pytest.mark.slow
-def test_falcon_sampling_matches_target_distribution(e2e, on_core, overlap, warp):
+def test_falcon_sampling_matches_target_distribution(e2e, overlap, warp):
     model, runner = e2e
     proposer = FalconProposer(random_head(target_tables(runner).to(torch.float32), k=2, seed=1), samples=2)
-    counts, accepted = falcon_pairs(runner, proposer, warp, overlap, on_core)
+    counts, accepted = falcon_pairs(runner, proposer, warp, overlap)
     assert chisquare_p(counts, exact_pair_law(model, E2E_PROMPT, WARPS[warp])) > P_PASS
     # the tree's sampled nodes were accepted, not all rejected (PEARL with restart depth 0: only trees drafted
     # ahead are verified, used when the sampled bonus token was guessed)
@@ -434,7 +427,7 @@ def test_reduced_vocabulary_falcon_sampling_matches_target_distribution(e2e):
     """Drafting from 5 of the 8 tokens: three tokens always have q = 0, and the output law is still the target's."""
     model, runner = e2e
     head = random_head(target_tables(runner).to(torch.float32), k=2, seed=1, draft_vocab=5)
-    counts, accepted = falcon_pairs(runner, FalconProposer(head, samples=2), "plain", False, on_core=True)
+    counts, accepted = falcon_pairs(runner, FalconProposer(head, samples=2), "plain", False)
     assert chisquare_p(counts, exact_pair_law(model, E2E_PROMPT, WARPS["plain"])) > P_PASS
     assert accepted > 0.05 * E2E_SAMPLES
     outside = set(range(8)) - set(head.vocab_ids.tolist())

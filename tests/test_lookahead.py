@@ -140,14 +140,14 @@ def test_window_ngrams_reach_past_the_committed_text(model_sets, ar_reference):
 
 def test_stack_runs_the_window_the_proposer_asks_for(demo_stack):
     engine = demo_stack.engine("lookahead", window=3, ngram=3)
-    assert engine.verifier.lookahead == LookaheadConfig(3, 3)
-    assert demo_stack.engine("lookahead", window=0).verifier.lookahead is None
+    assert engine.method.lookahead == LookaheadConfig(3, 3)  # the window rows of its requests on the core
+    assert demo_stack.engine("lookahead", window=0).method.lookahead is None
     prompt = demo_stack.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     plain = demo_stack.engine(None).generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
     for overlap in (False, True):
         out = demo_stack.engine("lookahead", overlap=overlap).generate(prompt, SamplingParams(max_new_tokens=40))
         assert out.token_ids == plain
-    assert demo_stack.engine("prompt_lookup").verifier.lookahead is None  # no n-gram learner: no window rows
+    assert demo_stack.engine("prompt_lookup").method.lookahead is None  # no n-gram learner: no window rows
 
 
 def test_the_core_takes_the_stacks_window_however_wide(demo_stack):
@@ -164,7 +164,7 @@ def test_the_core_takes_the_stacks_window_however_wide(demo_stack):
     stack = dataclasses.replace(demo_stack, lookahead=wide, _core=None, _engines={}, _shared_lock=threading.Lock())
     try:
         prompt = stack.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
-        engine = stack.engine("retrieval", shared=True, fresh=True)
+        engine = stack.engine("retrieval", fresh=True)
         assert engine.method.lookahead == wide
         out = engine.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
         assert out == demo_stack.engine(None).generate(prompt, SamplingParams(max_new_tokens=24)).token_ids

@@ -7,7 +7,7 @@ distribution of the first K generated tokens is compared with the exact target j
 a chi-square test. Negative controls (wrong residual, inflated acceptance) must fail the
 same test, so the test has the power to see a broken rule.
 
-End-to-end part: Engine with tiny Llama models, temperature 1 (plus top-k / top-p), the
+End-to-end part: the engine core with tiny Llama models, temperature 1 (plus top-k / top-p), the
 first generated tokens against the exact autoregressive distribution of the same model.
 """
 
@@ -402,7 +402,7 @@ def test_sampling_params_reject_bad_values():
 
 
 # ------------------------------------------------------------- end to end
-# Engine + tiny Llama models (vocab 8), temperature 1 and warped: the two tokens produced by speculation
+# The engine core + tiny Llama models (vocab 8), temperature 1 and warped: the two tokens produced by speculation
 # (2nd and 3rd generated; the 1st comes from the prefill) against the exact autoregressive law
 # and against autoregressive samples of the same engine stack.
 E2E_VOCAB = 8
@@ -445,38 +445,11 @@ def proposer_options(proposer: str | None) -> tuple[str | None, dict]:
     return name or None, {k: int(v) if v.isdigit() else v for k, v in opts.items()}
 
 
-def sample_pairs(target_runner, proposer, draft_runner, warp, n: int, seed0: int,
-                 overlap: bool = False) -> tuple[Counter, float]:
-    """(counts of the 2nd and 3rd generated tokens, acceptance: draft tokens accepted per step, or with
-    ``overlap`` draft tokens accepted from drafted-ahead trees per request)."""
-    from spec_helpers import engine_for
-
-    temperature, top_k, top_p = warp
-    name, opts = proposer_options(proposer)
-    engine = engine_for(target_runner, name, 4, 2, draft_runner=draft_runner, **opts)
-    if overlap:  # PEARL as shipped: restarts verify no tree; trees drafted ahead, reused when the bonus was guessed
-        engine.overlap, engine.policy = True, StaticPolicy(4, 2, restart_depth=0)
-    counts: Counter = Counter()
-    accepted = steps = reused = 0
-    for i in range(n):
-        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + i,
-                            max_new_tokens=4, ignore_eos=True)
-        res = engine.generate(E2E_PROMPT, sp)
-        assert len(res.token_ids) == 4 and res.stats.num_draft_errors == 0
-        counts[tuple(res.token_ids[1:3])] += 1
-        accepted += sum(s.num_accepted for s in res.stats.steps)
-        steps += res.stats.num_steps
-        reused += sum(s.num_accepted for s in res.stats.steps if s.predrafted)
-    if overlap:  # the point of these runs: drafted-ahead trees were verified and (partly) accepted
-        return counts, reused / n
-    return counts, accepted / max(steps, 1)
-
-
 def sample_pairs_on_core(target_runner, proposer, draft_runner, warp, n: int, seed0: int,
                          overlap: bool = False) -> tuple[Counter, float]:
-    """``sample_pairs`` on the engine core: the ``n`` requests run ``spec_helpers.CORE_IN_FLIGHT`` at a time
-    (batched forwards, one drafter serving them all; ``proposer`` None: plain decoding); acceptance = draft tokens
-    accepted per step."""
+    """(counts of the 2nd and 3rd generated tokens of ``n`` seeded samples, acceptance: draft tokens accepted per
+    step) on the engine core: the ``n`` requests run ``spec_helpers.CORE_IN_FLIGHT`` at a time (batched forwards,
+    one drafter serving them all; ``proposer`` None: plain decoding)."""
     from spec_helpers import results_on_core, window_for
 
     from drafter_service.drafter import LocalDrafter
@@ -554,21 +527,6 @@ def test_core_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, wa
                                               seed0=0, overlap=overlap)
     # speculation was really exercised (not all rejected); with overlap most steps restart with no tree
     assert acceptance > (0.005 if overlap else 0.02)
-    assert_same_law_as_autoregressive(counts, ar_pairs(warp), exact_pair_law(model, E2E_PROMPT, WARPS[warp]))
-
-
-# The per-request Engine (its own drafting link and PEARL loop; the structured-output and tracing benchmarks
-# run it): a chain drafted in sequence, and the default mix (trees) drafted ahead under a warp; the two-sample test
-# against the core's autoregressive samples (the same verifier and model; the exact law is the same)
-@pytest.mark.parametrize("proposer,warp,overlap", [("draft_model", "plain", False), ("fused", "topk_topp", True)])
-@pytest.mark.slow
-def test_engine_sampling_matches_autoregressive(e2e_models, ar_pairs, proposer, warp, overlap):
-    model, target_runner, draft_runner = e2e_models
-    counts, acceptance = sample_pairs(target_runner, proposer, draft_runner, WARPS[warp], E2E_SAMPLES, seed0=0,
-                                      overlap=overlap)
-    # speculation was really exercised (not all rejected); with overlap: tokens accepted from reused
-    # drafted-ahead trees per request (a sampled guess of the bonus token is right ~7% of the time here)
-    assert acceptance > (0.02 if overlap else 0.05)
     assert_same_law_as_autoregressive(counts, ar_pairs(warp), exact_pair_law(model, E2E_PROMPT, WARPS[warp]))
 
 

@@ -223,14 +223,13 @@ def constrained_law(model, tokenizer: GrammarTokenizer, prompt, steps: int) -> d
     return law
 
 
-@pytest.mark.parametrize("proposer,shared", [("draft_model_tree", True), ("prompt_lookup_tree", True),
-                                             ("grammar:then=draft_model", True), ("draft_model_tree", False)],
-                         ids=["core-draft_model_tree", "core-prompt_lookup_tree", "core-grammar", "engine-draft_model_tree"])
+@pytest.mark.parametrize("proposer", ["draft_model_tree", "prompt_lookup_tree", "grammar:then=draft_model"],
+                         ids=["core-draft_model_tree", "core-prompt_lookup_tree", "core-grammar"])
 @pytest.mark.slow
 def test_speculative_sampling_under_a_grammar_has_the_constrained_law(demo_stack, grammar_tokenizer, hf_target,
-                                                                     proposer, shared):
-    """On the stack's engine core (``shared``: 16 requests in flight, each with its own grammar state in the batch,
-    as `serve` runs them), and once on the per-request Engine."""
+                                                                     proposer):
+    """On the stack's engine core: 16 requests in flight, each with its own grammar state in the batch, as `serve`
+    runs them."""
     from concurrent.futures import ThreadPoolExecutor
 
     name, _, options = proposer.partition(":")
@@ -238,13 +237,13 @@ def test_speculative_sampling_under_a_grammar_has_the_constrained_law(demo_stack
     # prompt lookup finds continuations here (point masses: the ones the grammar rules out are pruned)
     prompt = demo_stack.tokenizer.encode("yes-no\nno-maybe\nmaybe-yes\nyes-")
     law = constrained_law(hf_target, grammar_tokenizer, prompt, 3)
-    engine = demo_stack.engine(name, 6, 3, overlap=False, policy="static", shared=shared, fresh=shared, **opts)
+    engine = demo_stack.engine(name, 6, 3, overlap=False, policy="static", fresh=True, **opts)
 
     def sample(seed: int):
         return engine.generate(prompt, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=3, ignore_eos=True,
                                                       grammar=CHOICE))
 
-    with ThreadPoolExecutor(16 if shared else 1) as pool:
+    with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(sample, range(1200)))
     counts = Counter(tuple(res.token_ids[:3]) for res in results)
     assert sum(s.num_accepted for res in results for s in res.stats.steps) > 0
