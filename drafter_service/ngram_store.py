@@ -215,6 +215,7 @@ class RedisNGramStore:
         self.batch = batch  # script calls per pipeline round trip
         self._update = client.register_script(_UPDATE)
         self._config_checked = False
+        self.url: str | None = None  # the Redis URL it was opened from (``from_url``), if any
 
     @classmethod
     def from_url(cls, url: str, config: StoreConfig | None = None, namespace: str = "default",
@@ -222,7 +223,9 @@ class RedisNGramStore:
         import redis
 
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        return cls(client, config, namespace)
+        store = cls(client, config, namespace)
+        store.url = url  # for what opens its own connections to the same Redis (the suffix proposer's fleet log)
+        return store
 
     def key(self, context: Sequence[int]) -> str:
         return f"specmesh:{self.namespace}:ng:{{{pack(context).hex()}}}"

@@ -131,10 +131,14 @@ class SuffixProposer(Proposer):
                 "fleet_received": fleet.received if fleet else 0, "fleet_dropped": fleet.dropped if fleet else 0}
 
 
-def suffix_proposer(store_spec: str | None = None, store_namespace: str = "default", **given) -> SuffixProposer:
-    """``store_spec``: the host's n-gram store; a Redis one carries the fleet's stream of outputs too (``fleet=0``:
-    not), so every replica's global index learns from every replica's outputs (``drafter_service/suffix_log.py``).
-    """
+def suffix_proposer(store_spec: str | None = None, store_namespace: str = "default", store=None,
+                    **given) -> SuffixProposer:
+    """``store_spec``: the host's n-gram store (``store``: one the host opened, as a drafter replica shares its
+    ``--ngram-store``); a Redis one carries the fleet's stream of outputs too (``fleet=0``: not), so every
+    replica's global index learns from every replica's outputs (``drafter_service/suffix_log.py``)."""
+    if store_spec is None and store is not None:  # the Redis it was opened from (a fallback store's primary)
+        store_spec = getattr(getattr(store, "primary", store), "url", None)
+        store_namespace = store.namespace
     warm_up()  # no request waits for numba's compiler (once per process; ~50 ms from its cache)
     opts = proposer_options(given, OPTIONS, "suffix")
     fleet = str(opts.pop("fleet", 1)).lower() not in ("0", "false", "no", "off")

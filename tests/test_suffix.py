@@ -18,6 +18,7 @@ from redis_helpers import RedisServer
 from service_helpers import wait_until
 from spec_helpers import engine_for, greedy, make_prompts
 
+from drafter_service.ngram_store import open_store
 from drafter_service.proposer import DraftSessionState, make_proposer
 from drafter_service.suffix import SuffixProposer
 from drafter_service.suffix_index import SuffixIndex
@@ -181,11 +182,14 @@ def _serve_one(proposer, prompt, output) -> None:
 
 def test_replicas_share_their_outputs_through_the_fleet_log_and_survive_its_loss():
     """Two replicas' proposers on one Redis: what A wrote, B drafts from within a second (and not A's own twice); a
-    third started later replays the log; with Redis gone each keeps serving from its own index."""
+    third started later replays the log; with Redis gone each keeps serving from its own index. B is built as a
+    drafter replica builds it (from the ``--ngram-store`` it opened), A as the embedded stack does (from the spec):
+    a replica once had no fleet log at all (its resources name ``store``, which the factory ignored)."""
     server = RedisServer()
     replicas = []
     try:
-        a, b = (make_proposer("suffix", store_spec=server.url, store_namespace="tok-1") for _ in range(2))
+        a = make_proposer("suffix", store_spec=server.url, store_namespace="tok-1")  # embedded: the store's spec
+        b = make_proposer("suffix", store=open_store(server.url, "tok-1"))  # a drafter replica: its opened store
         other_model = make_proposer("suffix", store_spec=server.url, store_namespace="tok-2")
         replicas += [a, b, other_model]
         output = [40, 41, 42, 43, 44, 45, 46, 47]
@@ -241,6 +245,7 @@ def test_a_built_proposer_has_compiled_everything_a_request_runs():
 import numpy as np
 from numba.core.registry import CPUDispatcher
 import drafter_service.suffix_index as m
+from drafter_service.ngram_store import open_store
 from drafter_service.proposer import DraftSessionState, make_proposer
 from specmesh.contract import Budget
 from specmesh.sampling import SamplingParams
