@@ -54,22 +54,14 @@ def parse_args() -> argparse.Namespace:
 def encode_prompts(args) -> list[tuple[str, list[int]]]:
     from specmesh.chat import ChatTemplate
     from specmesh.models import load_tokenizer
-    from specmesh_app.bench import chat_messages
+    from specmesh_app.bench import prompt_ids
 
     tokenizer = load_tokenizer(args.target)
     template = None if args.raw else ChatTemplate.load(args.target)
     if template is None and not args.raw:
         raise SystemExit(f"{args.target} has no chat template (pass --raw)")
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.limit]
-    out = []
-    for row in rows:
-        if template is None:
-            ids = tokenizer.encode(row["prompt"])
-        else:
-            ids = tokenizer.encode(template.render(chat_messages(row), add_generation_prompt=True),
-                                   add_special_tokens=False)
-        out.append((row["id"], ids))
-    return out
+    return [(row["id"], prompt_ids(tokenizer, template, row)) for row in rows]
 
 
 def run_layout(args, replicas: int, prompts: list[tuple[str, list[int]]]) -> dict:

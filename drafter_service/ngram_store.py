@@ -206,7 +206,7 @@ class RedisNGramStore:
     """The store in Redis (redis-py); ``client``: a ``redis.Redis`` with ``decode_responses=False``."""
 
     def __init__(self, client, config: StoreConfig | None = None, namespace: str = "default",
-                 batch: int = 512) -> None:
+                 batch: int = 512, url: str | None = None) -> None:
         if "{" in namespace or "}" in namespace:
             raise ValueError("the namespace may not contain braces (they mark Redis Cluster hash tags)")
         self.client = client
@@ -215,7 +215,8 @@ class RedisNGramStore:
         self.batch = batch  # script calls per pipeline round trip
         self._update = client.register_script(_UPDATE)
         self._config_checked = False
-        self.url: str | None = None  # the Redis URL it was opened from (``from_url``), if any
+        self.url = url  # the Redis URL it was opened from, if any: for what opens its own connections to it (the
+        # suffix proposer's fleet log)
 
     @classmethod
     def from_url(cls, url: str, config: StoreConfig | None = None, namespace: str = "default",
@@ -223,9 +224,7 @@ class RedisNGramStore:
         import redis
 
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        store = cls(client, config, namespace)
-        store.url = url  # for what opens its own connections to the same Redis (the suffix proposer's fleet log)
-        return store
+        return cls(client, config, namespace, url=url)
 
     def key(self, context: Sequence[int]) -> str:
         return f"specmesh:{self.namespace}:ng:{{{pack(context).hex()}}}"

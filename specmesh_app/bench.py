@@ -416,6 +416,14 @@ def chat_messages(row: dict) -> list[dict]:
     return row.get("messages") or [{"role": "user", "content": row["prompt"]}]
 
 
+def prompt_ids(tokenizer, template, row: dict) -> list[int]:
+    """A prompt row's token ids: its ``prompt`` as raw text (``template`` None), else ``chat_messages(row)`` rendered
+    by ``template`` (the rendered text holds its special tokens)."""
+    if template is None:
+        return tokenizer.encode(row["prompt"])
+    return tokenizer.encode(template.render(chat_messages(row), add_generation_prompt=True), add_special_tokens=False)
+
+
 def run_bench(args: argparse.Namespace) -> dict:
     from orchestrator.arguments import resolve_models
     from orchestrator.embedded import load_stack
@@ -483,11 +491,7 @@ def _bench_loop(args, specs, stack, make_runners, rows, base, target_dir, draft_
     template = _chat_template(args, target_dir)
     prompts = []
     for row in rows:
-        if template is None:
-            ids = stack.tokenizer.encode(row["prompt"])
-        else:  # the rendered template holds its special tokens
-            text = template.render(chat_messages(row), add_generation_prompt=True)
-            ids = stack.tokenizer.encode(text, add_special_tokens=False)
+        ids = prompt_ids(stack.tokenizer, template, row)
         max_new = args.max_new_tokens or int(row.get("max_new_tokens", 128))
         if len(ids) + max_new + 1 > stack.target_runner.info.max_positions:
             print(f"skipping {row['id']}: {len(ids)} prompt tokens + {max_new} do not fit the context", file=sys.stderr)
